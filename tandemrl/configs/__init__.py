@@ -1,0 +1,37 @@
+"""Structured configs (dataclasses) and their YAML/CLI loader."""
+
+from tandemrl.configs.data import DatasetConfig
+from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
+from tandemrl.configs.experiment import BaseExperimentConfig, GRPOConfig, PPOConfig, SFTConfig
+from tandemrl.configs.ppo import PPOActorConfig
+from tandemrl.configs.rollout import GenerationHyperparameters, InferenceEngineConfig
+from tandemrl.configs.utils import (
+    ClusterConfig,
+    EvaluatorConfig,
+    RecoverConfig,
+    SaverConfig,
+    StatsLoggerConfig,
+    TensorBoardConfig,
+    WandBConfig,
+)
+
+__all__ = [
+    "BaseExperimentConfig",
+    "ClusterConfig",
+    "DatasetConfig",
+    "EvaluatorConfig",
+    "GRPOConfig",
+    "GenerationHyperparameters",
+    "InferenceEngineConfig",
+    "MicroBatchSpec",
+    "OptimizerConfig",
+    "PPOActorConfig",
+    "PPOConfig",
+    "RecoverConfig",
+    "SFTConfig",
+    "SaverConfig",
+    "StatsLoggerConfig",
+    "TensorBoardConfig",
+    "TrainEngineConfig",
+    "WandBConfig",
+]

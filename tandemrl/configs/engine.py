@@ -1,0 +1,63 @@
+"""Configs of a training engine: the model it holds and how it is optimized."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW plus a learning-rate schedule."""
+
+    type: str = field(default="adamw", metadata={"help": "Optimizer; only 'adamw' is built in.", "choices": ["adamw"]})
+    lr: float = field(default=1e-5, metadata={"help": "Peak learning rate."})
+    weight_decay: float = field(default=0.0, metadata={"help": "Decoupled weight decay."})
+    beta1: float = field(default=0.9, metadata={"help": "Adam beta1."})
+    beta2: float = field(default=0.999, metadata={"help": "Adam beta2."})
+    eps: float = field(default=1e-8, metadata={"help": "Adam epsilon."})
+    min_lr_ratio: float = field(default=0.0, metadata={"help": "Final lr as a fraction of lr (linear/cosine)."})
+    lr_scheduler_type: str = field(
+        default="constant",
+        metadata={"help": "Schedule after warmup.", "choices": ["constant", "linear", "cosine"]},
+    )
+    warmup_steps_proportion: float = field(
+        default=0.0, metadata={"help": "Fraction of total steps spent in linear warmup from 0."}
+    )
+    gradient_clipping: float = field(default=1.0, metadata={"help": "Max global grad norm; <= 0 disables clipping."})
+
+
+@dataclass
+class MicroBatchSpec:
+    """How a batch is split into micro-batches for forward/backward."""
+
+    n_mbs: int = field(default=1, metadata={"help": "Minimum number of micro-batches."})
+    max_tokens_per_mb: int | None = field(
+        default=None, metadata={"help": "Token budget per micro-batch; more micro-batches are made to respect it."}
+    )
+
+
+@dataclass
+class TrainEngineConfig:
+    """One model trained by one engine (actor, critic, reference, or SFT model)."""
+
+    path: str = field(default="", metadata={"help": "HF model directory (or hub id) to load weights and config from."})
+    tokenizer_path: str = field(default="", metadata={"help": "Tokenizer directory; empty means `path`."})
+    init_from_scratch: bool = field(default=False, metadata={"help": "Random init from the HF config at `path`."})
+    dtype: str = field(
+        default="float32", metadata={"help": "Parameter dtype.", "choices": ["float32", "bfloat16", "float16"]}
+    )
+    mixed_precision: str | None = field(
+        default=None,
+        metadata={"help": "Compute dtype under FSDP MixedPrecisionPolicy (e.g. bfloat16); None computes in `dtype`."},
+    )
+    attn_impl: str = field(default="sdpa", metadata={"help": "HF attention implementation.", "choices": ["sdpa", "eager"]})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward."})
+    mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
+    optimizer: OptimizerConfig | None = field(
+        default_factory=OptimizerConfig, metadata={"help": "None builds a forward-only engine (e.g. a reference model)."}
+    )
+    pad_to_multiple_of: int = field(default=1, metadata={"help": "Pad each packed micro-batch length to a multiple."})
+    seed: int = field(default=1, metadata={"help": "Seed for random init and dropout."})
+    backend: str = field(
+        default="", metadata={"help": "Extra backend options as a string (e.g. a DeepSpeed JSON path); backend-specific."}
+    )

@@ -1,0 +1,62 @@
+"""Root configs of the shipped experiments; each component reads only its own sub-config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandemrl.configs.data import DatasetConfig
+from tandemrl.configs.engine import TrainEngineConfig
+from tandemrl.configs.ppo import PPOActorConfig
+from tandemrl.configs.rollout import GenerationHyperparameters, InferenceEngineConfig
+from tandemrl.configs.utils import (
+    ClusterConfig,
+    EvaluatorConfig,
+    RecoverConfig,
+    SaverConfig,
+    StatsLoggerConfig,
+)
+
+
+@dataclass
+class BaseExperimentConfig:
+    """Fields every experiment has."""
+
+    experiment_name: str = field(default="tandemrl", metadata={"help": "Groups trials; names output folders."})
+    trial_name: str = field(default="trial0", metadata={"help": "One run of an experiment."})
+    allocation_mode: str = field(default="fsdp:d2", metadata={"help": "Devices and parallelism, e.g. vllm:d1+fsdp:d1."})
+    seed: int = field(default=1, metadata={"help": "Global seed."})
+    total_train_epochs: int = field(default=1, metadata={"help": "Epochs over the train set."})
+    total_train_steps: int | None = field(default=None, metadata={"help": "Stop after this many steps if set."})
+    tokenizer_path: str = field(default="", metadata={"help": "Tokenizer directory; empty uses the model's."})
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    train_dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    valid_dataset: DatasetConfig | None = field(default=None)
+    saver: SaverConfig = field(default_factory=SaverConfig)
+    recover: RecoverConfig = field(default_factory=RecoverConfig)
+    evaluator: EvaluatorConfig = field(default_factory=EvaluatorConfig)
+    stats_logger: StatsLoggerConfig = field(default_factory=StatsLoggerConfig)
+
+
+@dataclass
+class SFTConfig(BaseExperimentConfig):
+    """Supervised fine-tuning."""
+
+    model: TrainEngineConfig = field(default_factory=TrainEngineConfig)
+
+
+@dataclass
+class GRPOConfig(BaseExperimentConfig):
+    """GRPO and its critic-free variants."""
+
+    async_training: bool = field(default=True, metadata={"help": "Overlap rollout and training (prepare_batch)."})
+    gconfig: GenerationHyperparameters = field(default_factory=GenerationHyperparameters)
+    rollout: InferenceEngineConfig = field(default_factory=InferenceEngineConfig)
+    actor: PPOActorConfig = field(default_factory=PPOActorConfig)
+    ref: PPOActorConfig | None = field(default=None)
+
+
+@dataclass
+class PPOConfig(GRPOConfig):
+    """PPO with a learned critic."""
+
+    critic: PPOActorConfig = field(default_factory=PPOActorConfig)

@@ -1,0 +1,52 @@
+"""Configs of the rollout side: sampling parameters and the inference client."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+
+@dataclass
+class GenerationHyperparameters:
+    """Sampling parameters of one generation request."""
+
+    n_samples: int = field(default=1, metadata={"help": "Samples generated per prompt."})
+    max_new_tokens: int = field(default=256, metadata={"help": "Maximum generated tokens."})
+    min_new_tokens: int = field(default=0, metadata={"help": "Minimum generated tokens before a stop is allowed."})
+    greedy: bool = field(default=False, metadata={"help": "Argmax decoding (ignores temperature/top_p/top_k)."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass."})
+    top_k: int = field(default=-1, metadata={"help": "Top-k sampling; -1 disables."})
+    stop_token_ids: list[int] = field(default_factory=list, metadata={"help": "Extra token ids that end generation."})
+    stop: list[str] | None = field(default=None, metadata={"help": "Strings that end generation."})
+    frequency_penalty: float = field(default=0.0, metadata={"help": "Penalty on repeated tokens."})
+
+    def new(self, **changes: Any) -> GenerationHyperparameters:
+        """A copy with some fields changed (e.g. ``gconfig.new(greedy=True)``)."""
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class InferenceEngineConfig:
+    """The client of remote inference servers and its rollout executor."""
+
+    experiment_name: str = field(default="${experiment_name}", metadata={"help": "Filled from the root config."})
+    trial_name: str = field(default="${trial_name}", metadata={"help": "Filled from the root config."})
+    max_concurrent_rollouts: int | None = field(
+        default=None, metadata={"help": "Workflows running at once; None means consumer_batch_size."}
+    )
+    queue_size: int | None = field(default=None, metadata={"help": "Input/output queue size; None picks a default."})
+    consumer_batch_size: int = field(default=1, metadata={"help": "Trajectories the trainer consumes per step."})
+    max_head_offpolicyness: int = field(
+        default=0, metadata={"help": "Max versions a sample may lag the trainer; 0 is synchronous RL."}
+    )
+    enable_rollout_tracing: bool = field(default=False, metadata={"help": "Log each rollout's lifecycle."})
+    request_timeout: float = field(default=3600.0, metadata={"help": "Seconds before a generation request fails."})
+    request_retries: int = field(default=3, metadata={"help": "Retries (with failover) per request."})
+    setup_timeout: float = field(default=300.0, metadata={"help": "Seconds to wait for servers to become healthy."})
+    server_addrs: list[str] = field(
+        default_factory=list, metadata={"help": "host:port of servers; empty reads the launcher's environment."}
+    )

@@ -1,0 +1,84 @@
+"""Configs of the run-level utilities: saving, evaluation, recovery, logging."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class FreqConfig:
+    """When a periodic action fires; any condition that is set triggers it."""
+
+    freq_epochs: int | None = field(default=None, metadata={"help": "Every N epochs."})
+    freq_steps: int | None = field(default=None, metadata={"help": "Every N global steps."})
+    freq_secs: int | None = field(default=None, metadata={"help": "Every N seconds of wall time."})
+
+
+@dataclass
+class SaverConfig(FreqConfig):
+    """HF-format checkpoints written during training."""
+
+    experiment_name: str = field(default="${experiment_name}", metadata={"help": "Filled from the root config."})
+    trial_name: str = field(default="${trial_name}", metadata={"help": "Filled from the root config."})
+    fileroot: str = field(default="${cluster.fileroot}", metadata={"help": "Root directory of run outputs."})
+
+
+@dataclass
+class RecoverConfig(FreqConfig):
+    """Recoverable (model + optimizer + dataloader) checkpoints for resuming a crashed run."""
+
+    mode: str = field(
+        default="disabled",
+        metadata={"help": "disabled: never; auto: resume if a checkpoint exists.", "choices": ["disabled", "auto"]},
+    )
+    experiment_name: str = field(default="${experiment_name}", metadata={"help": "Filled from the root config."})
+    trial_name: str = field(default="${trial_name}", metadata={"help": "Filled from the root config."})
+    fileroot: str = field(default="${cluster.fileroot}", metadata={"help": "Root directory of run outputs."})
+
+
+@dataclass
+class EvaluatorConfig(FreqConfig):
+    """Periodic evaluation on the validation set."""
+
+    experiment_name: str = field(default="${experiment_name}", metadata={"help": "Filled from the root config."})
+    trial_name: str = field(default="${trial_name}", metadata={"help": "Filled from the root config."})
+    fileroot: str = field(default="${cluster.fileroot}", metadata={"help": "Root directory of run outputs."})
+
+
+@dataclass
+class WandBConfig:
+    """Weights & Biases logging."""
+
+    mode: str = field(default="disabled", metadata={"help": "online, offline or disabled.", "choices": ["online", "offline", "disabled"]})
+    project: str | None = field(default=None, metadata={"help": "Project; None uses experiment_name."})
+    entity: str | None = field(default=None, metadata={"help": "Team or user."})
+    name: str | None = field(default=None, metadata={"help": "Run name; None uses trial_name."})
+    tags: list[str] | None = field(default=None, metadata={"help": "Run tags."})
+
+
+@dataclass
+class TensorBoardConfig:
+    """TensorBoard event files."""
+
+    path: str | None = field(default=None, metadata={"help": "Log directory; None disables TensorBoard."})
+
+
+@dataclass
+class StatsLoggerConfig:
+    """Where committed statistics go (rank 0 only)."""
+
+    experiment_name: str = field(default="${experiment_name}", metadata={"help": "Filled from the root config."})
+    trial_name: str = field(default="${trial_name}", metadata={"help": "Filled from the root config."})
+    fileroot: str = field(default="${cluster.fileroot}", metadata={"help": "Root directory of run outputs."})
+    wandb: WandBConfig = field(default_factory=WandBConfig)
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
+    console: bool = field(default=True, metadata={"help": "Print a table of statistics at each commit."})
+
+
+@dataclass
+class ClusterConfig:
+    """Where outputs go and how processes find each other."""
+
+    fileroot: str = field(default="./runs", metadata={"help": "Root directory of all run outputs."})
+    n_nodes: int = field(default=1, metadata={"help": "Number of nodes."})
+    n_gpus_per_node: int = field(default=2, metadata={"help": "Devices (GPUs, or CPU processes here) per node."})

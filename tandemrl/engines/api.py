@@ -1,0 +1,104 @@
+"""The backend-agnostic training-engine contract every backend implements.
+
+Algorithms (``PPOActor``, ``LMEngine``, ...) are written only against this class, so
+they run unchanged on FSDP2, Megatron-core and DeepSpeed.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from tandemrl.engines.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta, TensorDict
+
+# loss_fn(logits [T, V] of a packed micro-batch, the micro-batch) -> scalar loss
+LossFn = Callable[[torch.Tensor, TensorDict], torch.Tensor]
+# loss_weight_fn(micro-batch) -> weight of its loss (e.g. its number of loss tokens)
+LossWeightFn = Callable[[TensorDict], torch.Tensor | float | int]
+# post_hook(logits [T, V], micro-batch) -> per-token result [T, ...]
+PostHook = Callable[[torch.Tensor, TensorDict], torch.Tensor]
+
+
+class TrainEngine(ABC):
+    """One model trained SPMD across ranks; every method is called on every rank."""
+
+    @abstractmethod
+    def create_process_group(self, parallel_strategy: ParallelStrategy | None = None) -> None:
+        """Initialise torch.distributed (if needed) and this engine's parallel groups."""
+
+    @abstractmethod
+    def initialize(self, addr: str | None, ft_spec: FinetuneSpec | None) -> None:
+        """Build the model, load weights, build optimizer and LR schedule."""
+
+    @abstractmethod
+    def destroy(self) -> None:
+        """Release the model, optimizer and process groups this engine created."""
+
+    @abstractmethod
+    def train(self, mode: bool = True) -> TrainEngine:
+        """Put the model in training mode (eval() is train(False))."""
+
+    def eval(self) -> TrainEngine:
+        return self.train(False)
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """Device of this rank's computation."""
+
+    @property
+    @abstractmethod
+    def data_parallel_group(self) -> dist.ProcessGroup | None:
+        """Group across which batches are split and statistics reduced."""
+
+    @property
+    @abstractmethod
+    def data_parallel_rank(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def data_parallel_world_size(self) -> int: ...
+
+    @abstractmethod
+    def is_data_parallel_head(self) -> bool:
+        """True on the one rank per DP replica that talks to the rollout side."""
+
+    @abstractmethod
+    def train_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
+        """One optimizer step on this rank's share of a padded batch; returns step stats."""
+
+    @abstractmethod
+    def eval_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> torch.Tensor:
+        """Loss over the batch (weighted across micro-batches and DP ranks), no update."""
+
+    @abstractmethod
+    def forward(
+        self,
+        batch: TensorDict,
+        output_seqlens: list[int] | None = None,
+        post_hook: PostHook | None = None,
+        aggregate_fn: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Per-token outputs of the model (``post_hook`` applied) in the padded layout."""
+
+    @abstractmethod
+    def step_lr_scheduler(self) -> None: ...
+
+    @abstractmethod
+    def save(self, meta: SaveLoadMeta) -> None: ...
+
+    @abstractmethod
+    def load(self, meta: SaveLoadMeta) -> None: ...
+
+    @abstractmethod
+    def set_version(self, version: int) -> None: ...
+
+    @abstractmethod
+    def get_version(self) -> int: ...
+
+    @abstractmethod
+    def export_stats(self) -> dict[str, float]:
+        """Statistics recorded since the last export, reduced over the DP group."""

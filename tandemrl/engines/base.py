@@ -1,0 +1,278 @@
+"""Logic shared by every training backend: micro-batching, packing, loss weighting,
+optimizer and LR schedule, versioning and checkpoint dispatch.
+
+Public methods hold the guards and the shared algorithm; a backend implements only the
+``_hooks`` (build, forward on a packed micro-batch, backward, optimizer step, save/load).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from abc import abstractmethod
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from tandemrl.configs.engine import OptimizerConfig, TrainEngineConfig
+from tandemrl.engines.api import LossFn, LossWeightFn, PostHook, TrainEngine
+from tandemrl.engines.types import FinetuneSpec, SaveLoadMeta, TensorDict
+from tandemrl.utils import stats_tracker
+from tandemrl.utils.packing import MicroBatches, split_padded_batch, unpack_to_padded
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def lr_lambda(cfg: OptimizerConfig, total_steps: int) -> Callable[[int], float]:
+    """LR multiplier per step: linear warmup from 0, then constant/linear/cosine decay."""
+    warmup = int(cfg.warmup_steps_proportion * total_steps)
+    decay_steps = max(1, total_steps - warmup)
+    floor = cfg.min_lr_ratio
+
+    def fn(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = min(1.0, (step - warmup) / decay_steps)
+        if cfg.lr_scheduler_type == "constant":
+            return 1.0
+        if cfg.lr_scheduler_type == "linear":
+            return floor + (1.0 - floor) * (1.0 - progress)
+        if cfg.lr_scheduler_type == "cosine":
+            return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        raise ValueError(f"optimizer.lr_scheduler_type: unknown schedule '{cfg.lr_scheduler_type}'")
+
+    return fn
+
+
+def default_device() -> torch.device:
+    """cuda:LOCAL_RANK when CUDA is present, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def init_default_process_group() -> None:
+    """Join the torchrun world (NCCL on GPUs, gloo on CPU); a single process gets a world of 1."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" not in os.environ:
+        # Not under torchrun: a world of one, so the same code path runs in notebooks/tests.
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class BaseTrainEngine(TrainEngine):
+    """Shared engine logic; backends subclass it and implement the ``_hooks``."""
+
+    def __init__(self, config: TrainEngineConfig):
+        self.config = config
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self.ft_spec: FinetuneSpec | None = None
+        self._version = 0
+        self._initialized = False
+
+    # ------------------------------------------------------------------ hooks
+    @abstractmethod
+    def _forward_logits(self, mb: TensorDict) -> torch.Tensor:
+        """Logits [T, V] of a packed micro-batch already on ``self.device``."""
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    @abstractmethod
+    def _optimizer_step(self) -> tuple[float, bool]:
+        """Clip, step if the grad norm is finite, zero grads; returns (grad_norm, stepped)."""
+
+    @abstractmethod
+    def _save_hf(self, meta: SaveLoadMeta) -> None: ...
+
+    @abstractmethod
+    def _load_hf(self, meta: SaveLoadMeta) -> None: ...
+
+    @abstractmethod
+    def _save_recoverable(self, meta: SaveLoadMeta) -> None: ...
+
+    @abstractmethod
+    def _load_recoverable(self, meta: SaveLoadMeta) -> None: ...
+
+    # ------------------------------------------------------------- utilities
+    def _require_initialized(self, what: str) -> None:
+        if not self._initialized:
+            raise RuntimeError(f"{type(self).__name__}.{what}() called before initialize()")
+
+    def build_optimizer(self, params: list[torch.nn.Parameter], ft_spec: FinetuneSpec | None) -> None:
+        """AdamW and its LR schedule (sized from ``ft_spec``; constant if it is None)."""
+        cfg = self.config.optimizer
+        if cfg is None:
+            return
+        if cfg.type != "adamw":
+            raise ValueError(f"optimizer.type: unknown optimizer '{cfg.type}' (expected 'adamw')")
+        self.optimizer = torch.optim.AdamW(
+            params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps
+        )
+        total = ft_spec.total_train_steps if ft_spec is not None else 1
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, total))
+
+    def _to_device(self, mb: TensorDict) -> TensorDict:
+        return {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
+
+    def _split(self, batch: TensorDict, granularity: int = 1) -> MicroBatches:
+        spec = self.config.mb_spec
+        return split_padded_batch(batch, spec.n_mbs, spec.max_tokens_per_mb, granularity)
+
+    def _all_reduce_sum(self, value: float) -> float:
+        t = torch.tensor(value, dtype=torch.float64, device=self._reduce_device())
+        if dist.is_initialized() and self.data_parallel_world_size > 1:
+            dist.all_reduce(t, group=self.data_parallel_group)
+        return float(t.item())
+
+    def _reduce_device(self) -> torch.device:
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    # --------------------------------------------------------------- public
+    def train(self, mode: bool = True) -> BaseTrainEngine:
+        self._require_initialized("train")
+        assert self.model is not None
+        self.model.train(mode)
+        return self
+
+    def train_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
+        """One optimizer step whose gradient does not depend on micro-batch or DP splits.
+
+        Each micro-batch loss is weighted by ``loss_weight_fn(mb) / global_weight``; the
+        global weight sums over all micro-batches of all DP ranks. Gradients are averaged
+        over DP ranks by the backend, hence the extra ``dp_world_size`` factor.
+        """
+        self._require_initialized("train_batch")
+        if self.optimizer is None:
+            raise RuntimeError(f"{type(self).__name__}.train_batch(): engine was built without an optimizer")
+        self.train()
+        mbs = self._split(batch)
+        weights = [float(loss_weight_fn(mb)) for mb in mbs.mbs]
+        total = self._all_reduce_sum(sum(weights))
+        if total <= 0:
+            raise ValueError("train_batch: total loss weight over all ranks is 0 (no tokens to train on)")
+        scale = self.data_parallel_world_size / total
+        loss_sum = 0.0
+        for mb, w in zip(mbs.mbs, weights, strict=True):
+            mb = self._to_device(mb)
+            loss = loss_fn(self._forward_logits(mb), mb)
+            self._backward(loss * (w * scale))
+            loss_sum += float(loss.detach()) * w
+        grad_norm, stepped = self._optimizer_step()
+        lr = self.optimizer.param_groups[0]["lr"]
+        stats = {
+            "loss": self._all_reduce_sum(loss_sum) / total,
+            "grad_norm": grad_norm,
+            "update_successful": float(stepped),
+            "lr": lr,
+            "n_mbs": float(len(mbs.mbs)),
+        }
+        stats_tracker.scalar(**stats)
+        return stats
+
+    @torch.no_grad()
+    def eval_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> torch.Tensor:
+        self._require_initialized("eval_batch")
+        self.eval()
+        mbs = self._split(batch)
+        weights = [float(loss_weight_fn(mb)) for mb in mbs.mbs]
+        loss_sum = 0.0
+        for mb, w in zip(mbs.mbs, weights, strict=True):
+            mb = self._to_device(mb)
+            loss_sum += float(loss_fn(self._forward_logits(mb), mb)) * w
+        total = self._all_reduce_sum(sum(weights))
+        return torch.tensor(self._all_reduce_sum(loss_sum) / max(total, 1e-12))
+
+    @torch.no_grad()
+    def forward(
+        self,
+        batch: TensorDict,
+        output_seqlens: list[int] | None = None,
+        post_hook: PostHook | None = None,
+        aggregate_fn: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Per-token outputs in the input's padded [B, L, ...] layout.
+
+        ``post_hook(logits, mb)`` maps each micro-batch's logits to what is kept (e.g.
+        next-token logprobs) so full logits never accumulate. With ``output_seqlens``
+        the result is packed instead: sequences concatenated in input order.
+        ``aggregate_fn`` replaces the default reassembly entirely.
+        """
+        self._require_initialized("forward")
+        self.eval()
+        mbs = self._split(batch)
+        outs = []
+        for mb in mbs.mbs:
+            mb = self._to_device(mb)
+            logits = self._forward_logits(mb)
+            outs.append(post_hook(logits, mb) if post_hook is not None else logits)
+        if aggregate_fn is not None:
+            return aggregate_fn(outs)
+        padded = unpack_to_padded(outs, mbs, batch["attention_mask"])
+        if output_seqlens is None:
+            return padded
+        lens = batch["attention_mask"].bool().sum(1).tolist()
+        if list(output_seqlens) != lens:
+            raise ValueError(f"forward: output_seqlens {list(output_seqlens)} do not match batch lengths {lens}")
+        return padded[batch["attention_mask"].bool().to(padded.device)]
+
+    def step_lr_scheduler(self) -> None:
+        self._require_initialized("step_lr_scheduler")
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+
+    def save(self, meta: SaveLoadMeta) -> None:
+        """Collective: every rank calls it. "hf" exports weights, "dcp" saves everything to resume."""
+        self._require_initialized("save")
+        if meta.weight_format == "hf":
+            self._save_hf(meta)
+        elif meta.weight_format == "dcp":
+            self._save_recoverable(meta)
+        else:
+            raise ValueError(f"SaveLoadMeta.weight_format: unknown format '{meta.weight_format}' (hf or dcp)")
+        if dist.is_initialized():
+            dist.barrier()
+
+    def load(self, meta: SaveLoadMeta) -> None:
+        self._require_initialized("load")
+        if not os.path.exists(meta.path):
+            raise FileNotFoundError(f"checkpoint path does not exist: {meta.path}")
+        if meta.weight_format == "hf":
+            self._load_hf(meta)
+        elif meta.weight_format == "dcp":
+            self._load_recoverable(meta)
+        else:
+            raise ValueError(f"SaveLoadMeta.weight_format: unknown format '{meta.weight_format}' (hf or dcp)")
+
+    def set_version(self, version: int) -> None:
+        self._version = version
+
+    def get_version(self) -> int:
+        return self._version
+
+    def is_data_parallel_head(self) -> bool:
+        return self.data_parallel_rank == 0 and self._is_model_parallel_head()
+
+    def _is_model_parallel_head(self) -> bool:
+        """Overridden by backends with TP/PP: only one rank per DP replica is the head."""
+        return True
+
+    def export_stats(self) -> dict[str, float]:
+        return stats_tracker.export_all(reduce_group=self.data_parallel_group)

@@ -1,0 +1,63 @@
+"""Small value types shared by all training engines and their callers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# A batch: named tensors. Padded batches are [B, L] with an `attention_mask`;
+# packed micro-batches are 1-D over tokens with `cu_seqlens` (see utils/packing.py).
+TensorDict = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ParallelStrategy:
+    """Sizes of each parallel dimension of one component (training or inference)."""
+
+    dp: int = 1  # data parallel (FSDP/ZeRO shards over it)
+    tp: int = 1  # tensor parallel
+    pp: int = 1  # pipeline parallel
+    cp: int = 1  # context parallel
+    ep: int = 1  # expert parallel (MoE); shares devices with dp*cp*tp
+    etp: int = 1  # expert tensor parallel (MoE)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+
+@dataclass
+class FinetuneSpec:
+    """How long training runs; engines size LR schedules from it."""
+
+    total_train_epochs: int
+    dataset_size: int
+    train_batch_size: int
+    total_train_steps_override: int | None = None
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return max(1, self.dataset_size // self.train_batch_size)
+
+    @property
+    def total_train_steps(self) -> int:
+        if self.total_train_steps_override is not None:
+            return self.total_train_steps_override
+        return self.total_train_epochs * self.steps_per_epoch
+
+
+@dataclass
+class SaveLoadMeta:
+    """What to save or load and where.
+
+    weight_format "hf" is a safetensors directory that transformers and inference
+    servers reload; "dcp" is a torch.distributed.checkpoint of model + optimizer +
+    scheduler for exact resumption.
+    """
+
+    path: str
+    weight_format: str = "hf"
+    with_optim: bool = False
+    tokenizer_path: str | None = None
+    extra: dict[str, str] = field(default_factory=dict)
