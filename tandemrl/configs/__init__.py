@@ -35,3 +35,23 @@ __all__ = [
     "TrainEngineConfig",
     "WandBConfig",
 ]
+
+from tandemrl.configs.loader import (  # noqa: E402
+    ConfigError,
+    config_to_dict,
+    exit_on_config_error,
+    load_config,
+    load_config_or_exit,
+    register_configs,
+    save_config,
+)
+
+__all__ += [
+    "ConfigError",
+    "config_to_dict",
+    "exit_on_config_error",
+    "load_config",
+    "load_config_or_exit",
+    "register_configs",
+    "save_config",
+]

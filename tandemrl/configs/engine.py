@@ -50,14 +50,18 @@ class TrainEngineConfig:
         default=None,
         metadata={"help": "Compute dtype under FSDP MixedPrecisionPolicy (e.g. bfloat16); None computes in `dtype`."},
     )
-    attn_impl: str = field(default="sdpa", metadata={"help": "HF attention implementation.", "choices": ["sdpa", "eager"]})
+    attn_impl: str = field(
+        default="sdpa", metadata={"help": "HF attention implementation.", "choices": ["sdpa", "eager"]}
+    )
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward."})
     mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     optimizer: OptimizerConfig | None = field(
-        default_factory=OptimizerConfig, metadata={"help": "None builds a forward-only engine (e.g. a reference model)."}
+        default_factory=OptimizerConfig,
+        metadata={"help": "None builds a forward-only engine (e.g. a reference model)."},
     )
     pad_to_multiple_of: int = field(default=1, metadata={"help": "Pad each packed micro-batch length to a multiple."})
     seed: int = field(default=1, metadata={"help": "Seed for random init and dropout."})
     backend: str = field(
-        default="", metadata={"help": "Extra backend options as a string (e.g. a DeepSpeed JSON path); backend-specific."}
+        default="",
+        metadata={"help": "Extra backend options as a string (e.g. a DeepSpeed JSON path); backend-specific."},
     )

@@ -49,7 +49,10 @@ class EvaluatorConfig(FreqConfig):
 class WandBConfig:
     """Weights & Biases logging."""
 
-    mode: str = field(default="disabled", metadata={"help": "online, offline or disabled.", "choices": ["online", "offline", "disabled"]})
+    mode: str = field(
+        default="disabled",
+        metadata={"help": "online, offline or disabled.", "choices": ["online", "offline", "disabled"]},
+    )
     project: str | None = field(default=None, metadata={"help": "Project; None uses experiment_name."})
     entity: str | None = field(default=None, metadata={"help": "Team or user."})
     name: str | None = field(default=None, metadata={"help": "Run name; None uses trial_name."})

@@ -11,6 +11,7 @@ import math
 import os
 from abc import abstractmethod
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -19,7 +20,7 @@ from tandemrl.configs.engine import OptimizerConfig, TrainEngineConfig
 from tandemrl.engines.api import LossFn, LossWeightFn, PostHook, TrainEngine
 from tandemrl.engines.types import FinetuneSpec, SaveLoadMeta, TensorDict
 from tandemrl.utils import stats_tracker
-from tandemrl.utils.packing import MicroBatches, split_padded_batch, unpack_to_padded
+from tandemrl.utils.packing import MicroBatches, pack_groups, plan_padded_batch, unpack_to_padded
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -64,7 +65,9 @@ def init_default_process_group() -> None:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)
+    # Seconds a collective may wait; tests lower it so a hang fails fast.
+    timeout = timedelta(seconds=int(os.environ.get("TANDEMRL_DIST_TIMEOUT", "1800")))
+    dist.init_process_group(backend, timeout=timeout)
 
 
 def _free_port() -> int:
@@ -133,8 +136,22 @@ class BaseTrainEngine(TrainEngine):
         return {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
 
     def _split(self, batch: TensorDict, granularity: int = 1) -> MicroBatches:
+        """Micro-batches of this rank's batch; every DP rank gets the same count."""
         spec = self.config.mb_spec
-        return split_padded_batch(batch, spec.n_mbs, spec.max_tokens_per_mb, granularity)
+        groups = plan_padded_batch(batch, spec.n_mbs, spec.max_tokens_per_mb, granularity)
+        n = len(groups)
+        if dist.is_initialized() and self.data_parallel_world_size > 1:
+            t = torch.tensor(n, device=self._reduce_device())
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.data_parallel_group)
+            if int(t) > n:
+                # Rebalance this rank's tokens over the larger count before padding with dummies.
+                groups = plan_padded_batch(batch, int(t), spec.max_tokens_per_mb, granularity)
+            n = int(t)
+        return pack_groups(batch, groups, n)
+
+    @staticmethod
+    def _weights(mbs: MicroBatches, loss_weight_fn: LossWeightFn) -> list[float]:
+        return [float(loss_weight_fn(mb)) if g else 0.0 for mb, g in zip(mbs.mbs, mbs.groups, strict=True)]
 
     def _all_reduce_sum(self, value: float) -> float:
         t = torch.tensor(value, dtype=torch.float64, device=self._reduce_device())
@@ -164,7 +181,7 @@ class BaseTrainEngine(TrainEngine):
             raise RuntimeError(f"{type(self).__name__}.train_batch(): engine was built without an optimizer")
         self.train()
         mbs = self._split(batch)
-        weights = [float(loss_weight_fn(mb)) for mb in mbs.mbs]
+        weights = self._weights(mbs, loss_weight_fn)
         total = self._all_reduce_sum(sum(weights))
         if total <= 0:
             raise ValueError("train_batch: total loss weight over all ranks is 0 (no tokens to train on)")
@@ -192,7 +209,7 @@ class BaseTrainEngine(TrainEngine):
         self._require_initialized("eval_batch")
         self.eval()
         mbs = self._split(batch)
-        weights = [float(loss_weight_fn(mb)) for mb in mbs.mbs]
+        weights = self._weights(mbs, loss_weight_fn)
         loss_sum = 0.0
         for mb, w in zip(mbs.mbs, weights, strict=True):
             mb = self._to_device(mb)
@@ -224,7 +241,7 @@ class BaseTrainEngine(TrainEngine):
             logits = self._forward_logits(mb)
             outs.append(post_hook(logits, mb) if post_hook is not None else logits)
         if aggregate_fn is not None:
-            return aggregate_fn(outs)
+            return aggregate_fn([o for o, g in zip(outs, mbs.groups, strict=True) if g])
         padded = unpack_to_padded(outs, mbs, batch["attention_mask"])
         if output_seqlens is None:
             return padded

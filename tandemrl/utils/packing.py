@@ -105,10 +105,10 @@ class MicroBatches:
     seq_len: int
 
 
-def split_padded_batch(
+def plan_padded_batch(
     batch: TensorDict, n_mbs: int = 1, max_tokens_per_mb: int | None = None, granularity: int = 1
-) -> MicroBatches:
-    """Pack a padded batch into token-balanced micro-batches.
+) -> list[list[int]]:
+    """Sequence indices of each micro-batch of a padded batch.
 
     ``granularity`` keeps runs of that many consecutive sequences (e.g. a GRPO group)
     in the same micro-batch.
@@ -119,9 +119,29 @@ def split_padded_batch(
         raise ValueError(f"batch size {bsz} is not a multiple of granularity {granularity}")
     chunk_lens = [sum(lens[i : i + granularity]) for i in range(0, bsz, granularity)]
     chunk_groups = plan_micro_batches(chunk_lens, n_mbs, max_tokens_per_mb)
-    groups = [[c * granularity + j for c in g for j in range(granularity)] for g in chunk_groups]
-    mbs = [pack_sequences(batch, g) for g in groups]
-    return MicroBatches(mbs=mbs, groups=groups, batch_size=bsz, seq_len=batch["attention_mask"].shape[1])
+    return [[c * granularity + j for c in g for j in range(granularity)] for g in chunk_groups]
+
+
+def pack_groups(batch: TensorDict, groups: list[list[int]], n_total: int | None = None) -> MicroBatches:
+    """Pack each group into a micro-batch; pad the list to ``n_total`` with dummy micro-batches.
+
+    Dummy micro-batches (empty group) repeat the first sequence so every rank runs the
+    same number of forward/backward passes, which sharded backends need for their
+    collectives; callers give them zero loss weight and drop their outputs.
+    """
+    groups = list(groups)
+    while n_total is not None and len(groups) < n_total:
+        groups.append([])
+    mbs = [pack_sequences(batch, g if g else [0]) for g in groups]
+    bsz, seq_len = batch["attention_mask"].shape
+    return MicroBatches(mbs=mbs, groups=groups, batch_size=bsz, seq_len=seq_len)
+
+
+def split_padded_batch(
+    batch: TensorDict, n_mbs: int = 1, max_tokens_per_mb: int | None = None, granularity: int = 1
+) -> MicroBatches:
+    """Pack a padded batch into token-balanced micro-batches (see :func:`plan_padded_batch`)."""
+    return pack_groups(batch, plan_padded_batch(batch, n_mbs, max_tokens_per_mb, granularity))
 
 
 def unpack_to_padded(
@@ -129,11 +149,11 @@ def unpack_to_padded(
 ) -> torch.Tensor:
     """Scatter per-token outputs of each packed micro-batch back to the padded [B, L] layout."""
     first = values[0]
-    out = torch.full(
-        (mbs.batch_size, mbs.seq_len, *first.shape[1:]), pad_value, dtype=first.dtype, device=first.device
-    )
+    out = torch.full((mbs.batch_size, mbs.seq_len, *first.shape[1:]), pad_value, dtype=first.dtype, device=first.device)
     mask = attention_mask.bool().to(first.device)
     for vals, group in zip(values, mbs.groups, strict=True):
+        if not group:
+            continue
         idx = torch.as_tensor(group, dtype=torch.long, device=first.device)
         sub = out[idx]
         sub[mask[idx]] = vals

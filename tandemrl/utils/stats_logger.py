@@ -1,0 +1,117 @@
+"""Sends committed statistics to the console, Weights & Biases and TensorBoard (global rank 0 only)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tandemrl.configs.utils import StatsLoggerConfig
+from tandemrl.engines.types import FinetuneSpec
+
+_WANDB_MODES = ("online", "offline", "disabled")
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _to_float(key: str, value: Any) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"StatsLogger.commit: {key!r} must be a single number, got shape {tuple(value.shape)}")
+        value = value.item()
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"StatsLogger.commit: {key!r} must be a number, got {type(value).__name__}") from None
+
+
+def format_table(stats: Mapping[str, float]) -> str:
+    """Two aligned columns, keys sorted, values in 4 significant digits."""
+    if not stats:
+        return "(no statistics)"
+    width = max(len(k) for k in stats)
+    return "\n".join(f"{k:<{width}}  {v:.4g}" for k, v in sorted(stats.items()))
+
+
+class StatsLogger:
+    """Rank-0 sink for exported statistics; every method is a no-op on other ranks."""
+
+    def __init__(self, config: StatsLoggerConfig, ft_spec: FinetuneSpec | None = None) -> None:
+        if config.wandb.mode not in _WANDB_MODES:
+            raise ValueError(f"stats_logger.wandb.mode must be one of {_WANDB_MODES}, got {config.wandb.mode!r}")
+        self.config = config
+        self.ft_spec = ft_spec
+        self._wandb_run: Any = None
+        self._writer: Any = None
+        if not _is_rank0():
+            return
+        if config.wandb.mode != "disabled":
+            self._init_wandb()
+        if config.tensorboard.path:
+            from torch.utils.tensorboard import SummaryWriter
+
+            os.makedirs(config.tensorboard.path, exist_ok=True)
+            self._writer = SummaryWriter(log_dir=config.tensorboard.path)
+
+    @property
+    def log_dir(self) -> str:
+        return os.path.join(self.config.fileroot, "logs", self.config.experiment_name, self.config.trial_name)
+
+    def _init_wandb(self) -> None:
+        import wandb  # lazy: slow to import and only needed when enabled
+
+        cfg = self.config.wandb
+        os.makedirs(self.log_dir, exist_ok=True)
+        # wandb writes its run directory under <dir>/wandb, i.e. <log_dir>/wandb.
+        self._wandb_run = wandb.init(
+            mode=cfg.mode,
+            project=cfg.project or self.config.experiment_name,
+            entity=cfg.entity,
+            name=cfg.name or self.config.trial_name,
+            tags=list(cfg.tags) if cfg.tags else None,
+            dir=self.log_dir,
+        )
+
+    def _header(self, epoch: int, step: int, global_step: int) -> str:
+        if self.ft_spec is None:
+            return f"epoch {epoch + 1} step {step + 1} global step {global_step + 1}"
+        spec = self.ft_spec
+        return (
+            f"epoch {epoch + 1}/{spec.total_train_epochs} step {step + 1}/{spec.steps_per_epoch} "
+            f"global step {global_step + 1}/{spec.total_train_steps}"
+        )
+
+    def commit(
+        self, epoch: int, step: int, global_step: int, stats: Mapping[str, Any] | list[Mapping[str, Any]]
+    ) -> None:
+        """Log one step's statistics (0-based counters); a list of dicts is merged, later wins."""
+        if not _is_rank0():
+            return
+        items = [stats] if isinstance(stats, Mapping) else list(stats)
+        data: dict[str, float] = {}
+        for item in items:
+            for key, value in item.items():
+                if not key.endswith("__count"):
+                    data[key] = _to_float(key, value)
+        if self.config.console:
+            print(f"{self._header(epoch, step, global_step)}\n{format_table(data)}", flush=True)
+        if self._wandb_run is not None:
+            self._wandb_run.log(data, step=global_step)
+        if self._writer is not None:
+            for key, value in data.items():
+                self._writer.add_scalar(key, value, global_step)
+            self._writer.flush()
+
+    def close(self) -> None:
+        """Flush and release the backends; safe to call twice."""
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

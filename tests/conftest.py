@@ -1,0 +1,50 @@
+"""Session fixtures: the GSM8K data dir and tiny HF models (built once, cached across runs)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+# Tests import shared helpers as `from utils import free_port, run_torchrun`; make that
+# work under any pytest import mode.
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def tiny_model_cache_dir() -> Path:
+    """`${TANDEMRL_CACHE:-~/.cache/tandemrl}/tiny-models`."""
+    root = os.environ.get("TANDEMRL_CACHE") or os.path.join("~", ".cache", "tandemrl")
+    return Path(root).expanduser() / "tiny-models"
+
+
+def gsm8k_path() -> Path:
+    """`$TANDEMRL_GSM8K`, else the shared copy next to the repo (../shared/data/gsm8k)."""
+    env = os.environ.get("TANDEMRL_GSM8K")
+    return Path(env).expanduser() if env else Path(__file__).resolve().parents[2] / "shared/data/gsm8k"
+
+
+@pytest.fixture(scope="session")
+def gsm8k_dir() -> str:
+    path = gsm8k_path()
+    if not (path / "train.jsonl").is_file() or not (path / "test.jsonl").is_file():
+        pytest.fail(f"GSM8K data not found at {path} (expects train.jsonl and test.jsonl; set TANDEMRL_GSM8K)")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(gsm8k_dir: str) -> str:
+    """Tiny Qwen2 (hidden 128, 2 layers, ~1k BPE vocab trained on GSM8K train)."""
+    from tandemrl.models.make_tiny import ensure_tiny_model
+
+    return ensure_tiny_model(tiny_model_cache_dir(), "qwen2", corpus_path=gsm8k_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(gsm8k_dir: str) -> str:
+    """Tiny Qwen3-MoE (4 experts, top-2) sharing the tiny tokenizer recipe."""
+    from tandemrl.models.make_tiny import ensure_tiny_model
+
+    return ensure_tiny_model(tiny_model_cache_dir(), "qwen3_moe", corpus_path=gsm8k_dir)

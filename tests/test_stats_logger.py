@@ -1,0 +1,83 @@
+"""StatsLogger writes wandb offline runs and TensorBoard scalars, and prints a table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandemrl.configs.utils import StatsLoggerConfig, TensorBoardConfig, WandBConfig
+from tandemrl.engines.types import FinetuneSpec
+from tandemrl.utils.stats_logger import StatsLogger, format_table
+
+
+def _config(tmp_path: Path, wandb_mode: str = "disabled", tb: bool = False) -> StatsLoggerConfig:
+    return StatsLoggerConfig(
+        experiment_name="exp",
+        trial_name="trial0",
+        fileroot=str(tmp_path / "root"),
+        wandb=WandBConfig(mode=wandb_mode, project="tandemrl-test"),
+        tensorboard=TensorBoardConfig(path=str(tmp_path / "tb") if tb else None),
+    )
+
+
+def test_offline_wandb_and_tensorboard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_env"))
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb_cache"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
+    cfg = _config(tmp_path, wandb_mode="offline", tb=True)
+    spec = FinetuneSpec(total_train_epochs=2, dataset_size=8, train_batch_size=4)
+    logger = StatsLogger(cfg, spec)
+    try:
+        logger.commit(0, 0, 0, {"loss/avg": 0.5, "reward": torch.tensor(1.0), "reward__count": 3.0})
+        logger.commit(0, 1, 1, [{"loss/avg": 0.25}, {"loss/avg": 0.125, "lr": 1e-5}])
+    finally:
+        logger.close()
+    logger.close()  # idempotent
+
+    assert logger.log_dir == str(tmp_path / "root" / "logs" / "exp" / "trial0")
+    runs = list((Path(logger.log_dir) / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    assert list(runs[0].glob("*.wandb")), "offline run has no .wandb data file"
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"loss/avg", "reward", "lr"} <= tags
+    assert "reward__count" not in tags
+    loss = [(e.step, e.value) for e in acc.Scalars("loss/avg")]
+    assert loss == [(0, pytest.approx(0.5)), (1, pytest.approx(0.125))]  # later dict in a list wins
+
+    printed = capsys.readouterr().out
+    assert "epoch 1/2 step 2/2 global step 2/4" in printed
+    assert "__count" not in printed
+
+
+def test_console_table_sorted():
+    table = format_table({"b": 2.0, "a/long_key": 0.123456}).splitlines()
+    assert table[0].startswith("a/long_key") and table[0].endswith("0.1235")
+    assert table[1].startswith("b ") and table[1].endswith("2")
+
+
+def test_disabled_backends_write_nothing(tmp_path: Path, capsys):
+    cfg = _config(tmp_path)
+    cfg.console = False
+    logger = StatsLogger(cfg, None)
+    logger.commit(0, 0, 0, {"x": 1.0})
+    logger.close()
+    assert not (tmp_path / "root").exists()
+    assert capsys.readouterr().out == ""
+
+
+def test_bad_values_and_mode(tmp_path: Path):
+    logger = StatsLogger(_config(tmp_path), None)
+    with pytest.raises(TypeError, match="'name'"):
+        logger.commit(0, 0, 0, {"name": "abc"})
+    with pytest.raises(ValueError, match="'vec'"):
+        logger.commit(0, 0, 0, {"vec": torch.ones(2)})
+    with pytest.raises(ValueError, match="wandb.mode"):
+        StatsLogger(_config(tmp_path, wandb_mode="cloud"), None)

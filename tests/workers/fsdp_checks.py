@@ -1,0 +1,107 @@
+"""torchrun worker for the FSDP engine tests: runs one check, writes results to --out."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+from tandemrl.actors.fsdp import FSDPLMEngine
+from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
+from tandemrl.engines.types import FinetuneSpec, SaveLoadMeta
+
+VOCAB = 200
+
+
+def make_batch(seed: int, n: int = 8, max_len: int = 40) -> dict[str, torch.Tensor]:
+    """A deterministic padded batch with varied lengths and a prompt/answer loss mask."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(6, max_len + 1, (n,), generator=g)
+    ids = torch.randint(0, VOCAB, (n, max_len), generator=g)
+    am = torch.arange(max_len)[None, :] < lens[:, None]
+    prompt = torch.randint(1, 5, (n,), generator=g)
+    lm = am & (torch.arange(max_len)[None, :] >= prompt[:, None])
+    return {"input_ids": ids * am, "attention_mask": am, "loss_mask": lm.int()}
+
+
+def rank_slice(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's contiguous share of a global batch."""
+    r, w = dist.get_rank(), dist.get_world_size()
+    n = batch["input_ids"].shape[0] // w
+    return {k: v[r * n : (r + 1) * n] for k, v in batch.items()}
+
+
+def engine(model: str, mb: MicroBatchSpec, lr: float = 1e-4) -> FSDPLMEngine:
+    cfg = TrainEngineConfig(path=model, mb_spec=mb, optimizer=OptimizerConfig(lr=lr, gradient_clipping=1.0))
+    e = FSDPLMEngine(cfg)
+    e.create_process_group()
+    e.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=100, train_batch_size=10))
+    return e
+
+
+def invariance(args: argparse.Namespace) -> None:
+    """Two optimizer steps for each micro-batch spec; params and grad norms per spec."""
+    specs = {
+        "mb1": MicroBatchSpec(n_mbs=1),
+        "mb4": MicroBatchSpec(n_mbs=4),
+        "tok48": MicroBatchSpec(max_tokens_per_mb=48),
+    }
+    result = {}
+    for tag, spec in specs.items():
+        e = engine(args.model, spec)
+        norms, losses = [], []
+        for step in range(2):
+            stats = e.train_lm(rank_slice(make_batch(100 + step)))
+            norms.append(stats["grad_norm"])
+            losses.append(stats["loss"])
+        sd = e.full_state_dict()
+        result[tag] = {"params": sd, "grad_norms": norms, "losses": losses, "n_mbs": stats["n_mbs"]}
+        e.destroy()
+    if dist.get_rank() == 0:
+        torch.save(result, os.path.join(args.out, f"invariance_w{dist.get_world_size()}.pt"))
+
+
+def checkpoint(args: argparse.Namespace) -> None:
+    """Train, export HF + DCP, then record the next three losses and the engine's logits."""
+    e = engine(args.model, MicroBatchSpec(n_mbs=2))
+    for step in range(2):
+        e.train_lm(rank_slice(make_batch(200 + step)))
+        e.step_lr_scheduler()
+    e.set_version(2)
+    e.save(SaveLoadMeta(path=os.path.join(args.out, "hf"), weight_format="hf", tokenizer_path=args.tokenizer))
+    e.save(SaveLoadMeta(path=os.path.join(args.out, "dcp"), weight_format="dcp", with_optim=True))
+    probe = make_batch(999, n=4)
+    logits = e.forward(probe)
+    losses = []
+    for step in range(3):
+        losses.append(e.train_lm(rank_slice(make_batch(300 + step)))["loss"])
+        e.step_lr_scheduler()
+    if dist.get_rank() == 0:
+        torch.save({"losses": losses, "logits": logits, "probe": probe}, os.path.join(args.out, "continued.pt"))
+
+
+def resume(args: argparse.Namespace) -> None:
+    """Fresh process: load the DCP checkpoint and replay the same three steps."""
+    e = engine(args.model, MicroBatchSpec(n_mbs=2))
+    e.load(SaveLoadMeta(path=os.path.join(args.out, "dcp"), weight_format="dcp", with_optim=True))
+    assert e.get_version() == 2, e.get_version()
+    losses = []
+    for step in range(3):
+        losses.append(e.train_lm(rank_slice(make_batch(300 + step)))["loss"])
+        e.step_lr_scheduler()
+    if dist.get_rank() == 0:
+        torch.save({"losses": losses}, os.path.join(args.out, "resumed.pt"))
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["invariance", "checkpoint", "resume"])
+    p.add_argument("--model", required=True)
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    torch.use_deterministic_algorithms(True)
+    {"invariance": invariance, "checkpoint": checkpoint, "resume": resume}[a.mode](a)
+    dist.destroy_process_group()
