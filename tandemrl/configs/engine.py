@@ -59,7 +59,6 @@ class TrainEngineConfig:
         default_factory=OptimizerConfig,
         metadata={"help": "None builds a forward-only engine (e.g. a reference model)."},
     )
-    pad_to_multiple_of: int = field(default=1, metadata={"help": "Pad each packed micro-batch length to a multiple."})
     seed: int = field(default=1, metadata={"help": "Seed for random init and dropout."})
     backend: str = field(
         default="",

@@ -1,0 +1,99 @@
+"""Supervised fine-tuning on GSM8K answers (loss on answer tokens only).
+
+    torchrun --standalone --nproc_per_node=2 examples/gsm8k_sft.py --config examples/gsm8k_sft.yaml \
+        train_dataset.path=../shared/data/gsm8k valid_dataset.path=../shared/data/gsm8k
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch.distributed as dist
+from tqdm import tqdm
+
+from tandemrl.actors.registry import engine_class
+from tandemrl.configs import SFTConfig
+from tandemrl.configs.loader import load_config_or_exit, save_config
+from tandemrl.data.loader import create_dataloader, dataset_from_config, pad_sequences_to_tensors
+from tandemrl.engines.types import FinetuneSpec
+from tandemrl.models.hf import load_hf_tokenizer
+from tandemrl.models.resolve import resolve_model_path
+from tandemrl.utils import stats_tracker
+from tandemrl.utils.allocation import AllocationMode
+from tandemrl.utils.evaluator import Evaluator
+from tandemrl.utils.saver import Saver
+from tandemrl.utils.stats_logger import StatsLogger
+
+
+def main(argv: list[str]) -> None:
+    config, _ = load_config_or_exit(argv, SFTConfig)
+    alloc = AllocationMode.from_str(config.allocation_mode)
+    if alloc.train is None:
+        raise ValueError(f"allocation_mode: '{config.allocation_mode}' has no training component")
+    config.model.path = resolve_model_path(config.model.path, "model.path", corpus_path=config.train_dataset.path)
+
+    engine = engine_class("lm", alloc.train_backend)(config.model)
+    engine.create_process_group(alloc.train.strategy)
+    rank, world = engine.data_parallel_rank, engine.data_parallel_world_size
+    tokenizer = load_hf_tokenizer(config.tokenizer_path or config.model.path)
+
+    train_ds = dataset_from_config(config.train_dataset, tokenizer, rank, world)
+    train_dl = create_dataloader(train_ds, config.train_dataset, rank, world, seed=config.seed)
+    valid_dl = None
+    if config.valid_dataset is not None:
+        valid_ds = dataset_from_config(config.valid_dataset, tokenizer, rank, world)
+        valid_dl = create_dataloader(valid_ds, config.valid_dataset, rank, world, seed=config.seed)
+    ft_spec = FinetuneSpec(
+        total_train_epochs=config.total_train_epochs,
+        dataset_size=len(train_ds) * world,
+        train_batch_size=config.train_dataset.batch_size,
+        total_train_steps_override=config.total_train_steps,
+    )
+    engine.initialize(None, ft_spec)
+
+    saver = Saver(config.saver, ft_spec)
+    evaluator = Evaluator(config.evaluator, ft_spec)
+    logger = StatsLogger(config.stats_logger, ft_spec)
+    if dist.get_rank() == 0:
+        save_config(config, f"{logger.log_dir}/config.yaml")
+    pad_id = tokenizer.pad_token_id
+
+    def evaluate() -> None:
+        total, n = 0.0, 0
+        for rows in valid_dl:
+            total += engine.evaluate_lm(pad_sequences_to_tensors(rows, pad_id))
+            n += 1
+        stats_tracker.scalar(eval_loss=total / max(n, 1))
+
+    global_step = 0
+    total_steps = ft_spec.total_train_steps
+    bar = tqdm(total=total_steps, desc="sft", disable=dist.get_rank() != 0)
+    for epoch in range(config.total_train_epochs):
+        for step, rows in enumerate(train_dl):
+            if global_step >= total_steps:
+                break
+            batch = pad_sequences_to_tensors(rows, pad_id)
+            with stats_tracker.record_timing("train_step"):
+                stats = engine.train_lm(batch)
+                engine.step_lr_scheduler()
+            with stats_tracker.record_timing("save"):
+                saver.save(engine, epoch, step, global_step, tokenizer=tokenizer)
+            if valid_dl is not None:
+                with stats_tracker.record_timing("eval"):
+                    evaluator.evaluate(evaluate, epoch, step, global_step)
+            logger.commit(epoch, step, global_step, engine.export_stats())
+            bar.update(1)
+            bar.set_postfix(loss=f"{stats['loss']:.4f}")
+            global_step += 1
+    bar.close()
+    logger.close()
+    if dist.get_rank() == 0:
+        print(
+            f"sft done: {global_step} steps; logs in {logger.log_dir}; checkpoints under {saver.get_save_root(config.saver.fileroot, config.saver.experiment_name, config.saver.trial_name)}"
+        )
+    engine.destroy()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

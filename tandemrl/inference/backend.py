@@ -1,0 +1,206 @@
+"""The inference-backend protocol: build HTTP requests and parse server replies, nothing else.
+
+A backend never opens a socket. The shared client (``tandemrl/inference/http.py``) sends
+the ``HttpRequest`` objects a backend builds and hands the decoded JSON back to it, so
+retries, failover and interruption handling are written once for every server kind.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+
+from tandemrl.inference.types import GenerateChunk, HttpRequest, ModelRequest, ParamSpec, WeightUpdateMeta
+
+if TYPE_CHECKING:
+    from tandemrl.configs.rollout import InferenceEngineConfig
+    from tandemrl.engines.types import ParallelStrategy
+
+_B = TypeVar("_B", bound="TimeoutsMixin")
+
+
+@runtime_checkable
+class InferenceBackend(Protocol):
+    """Request builder / response parser of one inference-server kind."""
+
+    name: str
+
+    def build_generate(self, req: ModelRequest, output_so_far: list[int], remaining: int, version: int) -> HttpRequest:
+        """Continue ``req.input_ids + output_so_far`` for at most ``remaining`` new tokens."""
+        ...
+
+    def parse_generate(self, payload: dict[str, Any]) -> GenerateChunk: ...
+
+    def build_pause(self) -> HttpRequest:
+        """Stop generating; in-flight requests return their partial output as "abort"."""
+        ...
+
+    def build_resume(self) -> HttpRequest: ...
+
+    def build_health(self) -> HttpRequest: ...
+
+    def build_version_get(self) -> HttpRequest: ...
+
+    def parse_version(self, payload: dict[str, Any]) -> int | None:
+        """The server's weight version from a ``build_version_get`` reply; None if not an integer."""
+        ...
+
+    def build_set_version(self, version: int) -> HttpRequest: ...
+
+    def build_update_from_disk(self, meta: WeightUpdateMeta) -> list[HttpRequest]:
+        """Ordered steps that load ``meta.path`` into a (paused) server."""
+        ...
+
+    def build_init_weight_group(self, meta: WeightUpdateMeta, rank_offset: int) -> HttpRequest:
+        """Join the server's ranks to the update group; its first rank is ``rank_offset``."""
+        ...
+
+    def build_update_from_collective(self, meta: WeightUpdateMeta, param_specs: list[ParamSpec]) -> HttpRequest:
+        """Receive one bucket of broadcast tensors (rank 0 broadcasts them in this order)."""
+        ...
+
+    def build_flush_cache(self) -> HttpRequest:
+        """Drop cached KV computed with old weights."""
+        ...
+
+    def build_abort_all(self) -> HttpRequest: ...
+
+    def server_command(
+        self, model_path: str, host: str, port: int, strategy: ParallelStrategy, extra: dict[str, Any]
+    ) -> list[str]:
+        """argv that starts one server of this kind with ``strategy``'s tp/pp/dp."""
+        ...
+
+    def server_env(self) -> dict[str, str]:
+        """Environment variables the server process needs on top of the caller's."""
+        ...
+
+
+class BadServerPayload(ValueError):
+    """A server reply lacks a field or has the wrong shape; the message names both."""
+
+
+def require(payload: Any, key: str, backend: str, where: str) -> Any:
+    """``payload[key]``, or a one-line BadServerPayload naming ``where.key`` and ``backend``."""
+    if not isinstance(payload, dict):
+        raise BadServerPayload(
+            f"{backend}: expected a JSON object at '{where or '<reply>'}', got {type(payload).__name__}"
+        )
+    if key not in payload or payload[key] is None:
+        raise BadServerPayload(f"{backend}: server reply is missing field '{_join(where, key)}'")
+    return payload[key]
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def require_list(payload: Any, key: str, backend: str, where: str) -> list[Any]:
+    value = require(payload, key, backend, where)
+    if not isinstance(value, list):
+        raise BadServerPayload(f"{backend}: field '{_join(where, key)}' must be a list, got {type(value).__name__}")
+    return value
+
+
+def server_error(payload: Any, backend: str) -> None:
+    """Raise if the reply is an error object (the shape both servers use for failures)."""
+    if isinstance(payload, dict) and "error" in payload and payload["error"]:
+        err = payload["error"]
+        msg = err.get("message", err) if isinstance(err, dict) else err
+        first_line = str(msg).strip().splitlines()[0] if str(msg).strip() else "(empty)"
+        raise BadServerPayload(f"{backend}: server returned an error: {first_line[:300]}")
+
+
+def int_list(values: list[Any], field: str, backend: str) -> list[int]:
+    """``values`` after checking every entry is an integer token id."""
+    for v in values:
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise BadServerPayload(f"{backend}: '{field}' holds a non-integer token {v!r}")
+    return list(values)
+
+
+def check_collective(meta: WeightUpdateMeta, rank_offset: int, backend: str) -> None:
+    """A collective meta, and a server rank offset inside its group (rank 0 is the trainer)."""
+    if meta.type != "collective":
+        raise ValueError(f"{backend}: build_init_weight_group needs a 'collective' WeightUpdateMeta")
+    if not 1 <= rank_offset < meta.world_size:
+        raise ValueError(
+            f"{backend}: rank_offset {rank_offset} must be in 1..{meta.world_size - 1} (rank 0 is the trainer head)"
+        )
+
+
+def parse_version_label(label: Any) -> int | None:
+    """Integer weight version from a server label ("3" or 3); None for e.g. "default"."""
+    if isinstance(label, bool):
+        return None
+    if isinstance(label, int):
+        return label
+    if isinstance(label, str) and label.strip().lstrip("-").isdigit():
+        return int(label.strip())
+    return None
+
+
+def check_budget(req: ModelRequest, output_so_far: list[int], remaining: int, backend: str) -> list[int]:
+    """The prompt to send (prompt + output so far) after checking the token budget."""
+    if remaining < 1:
+        raise ValueError(f"{backend}: 'remaining' token budget must be >= 1, got {remaining} (request {req.rid})")
+    if not req.input_ids:
+        raise ValueError(f"{backend}: request {req.rid} has empty input_ids")
+    return list(req.input_ids) + list(output_so_far)
+
+
+def min_tokens_left(req: ModelRequest, output_so_far: list[int], remaining: int) -> int:
+    """Tokens still owed to ``min_new_tokens``, capped by the budget of this call."""
+    return max(0, min(req.gconfig.min_new_tokens - len(output_so_far), remaining))
+
+
+def cli_flags(extra: dict[str, Any]) -> list[str]:
+    """``{"max_model_len": 512, "enforce_eager": True}`` -> ``["--max-model-len", "512", "--enforce-eager"]``.
+
+    False/None values are dropped; lists repeat the value after one flag.
+    """
+    out: list[str] = []
+    for key, value in extra.items():
+        if value is None or value is False:
+            continue
+        flag = "--" + key.lstrip("-").replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif isinstance(value, list | tuple):
+            out += [flag, *(str(v) for v in value)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def get_backend(name: str, **kwargs: Any) -> InferenceBackend:
+    """The backend called ``name`` ("vllm" or "sglang"); kwargs go to its constructor."""
+    if name == "vllm":
+        from tandemrl.inference.vllm import VLLMBackend
+
+        return VLLMBackend(**kwargs)
+    if name == "sglang":
+        from tandemrl.inference.sglang import SGLangBackend
+
+        return SGLangBackend(**kwargs)
+    raise ValueError(f"unknown inference backend {name!r}; expected 'vllm' or 'sglang'")
+
+
+class TimeoutsMixin:
+    """Per-kind HTTP timeouts shared by the concrete backends."""
+
+    def __init__(self, request_timeout: float = 3600.0, control_timeout: float = 60.0, update_timeout: float = 600.0):
+        for label, value in (
+            ("request_timeout", request_timeout),
+            ("control_timeout", control_timeout),
+            ("update_timeout", update_timeout),
+        ):
+            if value <= 0:
+                raise ValueError(f"{label} must be positive, got {value}")
+        self.request_timeout = request_timeout  # one generate call
+        self.control_timeout = control_timeout  # pause/resume/health/version/abort
+        self.update_timeout = update_timeout  # weight loading and collective receive
+
+    @classmethod
+    def from_config(cls: type[_B], config: InferenceEngineConfig) -> _B:
+        """Timeouts from the client config (generate and update share ``request_timeout``)."""
+        return cls(request_timeout=config.request_timeout, update_timeout=config.request_timeout)

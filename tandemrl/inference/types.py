@@ -1,0 +1,206 @@
+"""Value types of the inference protocol: requests, responses, weight-update metadata.
+
+Pure data: no HTTP, no torch, no server imports, so every layer (workflows, the HTTP
+client, trainers) can share them cheaply.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Literal
+
+from tandemrl.configs.rollout import GenerationHyperparameters
+
+if TYPE_CHECKING:
+    from tandemrl.utils.allocation import AllocationMode
+
+StopReason = Literal["stop", "length", "abort", "tool_calls"]
+HttpMethod = Literal["GET", "POST"]
+
+
+@dataclass
+class ModelRequest:
+    """One prompt to continue; ``rid`` lets the client keep a prompt's samples on one server."""
+
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    input_ids: list[int] = field(default_factory=list)
+    gconfig: GenerationHyperparameters = field(default_factory=GenerationHyperparameters)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    tokenizer: Any | None = None
+
+
+@dataclass
+class ModelResponse:
+    """A finished generation, possibly stitched from several interrupted server calls."""
+
+    input_tokens: list[int] = field(default_factory=list)
+    output_tokens: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    # Weight version that sampled each output token (same length as output_tokens).
+    output_versions: list[int] = field(default_factory=list)
+    stop_reason: StopReason = "stop"
+    latency: float = float("inf")
+    ttft: float = float("inf")  # time to first token
+
+    @property
+    def input_len(self) -> int:
+        return len(self.input_tokens)
+
+    @property
+    def output_len(self) -> int:
+        return len(self.output_tokens)
+
+
+@dataclass(frozen=True)
+class VersionSpan:
+    """Output tokens ``[start, end)`` of one chunk were sampled by weights ``version``.
+
+    ``version`` is None when the server's label is not an integer (e.g. vLLM's initial
+    "default"), meaning "the version the client had when it sent the request".
+    """
+
+    version: int | None
+    start: int
+    end: int
+
+
+@dataclass
+class GenerateChunk:
+    """The parsed result of ONE generate HTTP call (a whole or partial continuation)."""
+
+    output_tokens: list[int]
+    output_logprobs: list[float]
+    stop_reason: StopReason
+    # Per-token weight versions as the server reported them; None if it reports none.
+    version_spans: list[VersionSpan] | None = None
+
+    def token_versions(self, fallback: int) -> list[int]:
+        """One version per output token; tokens no span labels get ``fallback``."""
+        out = [fallback] * len(self.output_tokens)
+        for span in self.version_spans or []:
+            if span.version is None:
+                continue
+            for i in range(max(span.start, 0), min(span.end, len(out))):
+                out[i] = span.version
+        return out
+
+
+@dataclass(frozen=True)
+class HttpRequest:
+    """One HTTP call for the shared client to send: ``json`` is the body (None for no body)."""
+
+    method: HttpMethod
+    path: str
+    json: dict[str, Any] | None = None
+    timeout: float | None = None  # seconds; None means the client's default
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """Name, shape and dtype (torch name without "torch.", e.g. "bfloat16") of a broadcast tensor."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass
+class WeightUpdateMeta:
+    """How the trainer hands new weights to the inference servers.
+
+    "disk": the trainer writes an HF safetensors directory at ``path`` and each server
+    reloads it. "collective": the trainer head (rank 0) broadcasts tensors to every
+    inference rank over a process group of ``world_size`` ranks rendezvousing at
+    ``group_addr:group_port``.
+    """
+
+    type: Literal["disk", "collective"]
+    path: str | None = None
+    bucket_size_mb: int = 512
+    group_addr: str = "127.0.0.1"
+    group_port: int = 0
+    group_name: str = "tandemrl_weight_update"
+    world_size: int = 0
+    comm_backend: str = "nccl"  # process-group backend of the collective ("nccl" or "gloo")
+    version: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.type not in ("disk", "collective"):
+            raise ValueError(f"WeightUpdateMeta.type must be 'disk' or 'collective', got {self.type!r}")
+        if self.bucket_size_mb <= 0:
+            raise ValueError(f"WeightUpdateMeta.bucket_size_mb must be positive, got {self.bucket_size_mb}")
+        if self.type == "disk" and not self.path:
+            raise ValueError("WeightUpdateMeta.path is required for a 'disk' update")
+        if self.type == "collective":
+            if self.world_size < 2:
+                raise ValueError(
+                    f"WeightUpdateMeta.world_size must be >= 2 (trainer head + inference ranks), got {self.world_size}"
+                )
+            if not 0 < self.group_port < 65536:
+                raise ValueError(f"WeightUpdateMeta.group_port must be in 1..65535, got {self.group_port}")
+
+    def with_version(self, version: int) -> WeightUpdateMeta:
+        """A copy tagged with the version the update installs."""
+        return replace(self, version=version)
+
+    @classmethod
+    def from_disk(
+        cls,
+        path_root: str,
+        experiment_name: str | None = None,
+        trial_name: str | None = None,
+        bucket_size_mb: int = 512,
+    ) -> WeightUpdateMeta:
+        """Disk update under ``path_root[/experiment[/trial]]/weight_update``."""
+        parts = [p for p in (experiment_name, trial_name) if p]
+        path = os.path.join(path_root, *parts, "weight_update")
+        return cls(type="disk", path=path, bucket_size_mb=bucket_size_mb)
+
+    @classmethod
+    def from_fsdp_collective(
+        cls,
+        allocation_mode: AllocationMode,
+        group_addr: str | None = None,
+        group_port: int | None = None,
+        group_name: str = "tandemrl_weight_update",
+        bucket_size_mb: int = 512,
+        comm_backend: str | None = None,
+    ) -> WeightUpdateMeta:
+        """Collective update: 1 trainer head + every inference rank of ``allocation_mode.gen``.
+
+        Unset address/port pick this host's IP and a free port; unset ``comm_backend`` is
+        nccl when CUDA is available, else gloo.
+        """
+        gen = allocation_mode.gen
+        if gen is None:
+            raise ValueError(f"allocation_mode {allocation_mode} has no inference component for a collective update")
+        if comm_backend is None:
+            import torch
+
+            comm_backend = "nccl" if torch.cuda.is_available() else "gloo"
+        return cls(
+            type="collective",
+            bucket_size_mb=bucket_size_mb,
+            group_addr=group_addr or _host_ip(),
+            group_port=group_port or _free_port(),
+            group_name=group_name,
+            world_size=1 + gen.world_size,
+            comm_backend=comm_backend,
+        )
+
+
+def _host_ip() -> str:
+    """An address other hosts can reach this one at; loopback if resolution fails."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])

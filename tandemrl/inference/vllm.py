@@ -1,0 +1,229 @@
+"""vLLM (>= 0.32) request builder/parser: token-in/token-out over ``/inference/v1/generate``.
+
+Server side this needs ``--enable-scale-out`` (the generate route), ``VLLM_SERVER_DEV_MODE=1``
+(pause/resume, versions, ``/collective_rpc``) and the tandemrl worker extension, whose
+methods ``tandemrl_update_from_disk(path)``, ``tandemrl_init_weight_group(host, port,
+world_size, rank)`` and ``tandemrl_recv_weights(meta_json)`` the RPC calls below name.
+``/collective_rpc`` forwards only JSON strings, so every kwarg is sent as a string.
+
+Interruption: ``POST /pause?mode=abort`` makes in-flight requests return their partial
+tokens with ``finish_reason "abort"``; the client resubmits the prompt plus those tokens.
+Request metadata ``seed`` (int) and ``ignore_eos`` (bool) are forwarded when present.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import TYPE_CHECKING, Any
+
+from tandemrl.inference.backend import (
+    BadServerPayload,
+    TimeoutsMixin,
+    check_budget,
+    check_collective,
+    cli_flags,
+    int_list,
+    min_tokens_left,
+    parse_version_label,
+    require,
+    require_list,
+    server_error,
+)
+from tandemrl.inference.types import (
+    GenerateChunk,
+    HttpRequest,
+    ModelRequest,
+    ParamSpec,
+    StopReason,
+    VersionSpan,
+    WeightUpdateMeta,
+)
+
+if TYPE_CHECKING:
+    from tandemrl.engines.types import ParallelStrategy
+
+WORKER_EXTENSION = "tandemrl.inference.vllm_ext.TandemWorkerExtension"
+# vLLM finish reasons -> ours; "repetition" is the model ending itself, like a stop.
+_FINISH: dict[str, StopReason] = {"stop": "stop", "length": "length", "abort": "abort", "repetition": "stop"}
+# Flags server_command owns; passing them in `extra` would silently conflict.
+_FIXED_FLAGS = {
+    "model",
+    "host",
+    "port",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "data_parallel_size",
+    "enable_scale_out",
+}
+
+
+class VLLMBackend(TimeoutsMixin):
+    """Builds and parses vLLM HTTP calls."""
+
+    name = "vllm"
+
+    # ---- generation ----------------------------------------------------------------------
+
+    def build_generate(self, req: ModelRequest, output_so_far: list[int], remaining: int, version: int) -> HttpRequest:
+        """``version`` is not sent: vLLM labels tokens itself (see ``parse_generate``)."""
+        token_ids = check_budget(req, output_so_far, remaining, self.name)
+        g = req.gconfig
+        params: dict[str, Any] = {
+            "n": 1,
+            "max_tokens": remaining,
+            "min_tokens": min_tokens_left(req, output_so_far, remaining),
+            "temperature": 0.0 if g.greedy else g.temperature,
+            "top_p": 1.0 if g.greedy else g.top_p,
+            "top_k": 0 if g.greedy or g.top_k <= 0 else g.top_k,  # 0 disables top-k in vLLM
+            "stop_token_ids": list(g.stop_token_ids),
+            "frequency_penalty": g.frequency_penalty,
+            "logprobs": 0,  # the sampled token's logprob only
+            "detokenize": bool(g.stop),  # stop strings need text; otherwise skip the work
+        }
+        if g.stop:
+            params["stop"] = list(g.stop)
+        if req.metadata.get("seed") is not None:
+            params["seed"] = int(req.metadata["seed"])
+        if req.metadata.get("ignore_eos"):
+            params["ignore_eos"] = True
+        body = {"request_id": req.rid, "token_ids": token_ids, "sampling_params": params, "stream": False}
+        return HttpRequest("POST", "/inference/v1/generate", body, self.request_timeout)
+
+    def parse_generate(self, payload: dict[str, Any]) -> GenerateChunk:
+        server_error(payload, self.name)
+        choices = require_list(payload, "choices", self.name, "")
+        if not choices:
+            raise BadServerPayload(f"{self.name}: server reply has an empty 'choices' list")
+        choice = choices[0]
+        where = "choices[0]"
+        tokens = int_list(require_list(choice, "token_ids", self.name, where), f"{where}.token_ids", self.name)
+        reason = require(choice, "finish_reason", self.name, where)
+        if reason not in _FINISH:
+            raise BadServerPayload(f"{self.name}: unknown '{where}.finish_reason' {reason!r}")
+        logprobs = _logprobs(choice.get("logprobs"), tokens, where)
+        spans = _spans(choice.get("weight_versions"), where)
+        return GenerateChunk(tokens, logprobs, _FINISH[reason], spans)
+
+    # ---- control ---------------------------------------------------------------------------
+
+    def build_pause(self) -> HttpRequest:
+        return HttpRequest("POST", "/pause?mode=abort", None, self.control_timeout)
+
+    def build_resume(self) -> HttpRequest:
+        return HttpRequest("POST", "/resume", None, self.control_timeout)
+
+    def build_health(self) -> HttpRequest:
+        return HttpRequest("GET", "/health", None, self.control_timeout)
+
+    def build_version_get(self) -> HttpRequest:
+        return HttpRequest("GET", "/weight_info", None, self.control_timeout)
+
+    def parse_version(self, payload: dict[str, Any]) -> int | None:
+        server_error(payload, self.name)
+        return parse_version_label(require(payload, "weight_version", self.name, ""))
+
+    def build_set_version(self, version: int) -> HttpRequest:
+        return HttpRequest("POST", "/update_weight_version", {"new_version": str(version)}, self.control_timeout)
+
+    def build_abort_all(self) -> HttpRequest:
+        """The RL route aborts every in-flight request when ``request_ids`` is empty."""
+        return HttpRequest("POST", "/abort_requests", {}, self.control_timeout)
+
+    def build_flush_cache(self) -> HttpRequest:
+        return HttpRequest("POST", "/reset_prefix_cache", None, self.control_timeout)
+
+    # ---- weight updates --------------------------------------------------------------------
+
+    def build_update_from_disk(self, meta: WeightUpdateMeta) -> list[HttpRequest]:
+        """RPC load, drop the prefix cache, then (if ``meta.version`` is set) relabel the weights."""
+        if meta.type != "disk" or not meta.path:
+            raise ValueError(f"{self.name}: build_update_from_disk needs a 'disk' WeightUpdateMeta with a path")
+        steps = [self._rpc("tandemrl_update_from_disk", {"path": meta.path}), self.build_flush_cache()]
+        if meta.version is not None:
+            steps.append(self.build_set_version(meta.version))
+        return steps
+
+    def build_init_weight_group(self, meta: WeightUpdateMeta, rank_offset: int) -> HttpRequest:
+        """Each worker joins as rank ``rank_offset`` + its own local rank (tp/pp index)."""
+        check_collective(meta, rank_offset, self.name)
+        kwargs = {
+            "host": meta.group_addr,
+            "port": str(meta.group_port),
+            "world_size": str(meta.world_size),
+            "rank": str(rank_offset),
+        }
+        return self._rpc("tandemrl_init_weight_group", kwargs)
+
+    def build_update_from_collective(self, meta: WeightUpdateMeta, param_specs: list[ParamSpec]) -> HttpRequest:
+        if meta.type != "collective":
+            raise ValueError(f"{self.name}: build_update_from_collective needs a 'collective' WeightUpdateMeta")
+        if not param_specs:
+            raise ValueError(f"{self.name}: build_update_from_collective got no param_specs")
+        specs = [[p.name, p.dtype, [int(d) for d in p.shape]] for p in param_specs]
+        return self._rpc("tandemrl_recv_weights", {"meta_json": json.dumps(specs)})
+
+    def _rpc(self, method: str, kwargs: dict[str, str]) -> HttpRequest:
+        body = {"method": method, "kwargs": kwargs, "timeout": self.update_timeout}
+        return HttpRequest("POST", "/collective_rpc", body, self.update_timeout)
+
+    # ---- launching -------------------------------------------------------------------------
+
+    def server_command(
+        self, model_path: str, host: str, port: int, strategy: ParallelStrategy, extra: dict[str, Any]
+    ) -> list[str]:
+        """One OpenAI-compatible vLLM server; ``extra`` adds/overrides flags (``{"max_model_len": 512}``)."""
+        clash = sorted(k for k in extra if k.lstrip("-").replace("-", "_") in _FIXED_FLAGS)
+        if clash:
+            raise ValueError(f"{self.name}: server_command sets {clash} itself; remove them from 'extra'")
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path]
+        cmd += ["--host", host, "--port", str(port)]
+        cmd += ["--tensor-parallel-size", str(strategy.tp), "--pipeline-parallel-size", str(strategy.pp)]
+        if strategy.dp > 1:
+            cmd += ["--data-parallel-size", str(strategy.dp)]
+        cmd.append("--enable-scale-out")
+        defaults: dict[str, Any] = {
+            "logprobs_mode": "processed_logprobs",  # behaviour logprobs after temperature/top-k/top-p
+            "worker_extension_cls": WORKER_EXTENSION,
+            "dtype": "auto",
+            "seed": 0,
+        }
+        normalized = {k.lstrip("-").replace("-", "_"): v for k, v in extra.items()}
+        return cmd + cli_flags({**defaults, **normalized})
+
+    def server_env(self) -> dict[str, str]:
+        return {"VLLM_SERVER_DEV_MODE": "1"}
+
+
+def _logprobs(block: Any, tokens: list[int], where: str) -> list[float]:
+    """Sampled-token logprobs from ``logprobs.content``, checked against ``token_ids``."""
+    content = block.get("content") if isinstance(block, dict) else None
+    if content is None:
+        if not tokens:  # an abort before the first token may carry no logprobs block
+            return []
+        raise BadServerPayload(f"vllm: server reply is missing field '{where}.logprobs.content'")
+    if not isinstance(content, list) or len(content) != len(tokens):
+        got = len(content) if isinstance(content, list) else type(content).__name__
+        raise BadServerPayload(f"vllm: '{where}.logprobs.content' has {got} entries for {len(tokens)} token_ids")
+    out: list[float] = []
+    for i, (entry, tok) in enumerate(zip(content, tokens, strict=True)):
+        lp = require(entry, "logprob", "vllm", f"{where}.logprobs.content[{i}]")
+        if entry.get("token_id", tok) != tok:
+            raise BadServerPayload(
+                f"vllm: '{where}.logprobs.content[{i}].token_id' is {entry['token_id']}, token_ids has {tok}"
+            )
+        out.append(float(lp))
+    return out
+
+
+def _spans(raw: Any, where: str) -> list[VersionSpan] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise BadServerPayload(f"vllm: '{where}.weight_versions' must be a list, got {type(raw).__name__}")
+    spans = []
+    for i, s in enumerate(raw):
+        at = f"{where}.weight_versions[{i}]"
+        start, end = require(s, "start", "vllm", at), require(s, "end", "vllm", at)
+        spans.append(VersionSpan(parse_version_label(require(s, "version", "vllm", at)), int(start), int(end)))
+    return spans

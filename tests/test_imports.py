@@ -1,0 +1,18 @@
+"""`import tandemrl` stays light: heavy backends load only when used."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+HEAVY = ("megatron", "deepspeed", "vllm", "ray", "sglang")
+
+
+def test_import_leaves_heavy_backends_out() -> None:
+    code = (
+        "import sys, tandemrl, tandemrl.engines, tandemrl.configs, tandemrl.utils, tandemrl.data, tandemrl.models;"
+        "import tandemrl.engines.fsdp, tandemrl.actors.fsdp, tandemrl.utils.stats_tracker, tandemrl.utils.allocation;"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
