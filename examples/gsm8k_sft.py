@@ -6,8 +6,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import torch.distributed as dist
 from tqdm import tqdm
 
@@ -20,6 +18,7 @@ from tandemrl.models.hf import load_hf_tokenizer
 from tandemrl.models.resolve import resolve_model_path
 from tandemrl.utils import stats_tracker
 from tandemrl.utils.allocation import AllocationMode
+from tandemrl.utils.cli import run_main
 from tandemrl.utils.evaluator import Evaluator
 from tandemrl.utils.saver import Saver
 from tandemrl.utils.stats_logger import StatsLogger
@@ -96,4 +95,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_main(main)

@@ -71,3 +71,20 @@ def test_packed_forward_matches_separate_sequences(tiny_model_dir: str, tmp_path
     run_torchrun(WORKER, 2, ["resume", "--model", tiny_model_dir, "--out", tmp_path], env=ENV)
     resumed = torch.load(tmp_path / "resumed.pt")["losses"]
     assert resumed == res["losses"], "DCP resume must replay the next three losses bit-identically"
+
+
+def test_checkpointing_mixed_precision_and_nan_guard(tiny_model_dir: str, tmp_path: Path) -> None:
+    run_torchrun(WORKER, 2, ["variants", "--model", tiny_model_dir, "--out", tmp_path], env=ENV)
+    res = torch.load(tmp_path / "variants.pt")
+    plain, ckpt, bf16 = res["plain"], res["ckpt"], res["bf16"]
+    # Recomputing activations changes nothing numerically in fp32.
+    assert ckpt["stats"]["loss"] == pytest.approx(plain["stats"]["loss"], rel=1e-6)
+    assert _max_diff(ckpt["params"], plain["params"]) < 1e-6
+    # bf16 compute stays close to fp32 and keeps fp32 master weights.
+    assert bf16["stats"]["loss"] == pytest.approx(plain["stats"]["loss"], rel=2e-2)
+    assert all(v.dtype == torch.float32 for v in bf16["params"].values())
+    assert _max_diff(bf16["params"], plain["params"]) > 0
+    # A NaN gradient skips the step on every rank and is reported.
+    nan = res["nan"]
+    assert nan["stats"]["update_successful"] == 0.0
+    assert _max_diff(nan["after"], nan["before"]) == 0.0

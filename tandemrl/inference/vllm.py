@@ -3,7 +3,8 @@
 Server side this needs ``--enable-scale-out`` (the generate route), ``VLLM_SERVER_DEV_MODE=1``
 (pause/resume, versions, ``/collective_rpc``) and the tandemrl worker extension, whose
 methods ``tandemrl_update_from_disk(path)``, ``tandemrl_init_weight_group(host, port,
-world_size, rank)`` and ``tandemrl_recv_weights(meta_json)`` the RPC calls below name.
+world_size, rank, backend, timeout)`` and ``tandemrl_recv_weights(meta_json)`` the RPC
+calls below name.
 ``/collective_rpc`` forwards only JSON strings, so every kwarg is sent as a string.
 
 Interruption: ``POST /pause?mode=abort`` makes in-flight requests return their partial
@@ -152,10 +153,13 @@ class VLLMBackend(TimeoutsMixin):
             "port": str(meta.group_port),
             "world_size": str(meta.world_size),
             "rank": str(rank_offset),
+            "backend": meta.comm_backend,  # must match the trainer's side of the group
+            "timeout": str(self.update_timeout),
         }
         return self._rpc("tandemrl_init_weight_group", kwargs)
 
     def build_update_from_collective(self, meta: WeightUpdateMeta, param_specs: list[ParamSpec]) -> HttpRequest:
+        """One bucket, as the single-bucket ``[[name, dtype, shape], ...]`` JSON the extension reads."""
         if meta.type != "collective":
             raise ValueError(f"{self.name}: build_update_from_collective needs a 'collective' WeightUpdateMeta")
         if not param_specs:

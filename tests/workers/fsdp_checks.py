@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from tandemrl.actors.fsdp import FSDPLMEngine
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
+from tandemrl.engines.base import init_default_process_group
 from tandemrl.engines.types import FinetuneSpec, SaveLoadMeta
 
 VOCAB = 200
@@ -82,6 +83,38 @@ def checkpoint(args: argparse.Namespace) -> None:
         torch.save({"losses": losses, "logits": logits, "probe": probe}, os.path.join(args.out, "continued.pt"))
 
 
+def variants(args: argparse.Namespace) -> None:
+    """Gradient checkpointing, bf16 mixed precision and the NaN-gradient guard."""
+    init_default_process_group()
+    batch = rank_slice(make_batch(400))
+    out = {}
+    for tag, extra in {
+        "plain": {},
+        "ckpt": {"gradient_checkpointing": True},
+        "bf16": {"mixed_precision": "bfloat16"},
+    }.items():
+        cfg = TrainEngineConfig(path=args.model, optimizer=OptimizerConfig(lr=1e-4), **extra)
+        e = FSDPLMEngine(cfg)
+        e.create_process_group()
+        e.initialize(None, None)
+        stats = e.train_lm(batch)
+        out[tag] = {"stats": stats, "params": e.full_state_dict()}
+        e.destroy()
+    e = engine(args.model, MicroBatchSpec())
+    before = e.full_state_dict()
+
+    def nan_loss(logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        return logits.float().mean() * float("nan")
+
+    out["nan"] = {
+        "stats": e.train_batch(batch, nan_loss, lambda mb: 1.0),
+        "before": before,
+        "after": e.full_state_dict(),
+    }
+    if dist.get_rank() == 0:
+        torch.save(out, os.path.join(args.out, "variants.pt"))
+
+
 def resume(args: argparse.Namespace) -> None:
     """Fresh process: load the DCP checkpoint and replay the same three steps."""
     e = engine(args.model, MicroBatchSpec(n_mbs=2))
@@ -97,11 +130,11 @@ def resume(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["invariance", "checkpoint", "resume"])
+    p.add_argument("mode", choices=["invariance", "checkpoint", "resume", "variants"])
     p.add_argument("--model", required=True)
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--out", required=True)
     a = p.parse_args()
     torch.use_deterministic_algorithms(True)
-    {"invariance": invariance, "checkpoint": checkpoint, "resume": resume}[a.mode](a)
+    {"invariance": invariance, "checkpoint": checkpoint, "resume": resume, "variants": variants}[a.mode](a)
     dist.destroy_process_group()

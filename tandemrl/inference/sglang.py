@@ -1,0 +1,204 @@
+"""SGLang request builder/parser, written against SGLang's documented native HTTP API.
+
+Token-in/token-out via ``POST /generate`` with ``input_ids`` and ``return_logprob``;
+``/pause_generation`` (mode "abort": in-flight requests return partial output with
+``finish_reason.type == "abort"``) and ``/continue_generation`` bracket weight updates,
+which go through ``/update_weights_from_disk`` or ``/init_weights_update_group`` +
+``/update_weights_from_distributed``. Not exercised against a real SGLang server here
+(SGLang is not installed); the shapes follow SGLang's docs and ``io_struct.py``.
+Request metadata ``ignore_eos`` (bool) is forwarded when present.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
+from tandemrl.inference.backend import (
+    BadServerPayload,
+    TimeoutsMixin,
+    check_budget,
+    check_collective,
+    cli_flags,
+    int_list,
+    min_tokens_left,
+    parse_version_label,
+    require,
+    require_list,
+    server_error,
+)
+from tandemrl.inference.types import (
+    GenerateChunk,
+    HttpRequest,
+    ModelRequest,
+    ParamSpec,
+    StopReason,
+    VersionSpan,
+    WeightUpdateMeta,
+)
+
+if TYPE_CHECKING:
+    from tandemrl.engines.types import ParallelStrategy
+
+_FINISH: dict[str, StopReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+_FIXED_FLAGS = {"model_path", "host", "port", "tp_size", "dp_size", "pp_size"}
+
+
+class SGLangBackend(TimeoutsMixin):
+    """Builds and parses SGLang HTTP calls."""
+
+    name = "sglang"
+
+    # ---- generation ----------------------------------------------------------------------
+
+    def build_generate(self, req: ModelRequest, output_so_far: list[int], remaining: int, version: int) -> HttpRequest:
+        """``version`` is not sent: the reply's ``meta_info.weight_version`` labels the chunk."""
+        input_ids = check_budget(req, output_so_far, remaining, self.name)
+        g = req.gconfig
+        params: dict[str, Any] = {
+            "max_new_tokens": remaining,
+            "min_new_tokens": min_tokens_left(req, output_so_far, remaining),
+            "temperature": 0.0 if g.greedy else g.temperature,
+            "top_p": 1.0 if g.greedy else g.top_p,
+            "top_k": 1 if g.greedy else (g.top_k if g.top_k > 0 else -1),  # -1 disables top-k
+            "stop_token_ids": list(g.stop_token_ids),
+            "frequency_penalty": g.frequency_penalty,
+        }
+        if g.stop:
+            params["stop"] = list(g.stop)
+        if req.metadata.get("ignore_eos"):
+            params["ignore_eos"] = True
+        body = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True, "stream": False}
+        return HttpRequest("POST", "/generate", body, self.request_timeout)
+
+    def parse_generate(self, payload: dict[str, Any]) -> GenerateChunk:
+        if isinstance(payload, list):  # a batch reply; we only ever send one prompt
+            if len(payload) != 1:
+                raise BadServerPayload(f"{self.name}: expected one generate result, got a list of {len(payload)}")
+            payload = payload[0]
+        server_error(payload, self.name)
+        meta = require(payload, "meta_info", self.name, "")
+        finish = require(meta, "finish_reason", self.name, "meta_info")
+        kind = require(finish, "type", self.name, "meta_info.finish_reason")
+        if kind not in _FINISH:
+            raise BadServerPayload(f"{self.name}: unknown 'meta_info.finish_reason.type' {kind!r}")
+        ids = payload.get("output_ids")
+        ids = None if ids is None else int_list(ids, "output_ids", self.name)
+        if ids == [] and meta.get("output_token_logprobs") is None:
+            triples: list[Any] = []  # an abort before the first token may carry no logprobs
+        else:
+            triples = require_list(meta, "output_token_logprobs", self.name, "meta_info")
+        tokens, logprobs = _split_triples(triples)
+        if ids is not None and ids != tokens:
+            raise BadServerPayload(
+                f"{self.name}: 'output_ids' ({len(ids)} tokens) disagree with "
+                f"'meta_info.output_token_logprobs' ({len(tokens)} tokens)"
+            )
+        spans = None
+        if meta.get("weight_version") is not None:
+            spans = [VersionSpan(parse_version_label(meta["weight_version"]), 0, len(tokens))]
+        return GenerateChunk(tokens, logprobs, _FINISH[kind], spans)
+
+    # ---- control ---------------------------------------------------------------------------
+
+    def build_pause(self) -> HttpRequest:
+        return HttpRequest("POST", "/pause_generation", {"mode": "abort"}, self.control_timeout)
+
+    def build_resume(self) -> HttpRequest:
+        return HttpRequest("POST", "/continue_generation", {}, self.control_timeout)
+
+    def build_health(self) -> HttpRequest:
+        return HttpRequest("GET", "/health", None, self.control_timeout)
+
+    def build_version_get(self) -> HttpRequest:
+        return HttpRequest("GET", "/get_model_info", None, self.control_timeout)
+
+    def parse_version(self, payload: dict[str, Any]) -> int | None:
+        server_error(payload, self.name)
+        return parse_version_label(require(payload, "weight_version", self.name, ""))
+
+    def build_set_version(self, version: int) -> HttpRequest:
+        """Relabel only: the pause already returned in-flight requests, so abort nothing."""
+        body = {"new_version": str(version), "abort_all_requests": False}
+        return HttpRequest("POST", "/update_weight_version", body, self.control_timeout)
+
+    def build_abort_all(self) -> HttpRequest:
+        return HttpRequest("POST", "/abort_request", {"abort_all": True}, self.control_timeout)
+
+    def build_flush_cache(self) -> HttpRequest:
+        return HttpRequest("POST", "/flush_cache", None, self.control_timeout)
+
+    # ---- weight updates --------------------------------------------------------------------
+
+    def build_update_from_disk(self, meta: WeightUpdateMeta) -> list[HttpRequest]:
+        """Load (SGLang flushes its cache itself), then relabel if ``meta.version`` is set."""
+        if meta.type != "disk" or not meta.path:
+            raise ValueError(f"{self.name}: build_update_from_disk needs a 'disk' WeightUpdateMeta with a path")
+        steps = [HttpRequest("POST", "/update_weights_from_disk", {"model_path": meta.path}, self.update_timeout)]
+        if meta.version is not None:
+            steps.append(self.build_set_version(meta.version))
+        return steps
+
+    def build_init_weight_group(self, meta: WeightUpdateMeta, rank_offset: int) -> HttpRequest:
+        check_collective(meta, rank_offset, self.name)
+        body = {
+            "master_address": meta.group_addr,
+            "master_port": meta.group_port,
+            "rank_offset": rank_offset,
+            "world_size": meta.world_size,
+            "group_name": meta.group_name,
+            "backend": meta.comm_backend,
+        }
+        return HttpRequest("POST", "/init_weights_update_group", body, self.update_timeout)
+
+    def build_update_from_collective(self, meta: WeightUpdateMeta, param_specs: list[ParamSpec]) -> HttpRequest:
+        if meta.type != "collective":
+            raise ValueError(f"{self.name}: build_update_from_collective needs a 'collective' WeightUpdateMeta")
+        if not param_specs:
+            raise ValueError(f"{self.name}: build_update_from_collective got no param_specs")
+        body: dict[str, Any] = {
+            "names": [p.name for p in param_specs],
+            "dtypes": [p.dtype for p in param_specs],
+            "shapes": [[int(d) for d in p.shape] for p in param_specs],
+            "group_name": meta.group_name,
+            "flush_cache": True,
+        }
+        if meta.version is not None:
+            body["weight_version"] = str(meta.version)
+        return HttpRequest("POST", "/update_weights_from_distributed", body, self.update_timeout)
+
+    # ---- launching -------------------------------------------------------------------------
+
+    def server_command(
+        self, model_path: str, host: str, port: int, strategy: ParallelStrategy, extra: dict[str, Any]
+    ) -> list[str]:
+        """One SGLang server; ``extra`` adds flags (``{"mem_fraction_static": 0.8}``)."""
+        normalized = {k.lstrip("-").replace("-", "_"): v for k, v in extra.items()}
+        clash = sorted(k for k in normalized if k in _FIXED_FLAGS)
+        if clash:
+            raise ValueError(f"{self.name}: server_command sets {clash} itself; remove them from 'extra'")
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path]
+        cmd += ["--host", host, "--port", str(port), "--tp-size", str(strategy.tp), "--dp-size", str(strategy.dp)]
+        if strategy.pp > 1:
+            cmd += ["--pp-size", str(strategy.pp)]
+        return cmd + cli_flags(normalized)
+
+    def server_env(self) -> dict[str, str]:
+        return {}
+
+
+def _split_triples(triples: list[Any]) -> tuple[list[int], list[float]]:
+    """``[[logprob, token_id, text], ...]`` -> (token ids, logprobs)."""
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    for i, t in enumerate(triples):
+        if not isinstance(t, list | tuple) or len(t) < 2:
+            raise BadServerPayload(
+                f"sglang: 'meta_info.output_token_logprobs[{i}]' must be [logprob, token_id, text], got {t!r}"
+            )
+        lp, tok = t[0], t[1]
+        if lp is None or not isinstance(tok, int) or isinstance(tok, bool):
+            raise BadServerPayload(f"sglang: 'meta_info.output_token_logprobs[{i}]' has a bad entry {t!r}")
+        tokens.append(tok)
+        logprobs.append(float(lp))
+    return tokens, logprobs
