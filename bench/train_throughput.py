@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=2, help="Tiny model layers.")
     ap.add_argument("--batch-size", type=int, default=32, help="Global batch (sequences per step).")
     ap.add_argument("--warmup", type=int, default=2, help="Untimed steps per method.")
-    ap.add_argument("--steps", type=int, default=6, help="Timed steps per method.")
+    ap.add_argument("--steps", type=int, default=5, help="Timed steps per method.")
     ap.add_argument(
         "--max-tokens-per-mb", type=int, default=None, help="Packed path token budget per micro-batch (default: one)."
     )
@@ -110,7 +110,13 @@ def resolve_model(a: argparse.Namespace) -> str:
 
     heads = a.hidden // HEAD_DIM
     return ensure_tiny_model(
-        cache_dir(), "qwen2", corpus_path=a.data, hidden=a.hidden, layers=a.layers, heads=heads, intermediate=2 * a.hidden
+        cache_dir(),
+        "qwen2",
+        corpus_path=a.data,
+        hidden=a.hidden,
+        layers=a.layers,
+        heads=heads,
+        intermediate=2 * a.hidden,
     )
 
 
@@ -146,7 +152,9 @@ def build_engine(cls: type[FSDPLMEngine], model: str, a: argparse.Namespace, n_s
     )
     e = cls(cfg)
     e.create_process_group()
-    e.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=n_steps * a.batch_size, train_batch_size=a.batch_size))
+    e.initialize(
+        None, FinetuneSpec(total_train_epochs=1, dataset_size=n_steps * a.batch_size, train_batch_size=a.batch_size)
+    )
     return e
 
 
@@ -171,6 +179,16 @@ def global_sum(value: int) -> int:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
     return int(t.item())
+
+
+def all_lengths(batches: list[TensorDict]) -> list[int]:
+    """Sequence lengths of these batches on every rank (for the length summary)."""
+    mine = [int(n) for b in batches for n in b["attention_mask"].sum(1)]
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return mine
+    parts: list[list[int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return [n for part in parts for n in (part or [])]
 
 
 def run(a: argparse.Namespace) -> None:
@@ -202,7 +220,7 @@ def run(a: argparse.Namespace) -> None:
     timed = batches[a.warmup :]
     real = global_sum(sum(int(b["attention_mask"].sum()) for b in timed))
     slots = global_sum(sum(b["attention_mask"].numel() for b in timed))
-    lens = torch.cat([b["attention_mask"].sum(1) for b in timed]).float()
+    lens = torch.tensor(all_lengths(timed), dtype=torch.float32)
     n_params = sum(p.numel() for p in engines["packed"].model.parameters())  # DTensor numel is global
     if rank != 0:
         return
@@ -215,7 +233,7 @@ def run(a: argparse.Namespace) -> None:
         f"world={world} OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} "
         f"torch_threads={torch.get_num_threads()} batch={a.batch_size} warmup={a.warmup} steps={a.steps} "
         f"max_tokens_per_mb={a.max_tokens_per_mb}\n"
-        f"GSM8K lengths (rank 0 sample): mean={lens.mean():.0f} max={lens.max():.0f} min={lens.min():.0f}; "
+        f"GSM8K lengths (timed batches): mean={lens.mean():.0f} max={lens.max():.0f} min={lens.min():.0f}; "
         f"padded-token fraction={1 - real / slots:.3f}\n"
     )
     print(f"{'method':<8} {'tokens/s (non-pad)':>19} {'ms/step':>9} {'pad frac':>9} {'final loss':>11}")
