@@ -48,3 +48,20 @@ def tiny_moe_dir(gsm8k_dir: str) -> str:
     from tandemrl.models.make_tiny import ensure_tiny_model
 
     return ensure_tiny_model(tiny_model_cache_dir(), "qwen3_moe", corpus_path=gsm8k_dir)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
+    """ONE real vLLM server on the tiny model for the whole session (~100-200 s to start).
+
+    Yields a `vllm_server.VLLMTestServer`; tests must leave it with the original weights
+    and unpaused. Its log is under the session's tmp dir (path in `.proc.log_file`).
+    """
+    from vllm_server import start_vllm_server
+
+    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    server = start_vllm_server(tiny_model_dir, str(log))
+    try:
+        yield server
+    finally:
+        server.proc.stop()

@@ -49,6 +49,10 @@ class GRPOConfig(BaseExperimentConfig):
     """GRPO and its critic-free variants."""
 
     async_training: bool = field(default=True, metadata={"help": "Overlap rollout and training (prepare_batch)."})
+    weight_update_mode: str = field(
+        default="collective",
+        metadata={"help": "How new weights reach the servers.", "choices": ["collective", "disk"]},
+    )
     gconfig: GenerationHyperparameters = field(default_factory=GenerationHyperparameters)
     rollout: InferenceEngineConfig = field(default_factory=InferenceEngineConfig)
     actor: PPOActorConfig = field(default_factory=PPOActorConfig)

@@ -44,8 +44,18 @@ class InferenceEngineConfig:
         default=0, metadata={"help": "Max versions a sample may lag the trainer; 0 is synchronous RL."}
     )
     enable_rollout_tracing: bool = field(default=False, metadata={"help": "Log each rollout's lifecycle."})
+    workflow_error_policy: str = field(
+        default="raise",
+        metadata={
+            "help": "A workflow exception: 'raise' re-raises it in the trainer's next wait(); 'drop' counts and skips it.",
+            "choices": ["raise", "drop"],
+        },
+    )
     request_timeout: float = field(default=3600.0, metadata={"help": "Seconds before a generation request fails."})
     request_retries: int = field(default=3, metadata={"help": "Retries (with failover) per request."})
+    request_backoff: float = field(
+        default=0.5, metadata={"help": "Seconds before a request's first retry; doubles on each further retry."}
+    )
     setup_timeout: float = field(default=300.0, metadata={"help": "Seconds to wait for servers to become healthy."})
     server_addrs: list[str] = field(
         default_factory=list, metadata={"help": "host:port of servers; empty reads the launcher's environment."}

@@ -10,15 +10,18 @@ from __future__ import annotations
 import math
 import os
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tandemrl.configs.engine import OptimizerConfig, TrainEngineConfig
 from tandemrl.engines.api import LossFn, LossWeightFn, PostHook, TrainEngine
+from tandemrl.engines.rollout_link import RolloutClient, RolloutLink
 from tandemrl.engines.types import FinetuneSpec, SaveLoadMeta, TensorDict
+from tandemrl.inference.types import ParamSpec, WeightUpdateMeta
 from tandemrl.utils import stats_tracker
 from tandemrl.utils.packing import MicroBatches, pack_groups, plan_padded_batch, unpack_to_padded
 
@@ -293,3 +296,46 @@ class BaseTrainEngine(TrainEngine):
 
     def export_stats(self) -> dict[str, float]:
         return stats_tracker.export_all(reduce_group=self.data_parallel_group)
+
+    # ---------------------------------------------------------------- rollout
+    @abstractmethod
+    def hf_param_specs(self) -> list[ParamSpec]:
+        """HF names, full shapes and dtypes of the weights, in ``iter_hf_params`` order."""
+
+    @abstractmethod
+    def iter_hf_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective: full (unsharded) HF-named weights, one at a time, on every rank."""
+
+    def broadcast_in_model_parallel_group(self, batch: TensorDict | None) -> TensorDict:
+        """Give the DP head's rollout batch to the other ranks of its replica (TP/PP backends)."""
+        assert batch is not None
+        return batch
+
+    def connect_engine(self, rollout: RolloutClient, meta: WeightUpdateMeta | None = None) -> None:
+        """Attach an inference client: enables rollout_batch/prepare_batch/update_weights."""
+        self._link = RolloutLink(self, rollout, meta)
+
+    def _require_link(self, what: str) -> RolloutLink:
+        link = getattr(self, "_link", None)
+        if link is None:
+            raise RuntimeError(f"{type(self).__name__}.{what}() needs connect_engine(rollout, meta) first")
+        return link
+
+    def rollout_batch(
+        self, data: list[dict[str, Any]], workflow: Any, should_accept_fn: Any = None, granularity: int = 1
+    ) -> TensorDict:
+        """Synchronous rollout of this rank's prompts, then DP redistribution (groups kept whole)."""
+        return self._require_link("rollout_batch").rollout_batch(data, workflow, should_accept_fn, granularity)
+
+    def prepare_batch(
+        self, dataloader: Any, workflow: Any, should_accept_fn: Any = None, granularity: int = 1
+    ) -> TensorDict:
+        """Asynchronous rollout (bounded staleness), then DP redistribution (groups kept whole)."""
+        return self._require_link("prepare_batch").prepare_batch(dataloader, workflow, should_accept_fn, granularity)
+
+    def update_weights(self, meta: WeightUpdateMeta | None = None) -> None:
+        """Collective: push current weights to the servers (disk or bucketed broadcast).
+
+        The servers label the new weights ``meta.version``, or ``get_version() + 1``.
+        """
+        self._require_link("update_weights").update_weights(meta)

@@ -1,0 +1,560 @@
+"""Client of a fleet of remote inference servers: generation, pause/resume, weight updates.
+
+``RemoteInfEngine`` runs on every trainer process. It finds the servers (explicit list,
+``InferenceEngineConfig.server_addrs`` or the launcher's ``TANDEMRL_LLM_SERVER_ADDRS``),
+routes each generation call to one of them, and survives the two things that interrupt
+a generation: a weight update (the server aborts in-flight requests and the client
+resubmits prompt + partial output once generation resumes) and a server dying (the
+partial output is resubmitted to another server). Requests are built and parsed by an
+``InferenceBackend`` and sent by the shared client in ``tandemrl.inference.http``.
+
+Rollout orchestration lives in ``WorkflowExecutor``, created by ``initialize``. Its
+trainer-facing methods ``submit``, ``wait``, ``rollout_batch``, ``prepare_batch``,
+``pause`` and ``resume`` are exposed on the engine as ``_ExecutorMethod`` class
+attributes: each resolves to the same-named bound method of ``engine.executor``, keeps
+that method's signature for type checkers and its docstring, and raises a clear error
+before ``initialize``. Anything else of the executor is reached as ``engine.executor``.
+Note ``pause``/``resume`` (stop/restart *launching* episodes) differ from
+``pause_generation``/``continue_generation`` (stop/restart the *servers*).
+
+Servers: sticky per ``ModelRequest.rid`` (samples and turns of one prompt reuse one
+server's KV cache), otherwise round-robin. A server whose request still fails after
+``request_retries`` retries is marked dead for the engine's lifetime (after the next
+weight update its weights would be stale anyway) and its requests fail over; when no
+server is left, calls raise ``ServerUnavailableError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import math
+import os
+import threading
+import time
+import typing
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, Concatenate, Generic, TypeVar, overload
+
+from tandemrl.configs.rollout import InferenceEngineConfig
+from tandemrl.inference.backend import InferenceBackend
+from tandemrl.inference.http import HttpClient, InferenceServerError, shared_client
+from tandemrl.inference.types import HttpRequest, ModelRequest, ModelResponse, ParamSpec, StopReason, WeightUpdateMeta
+from tandemrl.workflows.executor import WorkflowExecutor
+
+logger = logging.getLogger(__name__)
+
+SERVER_ADDRS_ENV = "TANDEMRL_LLM_SERVER_ADDRS"  # comma-separated host:port list the launcher exports
+
+_P = typing.ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+class ServerUnavailableError(RuntimeError):
+    """No inference server can take the call (none healthy at setup, or all marked dead)."""
+
+
+# ----------------------------------------------------------------------------- servers
+
+
+def parse_server_addrs(addrs: list[str], source: str) -> list[str]:
+    """``addrs`` after checking each is ``host:port``; the one-line error names ``source``."""
+    out: list[str] = []
+    for raw in addrs:
+        addr = str(raw).strip()
+        host, sep, port = addr.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{source}: bad inference server address {raw!r} (expected host:port)")
+        if addr in out:
+            raise ValueError(f"{source}: inference server {addr!r} is listed twice")
+        out.append(addr)
+    return out
+
+
+class ServerPool:
+    """Which server a request goes to, and which servers are dead (thread-safe)."""
+
+    def __init__(self, addrs: list[str], max_sticky: int = 100_000) -> None:
+        if not addrs:
+            raise ValueError("ServerPool needs at least one server address")
+        self.addrs = list(addrs)
+        self._dead: dict[str, str] = {}  # addr -> why
+        self._sticky: OrderedDict[str, str] = OrderedDict()  # rid -> addr, oldest first
+        self._max_sticky = max_sticky
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def live(self) -> list[str]:
+        with self._lock:
+            return [a for a in self.addrs if a not in self._dead]
+
+    def dead(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._dead)
+
+    def is_dead(self, addr: str) -> bool:
+        with self._lock:
+            return addr in self._dead
+
+    def mark_dead(self, addr: str, why: str) -> None:
+        with self._lock:
+            if addr not in self._dead:
+                self._dead[addr] = why
+                logger.warning("inference server %s marked dead: %s", addr, why)
+
+    def choose(self, rid: str | None) -> str:
+        """The live server ``rid`` used last, else the next live one round-robin."""
+        with self._lock:
+            if rid is not None:
+                addr = self._sticky.get(rid)
+                if addr is not None and addr not in self._dead:
+                    self._sticky.move_to_end(rid)
+                    return addr
+            n = len(self.addrs)
+            for i in range(n):
+                addr = self.addrs[(self._next + i) % n]
+                if addr not in self._dead:
+                    self._next = (self._next + i + 1) % n
+                    break
+            else:
+                raise ServerUnavailableError(self.all_dead_message())
+            if rid is not None:
+                self._sticky[rid] = addr
+                self._sticky.move_to_end(rid)
+                while len(self._sticky) > self._max_sticky:
+                    self._sticky.popitem(last=False)
+            return addr
+
+    def all_dead_message(self) -> str:
+        why = "; ".join(f"{a} ({self._dead[a]})" for a in self.addrs)
+        return f"all {len(self.addrs)} inference servers are marked dead: {why}"
+
+
+# --------------------------------------------------------------------- executor forwarding
+
+
+class _ExecutorMethod(Generic[_P, _R]):
+    """Class attribute resolving to the same-named method of the instance's ``executor``."""
+
+    def __init__(self, method: Callable[Concatenate[WorkflowExecutor, _P], _R]) -> None:
+        self.name = method.__name__
+        self.__doc__ = method.__doc__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        if name != self.name:
+            raise TypeError(f"{owner.__name__}.{name} must forward WorkflowExecutor.{name}, not .{self.name}")
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> _ExecutorMethod[_P, _R]: ...
+
+    @overload
+    def __get__(self, obj: RemoteInfEngine, owner: type) -> Callable[_P, _R]: ...
+
+    def __get__(self, obj: RemoteInfEngine | None, owner: type) -> Any:
+        if obj is None:
+            return self
+        return getattr(obj.executor, self.name)
+
+
+# ------------------------------------------------------------------------------ engine
+
+
+class RemoteInfEngine:
+    """Generation client of remote inference servers; see the module docstring."""
+
+    # Forwarded to the WorkflowExecutor (see the module docstring).
+    submit = _ExecutorMethod(WorkflowExecutor.submit)
+    wait = _ExecutorMethod(WorkflowExecutor.wait)
+    rollout_batch = _ExecutorMethod(WorkflowExecutor.rollout_batch)
+    prepare_batch = _ExecutorMethod(WorkflowExecutor.prepare_batch)
+    pause = _ExecutorMethod(WorkflowExecutor.pause)
+    resume = _ExecutorMethod(WorkflowExecutor.resume)
+    export_stats = _ExecutorMethod(WorkflowExecutor.export_stats)
+
+    # After an "abort" (a pause for a weight update), wait this long before resubmitting.
+    abort_retry_delay = 0.1
+    # How often a generation waiting for the servers to resume re-checks.
+    pause_poll_interval = 0.05
+
+    def __init__(
+        self, config: InferenceEngineConfig, backend: InferenceBackend, http_client: HttpClient | None = None
+    ) -> None:
+        if config.request_retries < 0:
+            raise ValueError(f"InferenceEngineConfig.request_retries must be >= 0, got {config.request_retries}")
+        if config.request_backoff < 0:
+            raise ValueError(f"InferenceEngineConfig.request_backoff must be >= 0, got {config.request_backoff}")
+        if config.setup_timeout <= 0:
+            raise ValueError(f"InferenceEngineConfig.setup_timeout must be positive, got {config.setup_timeout}")
+        self.config = config
+        self.backend = backend
+        self._http_client = http_client
+        self._pool: ServerPool | None = None
+        self._executor: WorkflowExecutor | None = None
+        self._version = 0
+        self._state_lock = threading.Lock()
+        self._user_paused = False  # pause_generation() without continue_generation()
+        self._updates_running = 0  # weight updates holding the servers paused
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def http(self) -> HttpClient:
+        return self._http_client if self._http_client is not None else shared_client()
+
+    @property
+    def pool(self) -> ServerPool:
+        if self._pool is None:
+            raise RuntimeError(f"{type(self).__name__}: call initialize() first")
+        return self._pool
+
+    @property
+    def addresses(self) -> list[str]:
+        return list(self.pool.addrs)
+
+    @property
+    def executor(self) -> WorkflowExecutor:
+        if self._executor is None:
+            raise RuntimeError(f"{type(self).__name__} has no WorkflowExecutor; call initialize() first")
+        return self._executor
+
+    def initialize(self, addrs: list[str] | None = None) -> None:
+        """Find the servers, wait until all are healthy, start the rollout executor."""
+        if self._pool is not None:
+            raise RuntimeError(f"{type(self).__name__} is already initialized")
+        found = self._discover(addrs)
+        self.http.run_sync(self._wait_healthy(found))
+        self._pool = ServerPool(found)
+        executor = WorkflowExecutor(self.config, self)
+        executor.initialize()
+        self._executor = executor
+        logger.info("%s: %d %s server(s): %s", type(self).__name__, len(found), self.backend.name, ", ".join(found))
+
+    def destroy(self) -> None:
+        """Stop the executor and forget the servers (the shared HTTP client stays up)."""
+        if self._executor is not None:
+            self._executor.destroy()
+            self._executor = None
+        self._pool = None
+
+    def _discover(self, addrs: list[str] | None) -> list[str]:
+        if addrs:
+            return parse_server_addrs(list(addrs), "initialize(addrs=...)")
+        if self.config.server_addrs:
+            return parse_server_addrs(list(self.config.server_addrs), "InferenceEngineConfig.server_addrs")
+        env = os.environ.get(SERVER_ADDRS_ENV, "")
+        found = [a for a in env.split(",") if a.strip()]
+        if not found:
+            raise ValueError(
+                "no inference servers: pass initialize(addrs=[...]), set InferenceEngineConfig.server_addrs, "
+                f"or export {SERVER_ADDRS_ENV}=host:port[,host:port...]"
+            )
+        return parse_server_addrs(found, f"${SERVER_ADDRS_ENV}")
+
+    async def _wait_healthy(self, addrs: list[str]) -> None:
+        timeout = self.config.setup_timeout
+        deadline = time.monotonic() + timeout
+        health = self.backend.build_health()
+        pending = list(addrs)
+        last: dict[str, str] = {}
+
+        async def probe(addr: str) -> bool:
+            left = max(0.1, min(5.0, deadline - time.monotonic()))
+            try:
+                await self.http.send(addr, dataclasses.replace(health, timeout=left))
+                return True
+            except InferenceServerError as e:
+                last[addr] = e.detail
+                return False
+
+        while True:
+            ok = await asyncio.gather(*(probe(a) for a in pending))
+            pending = [a for a, good in zip(pending, ok, strict=True) if not good]
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                why = "; ".join(f"{a} ({health.method} {health.path}: {last.get(a, 'no reply')})" for a in pending)
+                raise ServerUnavailableError(
+                    f"{len(pending)} of {len(addrs)} {self.backend.name} servers not healthy within "
+                    f"InferenceEngineConfig.setup_timeout={timeout:g}s: {why}"
+                )
+            await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
+    # ------------------------------------------------------------------ versions
+    def get_version(self) -> int:
+        return self._version
+
+    def set_version(self, version: int, sync_servers: bool = False) -> None:
+        """Set the weight version stamped on tokens the servers leave unlabelled.
+
+        ``sync_servers`` also relabels the servers' current weights (a weight update whose
+        ``meta.version`` is set does that itself).
+        """
+        self._version = int(version)
+        if sync_servers:
+            self.http.run_sync(self._broadcast(self.backend.build_set_version(self._version)))
+        if self._executor is not None:
+            self._executor.set_version(self._version)  # wakes its launch loop
+
+    # ------------------------------------------------------------------ generation
+    def generation_paused(self) -> bool:
+        """True while the servers are (being) paused by this engine."""
+        with self._state_lock:
+            return self._user_paused or self._updates_running > 0
+
+    async def _wait_until_generating(self) -> None:
+        while self.generation_paused():
+            await asyncio.sleep(self.pause_poll_interval)
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        """Continue ``req.input_ids`` by up to ``gconfig.max_new_tokens`` tokens (one sample).
+
+        Interrupted calls ("abort") are resubmitted with the output so far and the budget
+        left, after the servers resume; a dead server's partial state goes to another one.
+        Tokens a server leaves unlabelled get the engine version at the time of the call.
+        """
+        max_new = req.gconfig.max_new_tokens
+        if max_new < 1:
+            raise ValueError(f"ModelRequest {req.rid}: gconfig.max_new_tokens must be >= 1, got {max_new}")
+        pool = self.pool
+        start = time.perf_counter()
+        ttft = math.inf
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        stop: StopReason = "abort"
+        interrupted = False
+        addr = pool.choose(req.rid)
+        while True:
+            remaining = max_new - len(tokens)
+            if remaining <= 0:
+                stop = "length"
+                break
+            if interrupted:  # let the weight update that aborted us get going first
+                await asyncio.sleep(self.abort_retry_delay)
+            await self._wait_until_generating()
+            version = self.get_version()
+            call = self.backend.build_generate(req, tokens, remaining, version)
+            try:
+                payload = await self.http.send(
+                    addr, call, retries=self.config.request_retries, backoff=self.config.request_backoff
+                )
+            except InferenceServerError as e:
+                if not e.retryable:
+                    raise
+                pool.mark_dead(addr, f"{call.method} {call.path}: {e.detail}")
+                addr = pool.choose(req.rid)
+                logger.warning("request %s: failing over to %s with %d tokens so far", req.rid, addr, len(tokens))
+                interrupted = False
+                continue
+            chunk = self.backend.parse_generate(payload)
+            if chunk.output_tokens and ttft == math.inf:
+                ttft = time.perf_counter() - start
+            tokens += chunk.output_tokens
+            logprobs += chunk.output_logprobs
+            versions += chunk.token_versions(fallback=version)
+            stop = chunk.stop_reason
+            if stop != "abort":
+                break
+            interrupted = True
+        return ModelResponse(
+            input_tokens=list(req.input_ids),
+            output_tokens=tokens,
+            output_logprobs=logprobs,
+            output_versions=versions,
+            stop_reason=stop,
+            latency=time.perf_counter() - start,
+            ttft=ttft,
+        )
+
+    # ------------------------------------------------------------------ control
+    async def _broadcast(self, req: HttpRequest) -> None:
+        """Send a control request to every live server; unreachable ones are marked dead."""
+        pool = self.pool
+        live = pool.live()
+        results = await asyncio.gather(
+            *(
+                self.http.send(a, req, retries=self.config.request_retries, backoff=self.config.request_backoff)
+                for a in live
+            ),
+            return_exceptions=True,
+        )
+        for addr, result in zip(live, results, strict=True):
+            if isinstance(result, InferenceServerError) and result.retryable:
+                pool.mark_dead(addr, f"{req.method} {req.path}: {result.detail}")
+            elif isinstance(result, BaseException):
+                raise result
+        if not pool.live():
+            raise ServerUnavailableError(pool.all_dead_message())
+
+    def pause_generation(self) -> None:
+        """Pause every server: in-flight requests return partial output, new ones wait."""
+        with self._state_lock:
+            self._user_paused = True
+        self.http.run_sync(self._broadcast(self.backend.build_pause()))
+
+    def continue_generation(self) -> None:
+        """Undo ``pause_generation`` (servers stay paused while a weight update runs)."""
+        with self._state_lock:
+            self._user_paused = False
+            resume = self._updates_running == 0
+        if resume:
+            self.http.run_sync(self._broadcast(self.backend.build_resume()))
+
+    # ------------------------------------------------------------------ weight updates
+    def update_weights_from_disk(self, meta: WeightUpdateMeta) -> concurrent.futures.Future[None]:
+        """Load the HF checkpoint at ``meta.path`` into every live server, in the background.
+
+        Call it once the trainer has finished writing ``meta.path``. The servers are paused
+        for the update and resumed afterwards; with ``meta.version`` set, the servers'
+        weights are relabelled and the engine's version becomes ``meta.version`` before
+        they resume. A dead server is skipped (it never comes back).
+        """
+        if meta.type != "disk":
+            raise ValueError(f"update_weights_from_disk needs a 'disk' WeightUpdateMeta, got type {meta.type!r}")
+        steps = self.backend.build_update_from_disk(meta)
+        plan = {addr: list(steps) for addr in self.pool.live()}
+        return self._start_update(plan, meta.version, pause=True)
+
+    def init_weights_update_group(self, meta: WeightUpdateMeta) -> concurrent.futures.Future[None]:
+        """Ask every server to join the trainer's weight-update group, in the background.
+
+        The servers' ranks are ``1..meta.world_size-1``, split evenly in server order; the
+        calls block until the trainer (rank 0) joins too, so create rank 0 after this.
+        """
+        addrs = self._all_servers_for_collective("init_weights_update_group", meta)
+        per_server = (meta.world_size - 1) // len(addrs)
+        plan = {a: [self.backend.build_init_weight_group(meta, 1 + i * per_server)] for i, a in enumerate(addrs)}
+        return self._start_update(plan, None, pause=False)
+
+    def update_weights_from_distributed(
+        self, meta: WeightUpdateMeta, param_specs_per_bucket: list[list[ParamSpec]]
+    ) -> concurrent.futures.Future[None]:
+        """Receive the trainer's broadcast buckets on every server, in the background.
+
+        The trainer broadcasts the buckets in this order while the future runs. The
+        servers are paused, receive, drop stale KV cache, get relabelled (``meta.version``)
+        and are resumed, as in ``update_weights_from_disk``.
+        """
+        addrs = self._all_servers_for_collective("update_weights_from_distributed", meta)
+        if not param_specs_per_bucket or not all(param_specs_per_bucket):
+            raise ValueError("update_weights_from_distributed: param_specs_per_bucket must hold non-empty buckets")
+        steps = [self.backend.build_update_from_collective(meta, bucket) for bucket in param_specs_per_bucket]
+        steps.append(self.backend.build_flush_cache())
+        if meta.version is not None:
+            steps.append(self.backend.build_set_version(meta.version))
+        return self._start_update({a: list(steps) for a in addrs}, meta.version, pause=True)
+
+    def _all_servers_for_collective(self, what: str, meta: WeightUpdateMeta) -> list[str]:
+        """Every server (the group's size counts all of them), after checking none is dead."""
+        if meta.type != "collective":
+            raise ValueError(f"{what} needs a 'collective' WeightUpdateMeta, got type {meta.type!r}")
+        pool = self.pool
+        dead = pool.dead()
+        if dead:
+            raise ServerUnavailableError(
+                f"{what}: the weight-update group needs all {len(pool.addrs)} servers, but "
+                + "; ".join(f"{a} is dead ({why})" for a, why in dead.items())
+            )
+        n = len(pool.addrs)
+        if (meta.world_size - 1) % n:
+            raise ValueError(
+                f"{what}: WeightUpdateMeta.world_size - 1 = {meta.world_size - 1} inference ranks do not split "
+                f"evenly over {n} servers"
+            )
+        return list(pool.addrs)
+
+    def _start_update(
+        self, plan: dict[str, list[HttpRequest]], version: int | None, pause: bool
+    ) -> concurrent.futures.Future[None]:
+        if not plan:
+            raise ServerUnavailableError(self.pool.all_dead_message())
+        if pause:
+            with self._state_lock:
+                self._updates_running += 1  # generations wait from now on
+        try:
+            return self.http.submit(self._update(plan, version, pause))
+        except BaseException:
+            if pause:
+                with self._state_lock:
+                    self._updates_running -= 1
+            raise
+
+    async def _update(self, plan: dict[str, list[HttpRequest]], version: int | None, pause: bool) -> None:
+        failed: BaseException | None = None
+        try:
+            if pause:
+                await self._broadcast(self.backend.build_pause())
+            await self._run_plan(plan)
+            if version is not None:
+                self.set_version(version)
+        except BaseException as e:
+            failed = e
+            raise
+        finally:
+            if pause:
+                try:
+                    await self._end_update()
+                except Exception as e:
+                    if failed is None:
+                        raise
+                    logger.error("resuming servers after a failed weight update also failed: %s", e)
+
+    async def _end_update(self) -> None:
+        with self._state_lock:
+            self._updates_running -= 1
+            resume = self._updates_running == 0 and not self._user_paused
+        if resume:
+            await self._broadcast(self.backend.build_resume())
+
+    async def _run_plan(self, plan: dict[str, list[HttpRequest]]) -> None:
+        """Each server's steps in order, servers concurrently; no retries (a receive is not repeatable)."""
+
+        async def run(addr: str, steps: list[HttpRequest]) -> None:
+            for step in steps:
+                await self.http.send(addr, step, retries=0)
+
+        results = await asyncio.gather(*(run(a, s) for a, s in plan.items()), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            if len(errors) > 1:
+                logger.error("weight update failed on %d of %d servers", len(errors), len(plan))
+            raise errors[0]
+
+
+class RemoteVLLMEngine(RemoteInfEngine):
+    """``RemoteInfEngine`` talking to vLLM servers."""
+
+    def __init__(self, config: InferenceEngineConfig, http_client: HttpClient | None = None) -> None:
+        from tandemrl.inference.vllm import VLLMBackend
+
+        super().__init__(config, VLLMBackend.from_config(config), http_client)
+
+
+class RemoteSGLangEngine(RemoteInfEngine):
+    """``RemoteInfEngine`` talking to SGLang servers."""
+
+    def __init__(self, config: InferenceEngineConfig, http_client: HttpClient | None = None) -> None:
+        from tandemrl.inference.sglang import SGLangBackend
+
+        super().__init__(config, SGLangBackend.from_config(config), http_client)
+
+
+__all__ = [
+    "SERVER_ADDRS_ENV",
+    "RemoteInfEngine",
+    "RemoteSGLangEngine",
+    "RemoteVLLMEngine",
+    "ServerPool",
+    "ServerUnavailableError",
+    "parse_server_addrs",
+]
+
+
+def remote_engine_for(backend: str, config: InferenceEngineConfig) -> RemoteInfEngine:
+    """The client for allocation_mode's inference backend ("vllm" or "sglang")."""
+    classes: dict[str, type[RemoteInfEngine]] = {"vllm": RemoteVLLMEngine, "sglang": RemoteSGLangEngine}
+    if backend not in classes:
+        raise ValueError(f"allocation_mode: inference backend '{backend}' has no client (vllm or sglang)")
+    return classes[backend](config)

@@ -1,0 +1,235 @@
+"""Launch one inference server process (vLLM or SGLang) and manage its lifetime.
+
+The server runs in its own session (process group), so ``stop()`` can signal it together
+with every engine/worker process it forks: SIGTERM, then SIGKILL after a grace period,
+leaving no orphans. It binds to loopback by default because the weight-update and dev
+routes (``/collective_rpc``, ``/pause``...) have no authentication.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from tandemrl.engines.types import ParallelStrategy
+
+if TYPE_CHECKING:
+    from tandemrl.inference.backend import InferenceBackend
+
+_PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])  # so workers can import the extension
+_LIVE: set[ServerProcess] = set()
+
+
+class ServerError(RuntimeError):
+    """The server exited or never became healthy; the message ends with its log tail."""
+
+
+class ServerProcess:
+    """A running server: ``address``, ``wait_healthy()``, ``stop()``; a context manager."""
+
+    def __init__(self, backend: InferenceBackend, proc: subprocess.Popen[bytes], host: str, port: int, log_file: str):
+        self.backend = backend
+        self.proc = proc
+        self.host = host
+        self.port = port
+        self.log_file = log_file
+        _LIVE.add(self)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def is_running(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, n_lines: int = 20) -> str:
+        try:
+            with open(self.log_file, errors="replace") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-n_lines:])
+
+    def wait_healthy(self, timeout: float = 600.0, poll_interval: float = 1.0) -> float:
+        """Block until the health route answers 200; returns the seconds waited.
+
+        Raises ServerError at once if the process exits, or after ``timeout``.
+        """
+        req = self.backend.build_health()
+        start = time.monotonic()
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise ServerError(
+                    f"{self.backend.name} server on {self.address} exited with code {code} before it was healthy "
+                    f"(log {self.log_file}); log tail:\n{self.log_tail()}"
+                )
+            if _http_ok(self.base_url + req.path, req.method, min(5.0, poll_interval * 5)):
+                return time.monotonic() - start
+            if time.monotonic() - start > timeout:
+                raise ServerError(
+                    f"{self.backend.name} server on {self.address} not healthy after {timeout:.0f}s "
+                    f"(log {self.log_file}); log tail:\n{self.log_tail()}"
+                )
+            time.sleep(poll_interval)
+
+    def stop(self, grace: float = 20.0) -> None:
+        """SIGTERM the whole process group, SIGKILL whatever is left after ``grace`` seconds."""
+        _LIVE.discard(self)
+        pgid = self.proc.pid  # start_new_session=True: the leader's pid is the group id
+        if _group_alive(pgid):
+            _signal_group(pgid, signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline and _group_alive(pgid):
+                self._reap()
+                time.sleep(0.2)
+            if _group_alive(pgid):
+                _signal_group(pgid, signal.SIGKILL)
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline and _group_alive(pgid):
+                    self._reap()
+                    time.sleep(0.1)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def _reap(self) -> None:
+        # The leader is our child: collect it so it doesn't linger as a zombie group member.
+        self.proc.poll()
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def launch_server(
+    backend: InferenceBackend,
+    model_path: str,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    strategy: ParallelStrategy | None = None,
+    extra: dict[str, Any] | None = None,
+    log_file: str | None = None,
+    env: dict[str, str] | None = None,
+) -> ServerProcess:
+    """Start ``backend``'s server for ``model_path`` (not yet healthy: call ``wait_healthy``).
+
+    ``extra`` adds server flags (``{"max_model_len": 1024}``); ``env`` is applied last.
+    vLLM without CUDA gets ``--enforce-eager`` (skips a ~60 s compile warm-up) and a 1 GiB
+    KV cache (``VLLM_CPU_KVCACHE_SPACE=1``) unless ``extra``/``env`` say otherwise.
+    """
+    if not os.path.exists(model_path):
+        raise FileNotFoundError(f"launch_server: model_path {model_path!r} does not exist")
+    strategy = strategy or ParallelStrategy()
+    port = port or _free_port(host)
+    flags = dict(extra or {})
+    child_env = dict(os.environ)
+    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, child_env.get("PYTHONPATH")) if p)
+    child_env.update(backend.server_env())
+    if backend.name == "vllm" and not _cuda_available():
+        # CPU: the compiled graph buys little for small models but costs a minute at startup.
+        if not any(_norm(k) == "enforce_eager" for k in flags):
+            flags["enforce_eager"] = True
+        child_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default grabs a share of host RAM
+    child_env.update(env or {})
+    cmd = backend.server_command(model_path, host, port, strategy, flags)
+    if log_file is None:
+        fd, log_file = tempfile.mkstemp(prefix=f"tandemrl-{backend.name}-{port}-", suffix=".log")
+        os.close(fd)
+    else:
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+    with open(log_file, "ab") as log:
+        log.write(f"$ {json.dumps(cmd)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env, start_new_session=True
+        )
+    return ServerProcess(backend, proc, host, port, log_file)
+
+
+def _norm(key: str) -> str:
+    return key.lstrip("-").replace("-", "_")
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def _free_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _http_ok(url: str, method: str, timeout: float) -> bool:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=timeout) as r:
+            return 200 <= r.status < 300
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _group_alive(pgid: int) -> bool:
+    """Any live (non-zombie) process left in the group?"""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # Orphaned zombies still count for killpg where PID 1 does not reap them (e.g. docker
+    # without --init); on Linux look for a member that is actually running.
+    if not os.path.isdir("/proc"):
+        return True
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            return True
+    return False
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+@atexit.register
+def _stop_leftovers() -> None:
+    """Interpreter exit without ``stop()`` (e.g. an uncaught error) must not leak servers."""
+    for server in list(_LIVE):
+        server.stop(grace=5.0)

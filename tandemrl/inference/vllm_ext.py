@@ -1,0 +1,146 @@
+"""vLLM worker extension: in-place weight updates from disk or from a trainer broadcast.
+
+Start vLLM with ``--worker-extension-cls tandemrl.inference.vllm_ext.TandemWorkerExtension``
+(``VLLMBackend.server_command`` does) and ``VLLM_SERVER_DEV_MODE=1``; the client calls
+these methods through ``POST /collective_rpc {"method": ..., "kwargs": {...}}``. vLLM
+forwards only JSON strings, so every argument arrives as a string and is cast here.
+
+Every update goes through ``self.reload_weights(weights_iterator=...)`` (vLLM's
+layer-wise in-place reload), never ``model.load_weights``: on CPU the linear layers
+repack their weights after loading and leave size-0 parameters behind, which a second
+plain ``load_weights`` cannot load into; ``reload_weights`` restores the checkpoint-format
+parameters, loads, then re-runs the repacking. On GPU it is equally correct.
+
+The broadcast wire format and the process-group rendezvous are defined (and documented)
+in ``tandemrl.inference.weight_group``, which the trainer uses for its side.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from tandemrl.inference.weight_group import (
+    DEFAULT_TIMEOUT_S,
+    destroy_weight_group,
+    join_weight_group,
+    parse_buckets_json,
+    receive_buckets,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+
+class TandemWorkerExtension:
+    """Mixed into vLLM's Worker class; ``self`` is the worker (``reload_weights``, ``rank``, ``device``)."""
+
+    # Every attribute name here must be new to vLLM's Worker (vLLM asserts no clash).
+    _tandemrl_pg: Any = None
+    _tandemrl_pg_device: Any = None
+
+    if TYPE_CHECKING:  # provided by the vLLM Worker this class is mixed into
+        rank: int
+        device: torch.device
+
+        def reload_weights(self, *, weights_iterator: Any) -> None: ...
+
+    # ---- disk ------------------------------------------------------------------------------
+
+    def tandemrl_update_from_disk(self, path: str) -> dict[str, Any]:
+        """Load every ``*.safetensors`` file in the HF directory ``path`` in place."""
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            raise FileNotFoundError(f"tandemrl_update_from_disk: no *.safetensors files in {path!r}")
+        start = time.perf_counter()
+        counter = _Counter(_iter_safetensors(files))
+        self.reload_weights(weights_iterator=counter)
+        return {"tensors": counter.n, "seconds": round(time.perf_counter() - start, 4)}
+
+    # ---- collective ------------------------------------------------------------------------
+
+    def tandemrl_init_weight_group(
+        self,
+        host: str,
+        port: str,
+        world_size: str,
+        rank: str,
+        backend: str | None = None,
+        timeout: str | None = None,
+    ) -> dict[str, Any]:
+        """Join the trainer's group as rank ``rank`` + this worker's rank (its tp/pp index).
+
+        Blocks until every rank has joined, so the trainer sends this request from a
+        background thread while it creates rank 0. ``backend`` defaults to nccl when the
+        worker runs on CUDA, else gloo.
+        """
+        if backend is None:
+            backend = "nccl" if getattr(self.device, "type", "cpu") == "cuda" else "gloo"
+        destroy_weight_group(self._tandemrl_pg)  # re-joining replaces an old group
+        my_rank = int(rank) + int(self.rank)
+        timeout_s = float(timeout) if timeout is not None else DEFAULT_TIMEOUT_S
+        start = time.perf_counter()
+        self._tandemrl_pg = join_weight_group(host, int(port), int(world_size), my_rank, backend, timeout_s)
+        self._tandemrl_pg_device = "cpu" if backend == "gloo" else self.device
+        return {"rank": my_rank, "backend": backend, "seconds": round(time.perf_counter() - start, 4)}
+
+    def tandemrl_recv_weights(self, meta_json: str) -> dict[str, Any]:
+        """Receive the buckets ``meta_json`` lists (one broadcast each) and load them in place."""
+        if self._tandemrl_pg is None:
+            raise RuntimeError("tandemrl_recv_weights: call tandemrl_init_weight_group first")
+        buckets = parse_buckets_json(meta_json)
+        start = time.perf_counter()
+        counter = _Counter(receive_buckets(self._tandemrl_pg, buckets, self._tandemrl_pg_device))
+        expected = sum(len(b) for b in buckets)
+        try:
+            self.reload_weights(weights_iterator=counter)
+        finally:
+            # If loading stopped early (an error, a rejected name), still take every broadcast
+            # so the trainer is not left blocked in its next one.
+            consumed = counter.n
+            if not counter.failed:  # (a failed broadcast would only fail again)
+                for _ in counter:
+                    pass
+        if consumed != expected:
+            raise RuntimeError(f"tandemrl_recv_weights: the model consumed {consumed} of {expected} tensors")
+        return {"buckets": len(buckets), "tensors": counter.n, "seconds": round(time.perf_counter() - start, 4)}
+
+    def tandemrl_destroy_weight_group(self) -> dict[str, Any]:
+        destroy_weight_group(self._tandemrl_pg)
+        self._tandemrl_pg = None
+        return {"destroyed": True}
+
+
+def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                yield name, f.get_tensor(name)
+
+
+class _Counter:
+    """Pass-through iterator that counts what the model consumed."""
+
+    def __init__(self, it: Iterator[tuple[str, torch.Tensor]]):
+        self._it = it
+        self.n = 0
+        self.failed = False  # the source itself raised (e.g. the broadcast failed)
+
+    def __iter__(self) -> _Counter:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        try:
+            item = next(self._it)
+        except StopIteration:
+            raise
+        except BaseException:
+            self.failed = True
+            raise
+        self.n += 1
+        return item

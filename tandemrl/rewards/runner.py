@@ -1,0 +1,177 @@
+"""Run reward functions off the event loop, with a timeout, never letting them crash a rollout.
+
+Reward functions are ordinary (often slow, CPU-bound, occasionally hanging) Python code.
+``RewardRunner`` runs a sync function on a small pool of *daemon* threads and awaits it
+with a timeout; an async function is awaited directly. A function that raises, times out
+or returns something that is not a finite number yields reward 0.0, is counted, and
+logged in one line. Python threads cannot be killed: a timed-out call keeps running in
+its thread, which the pool replaces so capacity stays constant; being daemon threads,
+they never block interpreter exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import logging
+import math
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from tandemrl.utils import stats_tracker
+
+logger = logging.getLogger(__name__)
+
+RewardFn = Callable[..., Any]
+
+
+class DaemonThreadPool:
+    """A fixed number of daemon worker threads serving a shared queue."""
+
+    def __init__(self, max_workers: int, name: str = "tandemrl-reward") -> None:
+        if max_workers < 1:
+            raise ValueError(f"DaemonThreadPool: max_workers must be >= 1, got {max_workers}")
+        self.max_workers = max_workers
+        self.name = name
+        self._queue: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Callable[[], Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._lock = threading.Lock()
+        self._workers = 0
+        self._abandoned = 0
+        self._shutdown = False
+
+    def _spawn_locked(self) -> None:
+        t = threading.Thread(target=self._work, name=f"{self.name}-{self._workers + self._abandoned}", daemon=True)
+        self._workers += 1
+        t.start()
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fut, fn = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # delivered to the caller
+                fut.set_exception(e)
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            if self._shutdown:
+                raise RuntimeError(f"DaemonThreadPool {self.name!r} is shut down")
+            while self._workers < self.max_workers:
+                self._spawn_locked()
+        self._queue.put((fut, lambda: fn(*args, **kwargs)))
+        return fut
+
+    def abandon_one(self) -> None:
+        """A worker is stuck in a call nobody waits for any more: add a replacement."""
+        with self._lock:
+            if self._shutdown:
+                return
+            self._workers -= 1
+            self._abandoned += 1
+            self._spawn_locked()
+
+    @property
+    def n_abandoned(self) -> int:
+        return self._abandoned
+
+    def shutdown(self) -> None:
+        """Let idle workers exit (stuck ones exit when their call returns)."""
+        with self._lock:
+            if self._shutdown:
+                return
+            self._shutdown = True
+            n = self._workers
+        for _ in range(n):
+            self._queue.put(None)
+
+
+class RewardRunner:
+    """Computes rewards safely: ``await runner(prompt, completions, ..., **data) -> float``."""
+
+    def __init__(
+        self,
+        reward_fn: RewardFn,
+        timeout: float | None = 15.0,
+        max_workers: int = 4,
+        stat_scope: str = "rollout",
+    ) -> None:
+        if not callable(reward_fn):
+            raise TypeError(f"RewardRunner: reward_fn must be callable, got {type(reward_fn).__name__}")
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"RewardRunner: timeout must be positive or None, got {timeout}")
+        self.reward_fn = reward_fn
+        self.timeout = timeout
+        self.stat_scope = stat_scope
+        self.name = getattr(reward_fn, "__name__", type(reward_fn).__name__)
+        # async functions, or objects whose __call__ is async
+        self._is_async = inspect.iscoroutinefunction(reward_fn) or inspect.iscoroutinefunction(type(reward_fn).__call__)
+        self._pool = None if self._is_async else DaemonThreadPool(max_workers)
+        self._lock = threading.Lock()
+        self.n_calls = 0
+        self.n_errors = 0
+        self.n_timeouts = 0
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> float:
+        """The reward, or 0.0 (counted and logged) if the function fails, hangs or returns junk."""
+        with self._lock:
+            self.n_calls += 1
+        try:
+            if self._is_async:
+                value = await asyncio.wait_for(self.reward_fn(*args, **kwargs), self.timeout)
+            else:
+                assert self._pool is not None
+                fut = self._pool.submit(self.reward_fn, *args, **kwargs)
+                try:
+                    value = await asyncio.wait_for(asyncio.wrap_future(fut), self.timeout)
+                except asyncio.TimeoutError:
+                    if not fut.cancel():  # already running: its thread is stuck with it
+                        self._pool.abandon_one()
+                    raise
+            reward = _as_reward(value)
+        except asyncio.TimeoutError:
+            return self._failed("timeout", f"timed out after {self.timeout}s")
+        except Exception as e:  # a bad reward must never crash the rollout
+            text = str(e).strip()
+            return self._failed("error", f"raised {type(e).__name__}: {text.splitlines()[0] if text else ''}".rstrip())
+        stats_tracker.get(self.stat_scope).scalar(reward_failed=0.0)
+        return reward
+
+    def _failed(self, kind: str, detail: str) -> float:
+        with self._lock:
+            if kind == "timeout":
+                self.n_timeouts += 1
+            else:
+                self.n_errors += 1
+            n = self.n_timeouts + self.n_errors
+        stats_tracker.get(self.stat_scope).scalar(reward_failed=1.0)
+        if n <= 10 or n % 100 == 0:
+            logger.warning("reward function %s %s; using reward 0.0 (%d failures so far)", self.name, detail, n)
+        return 0.0
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+
+
+def _as_reward(value: Any) -> float:
+    if isinstance(value, bool):
+        return float(value)
+    if hasattr(value, "item") and callable(value.item):  # 1-element tensors / numpy scalars
+        value = value.item()
+    if not isinstance(value, int | float):
+        raise TypeError(f"returned {type(value).__name__}, expected a number")
+    reward = float(value)
+    if not math.isfinite(reward):
+        raise ValueError(f"returned non-finite {reward}")
+    return reward

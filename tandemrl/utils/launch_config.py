@@ -1,0 +1,97 @@
+"""The few config values a launcher needs, read before any process starts.
+
+The launcher does not know the training script's schema, so it reads the YAML plus
+dotted overrides as plain OmegaConf and validates only what it acts on: the
+allocation_mode, the model path, and where outputs go. The script validates the rest.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandemrl.utils.allocation import AllocationMode
+
+# Keys that may hold the policy model, in the order they are looked for.
+MODEL_KEYS = ("actor.path", "model.path")
+
+
+@dataclass
+class LaunchSpec:
+    """What the launcher starts for one trial."""
+
+    allocation: AllocationMode
+    experiment_name: str
+    trial_name: str
+    fileroot: str
+    model_path: str
+    model_key: str
+    corpus_path: str | None = None
+    server_timeout: float = 600.0
+    server_extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(self.fileroot, "logs", self.experiment_name, self.trial_name)
+
+    def resolve_model(self) -> None:
+        """Fail before starting anything if the model is missing (and build tiny: models)."""
+        from tandemrl.models.resolve import resolve_model_path
+
+        if self.model_path or self.allocation.gen is not None:
+            self.model_path = resolve_model_path(self.model_path, self.model_key, corpus_path=self.corpus_path)
+
+
+def _load(config_path: str | None, overrides: list[str]) -> Any:
+    from omegaconf import OmegaConf
+
+    from tandemrl.configs.loader import PRESET_PREFIX, preset_path
+
+    base = OmegaConf.create()
+    if config_path:
+        path = preset_path(config_path[len(PRESET_PREFIX) :]) if config_path.startswith(PRESET_PREFIX) else config_path
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"config file not found: {config_path}")
+        base = OmegaConf.load(path)
+    dotlist = [o.lstrip("+") for o in overrides if "=" in o and not o.startswith("~")]
+    try:
+        return OmegaConf.merge(base, OmegaConf.from_dotlist(dotlist))
+    except Exception as err:  # omegaconf's messages span lines
+        raise ValueError(f"cannot read overrides {dotlist}: {str(err).splitlines()[0]}") from None
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    from omegaconf import OmegaConf
+
+    try:
+        value = OmegaConf.select(cfg, key, default=default, throw_on_missing=False)
+    except Exception as err:
+        raise ValueError(f"config key '{key}': {str(err).splitlines()[0]}") from None
+    return default if value is None or value == "???" else value
+
+
+def read_launch_spec(config_path: str | None, overrides: list[str]) -> LaunchSpec:
+    """Parse and check the launch-relevant values; one-line errors name the key."""
+    cfg = _load(config_path, overrides)
+    alloc_str = _get(cfg, "allocation_mode")
+    if not alloc_str:
+        raise ValueError(f"allocation_mode is not set in {config_path or 'the overrides'}")
+    alloc = AllocationMode.from_str(str(alloc_str))
+    if alloc.train is None:
+        raise ValueError(f"allocation_mode '{alloc_str}' has no training component")
+    model_key, model_path = MODEL_KEYS[0], ""
+    for key in MODEL_KEYS:
+        if _get(cfg, key):
+            model_key, model_path = key, str(_get(cfg, key))
+            break
+    return LaunchSpec(
+        allocation=alloc,
+        experiment_name=str(_get(cfg, "experiment_name", "tandemrl")),
+        trial_name=str(_get(cfg, "trial_name", "trial0")),
+        fileroot=str(_get(cfg, "cluster.fileroot", "./runs")),
+        model_path=model_path,
+        model_key=model_key,
+        corpus_path=_get(cfg, "train_dataset.path"),
+        server_timeout=float(_get(cfg, "rollout.setup_timeout", 600.0)),
+    )

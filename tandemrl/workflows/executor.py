@@ -1,0 +1,662 @@
+"""Run rollout workflows on a background event loop and hand finished batches to the trainer.
+
+The trainer thread calls ``submit``/``wait``/``prepare_batch``/``rollout_batch``; a
+daemon thread (``AsyncTaskRunner``) owns an asyncio loop on which every episode runs as
+a task. Episodes start only while the ``StalenessManager`` grants capacity, and ``wait``
+hands out accepted trajectories oldest-weight-version first, holding back a batch when
+that is needed for an older, still running rollout to be consumed in time. Together
+this guarantees that a rollout started at weight version v is consumed by a trainer at
+version <= v + max_head_offpolicyness, provided the trainer consumes
+``consumer_batch_size`` trajectories per version bump.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Coroutine, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tandemrl.configs.rollout import InferenceEngineConfig
+from tandemrl.engines.types import TensorDict
+from tandemrl.utils import stats_tracker
+from tandemrl.utils.batch import concat_padded_tensors
+from tandemrl.workflows.api import GenerationEngine, RolloutWorkflow
+from tandemrl.workflows.staleness import RolloutStat, StalenessManager
+
+logger = logging.getLogger(__name__)
+
+ShouldAcceptFn = Callable[[TensorDict], bool]
+
+# Fallback period (s) of the launch loop, so a version bumped directly on the engine
+# (without executor.set_version) still unblocks capacity.
+_TICK_SECONDS = 0.05
+# Longest single sleep of a trainer-side wait before it re-checks versions and errors.
+_POLL_SECONDS = 0.1
+_STALL_WARN_SECONDS = 10.0
+ERROR_POLICIES = ("raise", "drop")
+
+
+class AsyncTaskRunner:
+    """A daemon thread running one asyncio event loop that other threads schedule work on."""
+
+    def __init__(self, name: str = "tandemrl-rollout") -> None:
+        self.name = name
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise RuntimeError(f"AsyncTaskRunner {self.name!r} is not running; call start() first")
+        return self._loop
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._loop is not None
+
+    def start(self, timeout: float = 30.0) -> None:
+        if self._thread is not None:
+            raise RuntimeError(f"AsyncTaskRunner {self.name!r} was already started")
+        self._thread = threading.Thread(target=self._main, name=self.name, daemon=True)
+        self._thread.start()
+        if not self._started.wait(timeout):
+            raise RuntimeError(f"AsyncTaskRunner {self.name!r}: event loop did not start within {timeout}s")
+
+    def _main(self) -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        loop.set_exception_handler(_log_loop_exception)
+        self._loop = loop
+        self._started.set()
+        try:
+            loop.run_forever()
+        finally:
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+            self._loop = None
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop thread (thread-safe, non-blocking)."""
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    def run_coroutine(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
+        """Schedule a coroutine on the loop; the returned future is safe to wait on from any thread."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel everything still running on the loop, then join the thread."""
+        thread, loop = self._thread, self._loop
+        if thread is None:
+            return
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(loop.stop)
+            except RuntimeError:  # closed between the check and the call
+                pass
+        thread.join(timeout)
+        if thread.is_alive():
+            logger.warning(
+                "AsyncTaskRunner %r did not stop within %.0fs; leaving the daemon thread", self.name, timeout
+            )
+        self._thread = None
+
+
+def _log_loop_exception(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    exc = context.get("exception")
+    detail = f"{type(exc).__name__}: {exc}" if exc is not None else context.get("message", "")
+    logger.error("rollout event loop: %s", str(detail).splitlines()[0] if detail else "unknown error")
+
+
+@dataclass
+class _Task:
+    """A submitted row waiting to start."""
+
+    data: dict[str, Any]
+    workflow: RolloutWorkflow
+    should_accept_fn: ShouldAcceptFn | None
+    tag: int | None  # the rollout_batch call it belongs to; None for submit()/prepare_batch()
+    order: int  # submission order
+
+
+@dataclass
+class _Done:
+    """An accepted trajectory."""
+
+    traj: TensorDict
+    version: int  # weight version when the rollout started
+    seq: int  # acceptance order
+    order: int  # submission order
+
+
+@dataclass
+class _Running:
+    version: int
+    tag: int | None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def _check_trajectory(traj: Any, workflow: RolloutWorkflow) -> None:
+    mask = traj.get("attention_mask") if isinstance(traj, dict) else None
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        raise TypeError(
+            f"{type(workflow).__name__}.arun_episode returned {type(traj).__name__} without a 2-D 'attention_mask' "
+            "tensor; expected a dict of padded tensors [n, L] or None"
+        )
+
+
+def _cycle_batches(dataloader: Iterable[Any]) -> Iterator[Any]:
+    """Endless batches; re-iterating the dataloader each epoch (so it reshuffles)."""
+    while True:
+        empty = True
+        for batch in dataloader:
+            empty = False
+            yield batch
+        if empty:
+            raise ValueError("prepare_batch: the dataloader yielded no batches")
+
+
+class WorkflowExecutor:
+    """Streams rollouts of submitted rows and collates accepted ones into training batches."""
+
+    def __init__(self, config: InferenceEngineConfig, inference_engine: GenerationEngine) -> None:
+        if config.workflow_error_policy not in ERROR_POLICIES:
+            raise ValueError(
+                f"InferenceEngineConfig.workflow_error_policy must be one of {ERROR_POLICIES}, "
+                f"got {config.workflow_error_policy!r}"
+            )
+        self.config = config
+        self.inference_engine = inference_engine
+        self.consumer_batch_size = config.consumer_batch_size
+        self.max_concurrent_rollouts = config.max_concurrent_rollouts or config.consumer_batch_size
+        self.queue_size = config.queue_size or self.max_concurrent_rollouts * 16
+        if self.queue_size < 1:
+            raise ValueError(f"InferenceEngineConfig.queue_size must be positive, got {config.queue_size}")
+        self.staleness = StalenessManager(
+            self.max_concurrent_rollouts, config.consumer_batch_size, config.max_head_offpolicyness
+        )
+        self.error_policy = config.workflow_error_policy
+        self.tracing = config.enable_rollout_tracing
+
+        self._cond = threading.Condition()
+        self._input: deque[_Task] = deque()
+        self._accepted: list[_Done] = []  # untagged results, not yet handed out
+        self._tag_results: dict[int, list[_Done]] = {}
+        self._tag_rejections: dict[int, int] = {}
+        self._running: dict[int, _Running] = {}
+        self._errors: list[BaseException] = []
+        self._n_failed = 0
+        self._paused = threading.Event()
+        self._closing = False
+        self._runner: AsyncTaskRunner | None = None
+        self._tasks: dict[int, asyncio.Task[TensorDict | None]] = {}  # loop thread only
+        self._rids = itertools.count()
+        self._orders = itertools.count()
+        self._seqs = itertools.count()
+        self._tags = itertools.count()
+        self._data_iter: Iterator[Any] | None = None
+        self._data_source: Any = None
+        self._last_launch_error = 0.0
+        self._stall_since: float | None = None
+        self._stall_warned = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def initialize(self) -> None:
+        """Start the rollout thread (idempotent)."""
+        if self._runner is not None:
+            return
+        self._closing = False
+        runner = AsyncTaskRunner()
+        runner.start()
+        self._runner = runner
+        runner.run_coroutine(self._tick())
+
+    def destroy(self, timeout: float = 30.0) -> None:
+        """Cancel running episodes and stop the rollout thread."""
+        runner = self._runner
+        if runner is None:
+            return
+        self._closing = True
+        try:
+            runner.run_coroutine(self._cancel_all()).result(timeout)
+        except Exception as e:  # shutting down regardless
+            logger.warning("WorkflowExecutor.destroy: cancelling episodes failed: %s", _first_line(e))
+        runner.stop(timeout)
+        self._runner = None
+        with self._cond:
+            self._cond.notify_all()
+
+    async def _cancel_all(self) -> None:
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _require_runner(self) -> AsyncTaskRunner:
+        runner = self._runner
+        if runner is None or not runner.is_alive():
+            raise RuntimeError("WorkflowExecutor is not running; call initialize() first (or it was destroyed)")
+        return runner
+
+    # ------------------------------------------------------------ version/pause
+    def get_version(self) -> int:
+        """The weight version of the inference engine (the source of truth)."""
+        return int(self.inference_engine.get_version())
+
+    def set_version(self, version: int) -> None:
+        """Set the engine's version (if it differs) and re-evaluate capacity now.
+
+        An engine whose own ``set_version`` calls this must update its version first:
+        the executor then only wakes the launch loop.
+        """
+        if self.get_version() != version:
+            setter = getattr(self.inference_engine, "set_version", None)
+            if setter is None:
+                raise AttributeError(f"{type(self.inference_engine).__name__} has no set_version(); cannot set it")
+            setter(version)
+        self._wake()
+
+    def pause(self) -> None:
+        """Stop starting new episodes; running ones continue."""
+        self._paused.set()
+
+    def resume(self) -> None:
+        self._paused.clear()
+        self._wake()
+
+    def is_paused(self) -> bool:
+        return self._paused.is_set()
+
+    def get_capacity(self) -> int:
+        return self.staleness.get_capacity(self.get_version())
+
+    # ------------------------------------------------------------------ launching
+    def _wake(self) -> None:
+        runner = self._runner
+        if runner is not None and runner.is_alive():
+            try:
+                runner.call_soon(self._launch_ready)
+            except RuntimeError:  # loop closing
+                pass
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(_TICK_SECONDS)
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Start queued episodes while capacity allows (loop thread only)."""
+        try:
+            self._launch_ready_unsafe()
+        except Exception as e:  # the loop must survive (e.g. engine version unavailable)
+            now = time.monotonic()
+            if now - self._last_launch_error > 10.0:
+                self._last_launch_error = now
+                logger.error("rollout launch loop: %s", _first_line(e))
+
+    def _launch_ready_unsafe(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closing and not self._paused.is_set():
+            with self._cond:
+                if not self._input:
+                    return
+            version = self.get_version()
+            with self._cond:
+                if not self._input or self.staleness.get_capacity(version) <= 0:
+                    return
+                task = self._input.popleft()
+                rid = next(self._rids)
+                self.staleness.on_submit()
+                self._running[rid] = _Running(version, task.tag)
+                self._cond.notify_all()  # prepare_batch refills the input queue
+            if self.tracing:
+                logger.info("rollout %d started at version %d (%s)", rid, version, type(task.workflow).__name__)
+            atask = loop.create_task(self._run_episode(task), name=f"rollout-{rid}")
+            self._tasks[rid] = atask
+            atask.add_done_callback(functools.partial(self._on_done, rid, task, version, time.monotonic()))
+
+    async def _run_episode(self, task: _Task) -> TensorDict | None:
+        traj = await task.workflow.arun_episode(self.inference_engine, task.data)
+        if traj is None:
+            return None
+        _check_trajectory(traj, task.workflow)
+        if task.should_accept_fn is not None and not task.should_accept_fn(traj):
+            return None
+        return traj
+
+    def _on_done(self, rid: int, task: _Task, version: int, start: float, atask: asyncio.Task[Any]) -> None:
+        self._tasks.pop(rid, None)
+        exc: BaseException | None = None
+        traj: TensorDict | None = None
+        if atask.cancelled():
+            exc = asyncio.CancelledError()
+        else:
+            exc = atask.exception()
+            if exc is None:
+                traj = atask.result()
+        with self._cond:
+            self._running.pop(rid, None)
+            if traj is not None:
+                self.staleness.on_accept()
+                done = _Done(traj, version, next(self._seqs), task.order)
+                if task.tag is None:
+                    self._accepted.append(done)
+                elif task.tag in self._tag_results:
+                    self._tag_results[task.tag].append(done)
+                # else: its rollout_batch call already gave up; the result is dropped
+                outcome = "accepted"
+            else:
+                self.staleness.on_reject()
+                outcome = "rejected"
+                if exc is not None and not atask.cancelled():
+                    outcome = "failed"
+                    self._n_failed += 1
+                    if self.error_policy == "raise":
+                        self._errors.append(exc)
+                if task.tag in self._tag_rejections and (outcome == "rejected" or self.error_policy == "drop"):
+                    self._tag_rejections[task.tag] += 1
+            self._cond.notify_all()
+        if outcome == "failed" and (self._n_failed <= 10 or self._n_failed % 100 == 0):
+            logger.warning(
+                "rollout %d: %s raised %s (%s; %d failures so far)",
+                rid,
+                type(task.workflow).__name__,
+                _first_line(exc),  # type: ignore[arg-type]
+                "re-raised at the next wait()" if self.error_policy == "raise" else "dropped",
+                self._n_failed,
+            )
+        elif self.tracing:
+            logger.info("rollout %d %s after %.3fs", rid, outcome, time.monotonic() - start)
+        if not self._closing:
+            self._launch_ready()
+
+    # ------------------------------------------------------------------ trainer side
+    def submit(
+        self,
+        data: dict[str, Any],
+        workflow: RolloutWorkflow,
+        should_accept_fn: ShouldAcceptFn | None = None,
+    ) -> None:
+        """Queue one row; it starts when capacity allows and is not paused."""
+        self._submit(data, workflow, should_accept_fn, None)
+        self._wake()
+
+    def _submit(
+        self, data: dict[str, Any], workflow: RolloutWorkflow, should_accept_fn: ShouldAcceptFn | None, tag: int | None
+    ) -> None:
+        self._require_runner()
+        if not hasattr(workflow, "arun_episode"):
+            raise TypeError(f"workflow must be a RolloutWorkflow, got {type(workflow).__name__}")
+        with self._cond:
+            if len(self._input) >= self.queue_size:
+                raise queue.Full(
+                    f"rollout input queue is full ({self.queue_size} rows, InferenceEngineConfig.queue_size); "
+                    "wait() for results before submitting more"
+                )
+            self._input.append(_Task(data, workflow, should_accept_fn, tag, next(self._orders)))
+
+    def _raise_errors_locked(self) -> None:
+        if not self._errors:
+            return
+        errors, self._errors = self._errors, []
+        first = errors[0]
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise RuntimeError(
+            f"rollout workflow failed: {_first_line(first)}{more}; "
+            "set InferenceEngineConfig.workflow_error_policy='drop' to skip failed rollouts"
+        ) from first
+
+    def _must_wait_for_older(self, rest: list[_Done], count: int, version: int) -> bool:
+        """Would handing out this batch leave an older rollout unable to be consumed in time?
+
+        A rollout started at version v must be consumed by trainer version v + k. After this
+        batch, the trainer (at ``version``) consumes ``count`` per step, so for every deadline
+        d the leftovers due by d must fit in ``(d - version) * count`` slots. Only deadlines
+        before version + k are at risk (later ones are covered by the capacity formula), and
+        waiting only helps if a rollout due in that window is still running.
+        """
+        k = self.staleness.max_staleness
+        horizon = version + max(k, 1) - 1
+        running = [r.version + k for r in self._running.values() if r.tag is None]
+        if not any(d <= horizon for d in running):
+            return False
+        deadlines = sorted(
+            [d.version + k for d in rest if d.version + k <= horizon] + [d for d in running if d <= horizon]
+        )
+        for i, d in enumerate(deadlines):
+            last_of_value = i + 1 == len(deadlines) or deadlines[i + 1] != d
+            if last_of_value and i + 1 > (max(d, version) - version) * count:
+                return True
+        return False
+
+    def _try_pick_locked(self, count: int) -> list[_Done] | None:
+        if len(self._accepted) < count:
+            return None
+        version = self.get_version()
+        ready = sorted(self._accepted, key=lambda d: (d.version, d.seq))
+        picked, rest = ready[:count], ready[count:]
+        if self._must_wait_for_older(rest, count, version):
+            return None
+        self._accepted = rest
+        tracker = stats_tracker.get("rollout")
+        for d in picked:
+            tracker.scalar(staleness=version - d.version)
+        return picked
+
+    def _describe_locked(self) -> str:
+        s = self.staleness.get_stats()
+        return (
+            f"accepted-unconsumed {len(self._accepted)}, running {s.running}, queued {len(self._input)}, "
+            f"rejected {s.rejected}, failed {self._n_failed}, capacity {self.get_capacity()}, "
+            f"version {self.get_version()}, paused {self.is_paused()}"
+        )
+
+    def _check_count(self, count: int, what: str) -> None:
+        """Refuse batch sizes the staleness bound can never supply (a sure deadlock)."""
+        if count < 1:
+            raise ValueError(f"{what}: needs at least 1 trajectory, got {count}")
+        k, bsz = self.staleness.max_staleness, self.consumer_batch_size
+        if count > (k + 1) * bsz:
+            raise ValueError(
+                f"{what}: needs {count} trajectories but InferenceEngineConfig.consumer_batch_size={bsz} with "
+                f"max_head_offpolicyness={k} lets at most {(k + 1) * bsz} start per weight version; set "
+                "consumer_batch_size to the per-step batch size (or a huge max_head_offpolicyness for evaluation)"
+            )
+
+    def _warn_if_stalled_locked(self) -> None:
+        """Log once per stall when rows wait for a version bump that a blocked trainer cannot make."""
+        stalled = (
+            bool(self._input)
+            and not self._running
+            and not self.is_paused()
+            and self.staleness.get_capacity(self.get_version()) <= 0
+        )
+        now = time.monotonic()
+        if not stalled:
+            self._stall_since = None
+            return
+        if self._stall_since is None:
+            self._stall_since, self._stall_warned = now, False
+        elif not self._stall_warned and now - self._stall_since > _STALL_WARN_SECONDS:
+            self._stall_warned = True
+            logger.warning(
+                "rollout stalled for %.0fs: %d rows queued, none running, no capacity at version %d; only a "
+                "version bump (set_version) frees capacity (check consumer_batch_size/max_head_offpolicyness)",
+                now - self._stall_since,
+                len(self._input),
+                self.get_version(),
+            )
+
+    def _sleep_locked(self, deadline: float | None, what: str) -> None:
+        """Wait on the condition until woken, the poll period or the deadline (then TimeoutError)."""
+        self._require_runner()
+        self._warn_if_stalled_locked()
+        period = _POLL_SECONDS
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{what} timed out ({self._describe_locked()})")
+            period = min(period, remaining)
+        self._cond.wait(period)
+
+    def wait(self, count: int, timeout: float | None = None) -> TensorDict:
+        """``count`` accepted trajectories (oldest version first) concatenated into one padded batch.
+
+        Raises the first workflow error (policy "raise") and TimeoutError after ``timeout`` s.
+        """
+        self._check_count(count, "wait")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                self._raise_errors_locked()
+                picked = self._try_pick_locked(count)
+                if picked is not None:
+                    break
+                self._sleep_locked(deadline, f"wait({count}, timeout={timeout})")
+        return concat_padded_tensors([d.traj for d in picked])
+
+    def prepare_batch(
+        self,
+        dataloader: Any,
+        workflow: RolloutWorkflow,
+        should_accept_fn: ShouldAcceptFn | None = None,
+        timeout: float | None = None,
+    ) -> TensorDict:
+        """The next ``dataloader.batch_size`` accepted trajectories (asynchronous RL).
+
+        Keeps at least one dataloader batch queued ahead of the running episodes, so
+        rollouts for the next steps run while the trainer trains. Rejected rows are replaced
+        by new rows from the (endlessly re-iterated) dataloader, so the size is constant.
+        """
+        batch_size = getattr(dataloader, "batch_size", None)
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"prepare_batch: dataloader.batch_size must be a positive int, got {batch_size!r}")
+        self._check_count(batch_size, "prepare_batch")
+        if self.queue_size < batch_size:
+            raise ValueError(
+                f"prepare_batch: InferenceEngineConfig.queue_size={self.queue_size} is smaller than the "
+                f"dataloader batch size {batch_size}"
+            )
+        if self._data_iter is None or self._data_source is not dataloader:
+            self._data_iter, self._data_source = _cycle_batches(dataloader), dataloader
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._cond:
+                refill = len(self._input) < batch_size and self.queue_size - len(self._input) >= batch_size
+            if refill:
+                try:
+                    rows = next(self._data_iter)
+                except Exception:
+                    self._data_iter = None  # start over (a fresh pass) on the next call
+                    raise
+                if not isinstance(rows, list | tuple):
+                    raise TypeError(
+                        f"prepare_batch: the dataloader must yield lists of rows (collate_fn=collate_as_list), "
+                        f"got {type(rows).__name__}"
+                    )
+                for row in rows:
+                    self._submit(row, workflow, should_accept_fn, None)
+                self._wake()
+            with self._cond:
+                self._raise_errors_locked()
+                picked = self._try_pick_locked(batch_size)
+                if picked is not None:
+                    break
+                if not (len(self._input) < batch_size and self.queue_size - len(self._input) >= batch_size):
+                    self._sleep_locked(deadline, f"prepare_batch(batch_size={batch_size}, timeout={timeout})")
+        return concat_padded_tensors([d.traj for d in picked])
+
+    def rollout_batch(
+        self,
+        data: list[dict[str, Any]],
+        workflow: RolloutWorkflow,
+        should_accept_fn: ShouldAcceptFn | None = None,
+        timeout: float | None = None,
+        max_rounds: int = 8,
+    ) -> TensorDict:
+        """Run ``data`` now and return ``len(data)`` accepted trajectories (synchronous RL, eval).
+
+        A rejected row (filtered, None, or failed with policy "drop") is replaced by the next
+        row of ``data`` taken round-robin, so the batch size stays constant; a prompt that is
+        always rejected is thus replaced by others. Gives up with an error after
+        ``max_rounds * len(data)`` extra submissions. Results follow submission order.
+        """
+        n = len(data)
+        if n == 0:
+            raise ValueError("rollout_batch: data is empty")
+        self._check_count(n, "rollout_batch")
+        if max_rounds < 1:
+            raise ValueError(f"rollout_batch: max_rounds must be >= 1, got {max_rounds}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        rows = itertools.cycle(data)
+        tag = next(self._tags)
+        pending, submitted, seen_rejections = n, 0, 0
+        with self._cond:
+            self._tag_results[tag] = []
+            self._tag_rejections[tag] = 0
+        try:
+            while True:
+                with self._cond:
+                    self._raise_errors_locked()
+                    if len(self._tag_results[tag]) >= n:
+                        results = self._tag_results[tag]
+                        break
+                    rejections = self._tag_rejections[tag]
+                    pending += rejections - seen_rejections
+                    seen_rejections = rejections
+                    if submitted + pending > n * (1 + max_rounds):
+                        raise RuntimeError(
+                            f"rollout_batch: {rejections} of {submitted} rollouts were rejected; gave up after "
+                            f"{max_rounds} extra rounds over the {n} rows (loosen should_accept_fn or raise max_rounds)"
+                        )
+                    room = self.queue_size - len(self._input)
+                    while pending > 0 and room > 0:
+                        self._input.append(_Task(next(rows), workflow, should_accept_fn, tag, next(self._orders)))
+                        pending, submitted, room = pending - 1, submitted + 1, room - 1
+                self._wake()
+                with self._cond:
+                    if len(self._tag_results[tag]) < n and self._tag_rejections[tag] == seen_rejections:
+                        self._sleep_locked(deadline, f"rollout_batch({n} rows, timeout={timeout})")
+        finally:
+            with self._cond:
+                self._tag_results.pop(tag, None)
+                self._tag_rejections.pop(tag, None)
+        results = sorted(results, key=lambda d: d.order)
+        return concat_padded_tensors([d.traj for d in results])
+
+    # ------------------------------------------------------------------ stats
+    def get_stats(self) -> RolloutStat:
+        return self.staleness.get_stats()
+
+    @property
+    def n_failed(self) -> int:
+        return self._n_failed
+
+    def export_stats(self, reset: bool = True) -> dict[str, float]:
+        """Rollout counters plus everything recorded in the "rollout" tracker, keys ``rollout/...``."""
+        s = self.staleness.get_stats()
+        tracker = stats_tracker.get("rollout")
+        tracker.scalar(
+            submitted=s.submitted, accepted=s.accepted, rejected=s.rejected, running=s.running, failed=self._n_failed
+        )
+        return tracker.export(reset=reset)

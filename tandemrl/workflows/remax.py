@@ -1,0 +1,46 @@
+"""ReMax: the reward of a greedy completion is the baseline of the sampled ones.
+
+Per prompt, ``n_samples`` sampled completions and one greedy completion are generated
+concurrently; each sampled row gets ``reward(sample) - reward(greedy)``. Only sampled
+rows are returned (the greedy one is a baseline, not trained on), with the same layout
+as ``RLVRWorkflow`` and per-sequence ``rewards`` [n].
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+from tandemrl.engines.types import TensorDict
+from tandemrl.utils import stats_tracker
+from tandemrl.utils.batch import concat_padded_tensors
+from tandemrl.workflows.api import GenerationEngine
+from tandemrl.workflows.rlvr import RLVRWorkflow, check_response, completion_row
+
+
+class ReMaxRLVRWorkflow(RLVRWorkflow):
+    """RLVR with a greedy-decoding baseline subtracted from each sample's reward."""
+
+    async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> TensorDict | None:
+        prompt_ids = self.prompt_ids(data)
+        rid = uuid.uuid4().hex
+        sample_cfg = self.gconfig.new(n_samples=1)
+        greedy_cfg = self.gconfig.new(n_samples=1, greedy=True)
+        n = self.gconfig.n_samples
+        resps = await asyncio.gather(
+            *[engine.agenerate(self.request(prompt_ids, sample_cfg, rid)) for _ in range(n)],
+            engine.agenerate(self.request(prompt_ids, greedy_cfg, rid)),
+        )
+        samples, greedy = list(resps[:n]), resps[n]
+        check_response(greedy)
+        prompt = self.tokenizer.decode(prompt_ids)
+        scores = await asyncio.gather(*[self.score(prompt, prompt_ids, r.output_tokens, data) for r in resps])
+        sample_rewards, greedy_reward = scores[:n], scores[n]
+        rows = []
+        for resp, reward in zip(samples, sample_rewards, strict=True):
+            rows.append(completion_row(prompt_ids, resp, reward - greedy_reward))
+            self.record(resp, reward)
+        stats_tracker.get(self.stat_scope).scalar(greedy_reward=greedy_reward)
+        self.dump(prompt, samples, sample_rewards)
+        return concat_padded_tensors(rows)

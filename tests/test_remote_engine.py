@@ -1,0 +1,623 @@
+"""RemoteInfEngine and the shared HTTP client against real HTTP servers on loopback.
+
+``FakeVLLM`` is an in-process aiohttp server speaking the shapes of vLLM's
+``/inference/v1/generate``, ``/pause``, ``/resume``, ``/health`` and weight routes: a
+protocol peer that lets the client's retry, failover and resubmission logic be driven
+deterministically. The next token is a pure function of the sequence so far (its
+position and first token), so a stitched output equals the uninterrupted one exactly
+when no token was lost or duplicated. The real vLLM server is exercised by the one
+``slow`` test at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from aiohttp import web
+from utils import free_port
+
+from tandemrl.configs.rollout import InferenceEngineConfig
+from tandemrl.inference.http import HttpClient, InferenceServerError, send, send_sync
+from tandemrl.inference.remote import (
+    SERVER_ADDRS_ENV,
+    RemoteInfEngine,
+    RemoteVLLMEngine,
+    ServerUnavailableError,
+)
+from tandemrl.inference.types import HttpRequest, ModelRequest, ModelResponse, ParamSpec, WeightUpdateMeta
+from tandemrl.workflows.api import GenerationEngine, RolloutWorkflow
+
+PROMPT = [11, 5, 8]
+
+
+def next_token(seq: list[int]) -> int:
+    return (len(seq) * 7 + seq[0]) % 997
+
+
+def next_logprob(seq: list[int]) -> float:
+    return -(len(seq) % 50) / 100.0
+
+
+def expected(prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """The output an uninterrupted FakeVLLM generation of ``n`` tokens gives."""
+    seq, lps = list(prompt), []
+    for _ in range(n):
+        lps.append(next_logprob(seq))
+        seq.append(next_token(seq))
+    return seq[len(prompt) :], lps
+
+
+class FakeVLLM:
+    """A loopback HTTP server with vLLM's request/reply shapes; see the module docstring.
+
+    Knobs: ``token_delay`` (s per token), ``fail_next`` (answer that many generate calls
+    with HTTP 500), ``abort_after`` (each generate call stops with "abort" after that many
+    tokens, as when paused), ``health_status``.
+    """
+
+    def __init__(self, token_delay: float = 0.0, abort_after: int | None = None) -> None:
+        self.token_delay = token_delay
+        self.abort_after = abort_after
+        self.fail_next = 0
+        self.health_status = 200
+        self.version_label = "default"
+        self.generate_bodies: list[dict[str, Any]] = []
+        self.rpc_bodies: list[dict[str, Any]] = []
+        self.log: list[str] = []  # "METHOD path?query" of every request, in arrival order
+        self.port = free_port()
+        self.addr = f"127.0.0.1:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._handlers: dict[int, tuple[asyncio.Task[Any] | None, web.Request]] = {}  # in-flight generates
+        self._running = asyncio.Event()  # set = not paused
+        self._pause_epoch = 0
+
+    # ---- lifecycle (called from the test thread)
+    def start(self) -> FakeVLLM:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        return self
+
+    async def _start(self) -> None:
+        self._running.set()
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_post("/inference/v1/generate", self._generate)
+        app.router.add_post("/pause", self._pause)
+        app.router.add_post("/resume", self._resume)
+        app.router.add_post("/update_weight_version", self._set_version)
+        app.router.add_post("/collective_rpc", self._rpc)
+        app.router.add_post("/reset_prefix_cache", self._ok)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.5)
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, "127.0.0.1", self.port)
+        await self._site.start()
+
+    def stop(self) -> None:
+        """Die abruptly: refuse new connections and drop in-flight ones without replying."""
+        if self._runner is None:
+            return
+        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    async def _stop(self) -> None:
+        assert self._site is not None and self._runner is not None
+        await self._site.stop()
+        for task, request in list(self._handlers.values()):
+            if request.transport is not None:
+                request.transport.abort()
+            if task is not None:
+                task.cancel()
+        await self._runner.cleanup()
+        self._runner = None
+
+    # ---- routes
+
+    async def _health(self, request: web.Request) -> web.Response:
+        self.log.append(f"{request.method} {request.path_qs}")
+        return web.Response(status=self.health_status)
+
+    async def _ok(self, request: web.Request) -> web.Response:
+        self.log.append(f"{request.method} {request.path_qs}")
+        return web.json_response({"success": True})
+
+    async def _rpc(self, request: web.Request) -> web.Response:
+        self.log.append(f"{request.method} {request.path_qs}")
+        self.rpc_bodies.append(await request.json())
+        return web.json_response({"results": [None]})
+
+    async def _set_version(self, request: web.Request) -> web.Response:
+        self.log.append(f"{request.method} {request.path_qs}")
+        self.version_label = (await request.json())["new_version"]
+        return web.json_response({"status": "ok"})
+
+    async def _pause(self, request: web.Request) -> web.Response:
+        self.log.append(f"{request.method} {request.path_qs}")
+        assert request.query.get("mode") == "abort"
+        self._pause_epoch += 1
+        self._running.clear()
+        return web.json_response({"status": "paused"})
+
+    async def _resume(self, request: web.Request) -> web.Response:
+        self.log.append(f"{request.method} {request.path_qs}")
+        self._running.set()
+        return web.json_response({"status": "resumed"})
+
+    async def _generate(self, request: web.Request) -> web.Response:
+        self.log.append(f"{request.method} {request.path_qs}")
+        self._handlers[id(request)] = (asyncio.current_task(), request)
+        try:
+            body = await request.json()
+            self.generate_bodies.append(body)
+            if self.fail_next > 0:
+                self.fail_next -= 1
+                return web.json_response({"error": {"message": "engine core died\ntraceback..."}}, status=500)
+            await self._running.wait()  # like vLLM: requests arriving while paused are held
+            epoch = self._pause_epoch
+            seq = list(body["token_ids"])
+            params = body["sampling_params"]
+            out: list[int] = []
+            content: list[dict[str, Any]] = []
+            labels: list[str] = []
+            finish = "length"
+            for _ in range(params["max_tokens"]):
+                if self.token_delay:
+                    await asyncio.sleep(self.token_delay)
+                if self._pause_epoch != epoch or (self.abort_after is not None and len(out) >= self.abort_after):
+                    finish = "abort"
+                    break
+                tok, lp = next_token(seq), next_logprob(seq)
+                seq.append(tok)
+                out.append(tok)
+                content.append({"token_id": tok, "logprob": lp, "rank": 1, "top_logprobs": []})
+                labels.append(self.version_label)
+                if tok in params["stop_token_ids"]:
+                    finish = "stop"
+                    break
+            choice = {
+                "index": 0,
+                "finish_reason": finish,
+                "stop_reason": None,
+                "token_ids": out,
+                "logprobs": {"content": content},
+                "weight_versions": _spans(labels),
+            }
+            return web.json_response({"request_id": f"generate-tokens-{body['request_id']}", "choices": [choice]})
+        finally:
+            self._handlers.pop(id(request), None)
+
+
+def _spans(labels: list[str]) -> list[dict[str, Any]]:
+    spans: list[dict[str, Any]] = []
+    for i, label in enumerate(labels):
+        if spans and spans[-1]["version"] == label:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": label, "start": i, "end": i + 1})
+    return spans
+
+
+@pytest.fixture
+def servers():
+    started: list[FakeVLLM] = []
+
+    def make(n: int = 1, **kwargs: Any) -> list[FakeVLLM]:
+        new = [FakeVLLM(**kwargs).start() for _ in range(n)]
+        started.extend(new)
+        return new
+
+    yield make
+    for s in started:
+        s.stop()
+
+
+@pytest.fixture
+def engines():
+    made: list[RemoteInfEngine] = []
+
+    def make(addrs: list[str] | None, **cfg: Any) -> RemoteInfEngine:
+        defaults: dict[str, Any] = {"request_retries": 2, "request_backoff": 0.02, "setup_timeout": 5.0}
+        engine = RemoteVLLMEngine(InferenceEngineConfig(**{**defaults, **cfg}))
+        made.append(engine)
+        engine.initialize(addrs)
+        return engine
+
+    yield make
+    for e in made:
+        e.destroy()
+
+
+def make_req(max_new_tokens: int, rid: str | None = None, prompt: list[int] = PROMPT) -> ModelRequest:
+    req = ModelRequest(input_ids=list(prompt))
+    if rid is not None:
+        req.rid = rid
+    req.gconfig.max_new_tokens = max_new_tokens
+    return req
+
+
+def generate_all(engine: RemoteInfEngine, reqs: list[ModelRequest]) -> list[ModelResponse]:
+    async def run() -> list[ModelResponse]:
+        return list(await asyncio.gather(*(engine.agenerate(r) for r in reqs)))
+
+    return asyncio.run(run())
+
+
+def assert_exact(resp: ModelResponse, prompt: list[int], n: int) -> None:
+    toks, lps = expected(prompt, n)
+    assert resp.output_tokens == toks
+    assert resp.output_logprobs == pytest.approx(lps)
+    assert len(resp.output_versions) == n
+
+
+def prefixes_sent(server: FakeVLLM) -> list[int]:
+    """Partial-output lengths each generate call to ``server`` carried."""
+    return [len(b["token_ids"]) - len(PROMPT) for b in server.generate_bodies]
+
+
+# ------------------------------------------------------------------------------ http client
+
+
+def test_send_retries_5xx_then_succeeds_and_4xx_fails_at_once(servers) -> None:
+    (srv,) = servers(1)
+    body = {"request_id": "x", "token_ids": PROMPT, "sampling_params": {"max_tokens": 3, "stop_token_ids": []}}
+    req = HttpRequest("POST", "/inference/v1/generate", body, timeout=5.0)
+    srv.fail_next = 2
+    payload = asyncio.run(send(srv.addr, req, retries=2, backoff=0.01))
+    assert payload["choices"][0]["token_ids"] == expected(PROMPT, 3)[0]
+    assert len(srv.generate_bodies) == 3  # 2 x HTTP 500, then the good one
+
+    srv.fail_next = 5
+    with pytest.raises(InferenceServerError) as exc:
+        send_sync(srv.addr, req, retries=1, backoff=0.01)  # from a plain thread: no event loop here
+    msg = str(exc.value)
+    assert "\n" not in msg and srv.addr in msg and "/inference/v1/generate" in msg, msg
+    assert "HTTP 500" in msg and "engine core died" in msg and "2 attempts" in msg, msg
+    assert exc.value.retryable and exc.value.status == 500
+
+    with pytest.raises(InferenceServerError) as exc:
+        send_sync(srv.addr, HttpRequest("GET", "/no_such_route"), retries=3, backoff=0.01)
+    assert exc.value.status == 404 and not exc.value.retryable and exc.value.attempts == 1  # 4xx: no retry
+    assert "/no_such_route" in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_send_connection_refused_is_retryable_one_line_error() -> None:
+    addr = f"127.0.0.1:{free_port()}"
+    client = HttpClient("test-client")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(InferenceServerError) as exc:
+            client.send_sync(addr, HttpRequest("GET", "/health", timeout=2.0), retries=2, backoff=0.05)
+        assert time.monotonic() - t0 >= 0.05 + 0.1  # two backoffs: 0.05, 0.1
+        assert exc.value.retryable and exc.value.status is None and exc.value.attempts == 3
+        assert f"GET http://{addr}/health failed after 3 attempts" in str(exc.value)
+        assert "\n" not in str(exc.value)
+    finally:
+        client.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        client.send_sync(addr, HttpRequest("GET", "/health"))
+
+
+# ------------------------------------------------------------------------ discovery, health
+
+
+def test_discovery_from_env_var(servers, engines, monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = servers(2)
+    monkeypatch.setenv(SERVER_ADDRS_ENV, f"{a.addr}, {b.addr}")
+    engine = engines(None)
+    assert engine.addresses == [a.addr, b.addr]
+    assert a.log == ["GET /health"] and b.log == ["GET /health"]
+
+    monkeypatch.setenv(SERVER_ADDRS_ENV, f"{a.addr},localhost")
+    with pytest.raises(ValueError) as exc:
+        RemoteVLLMEngine(InferenceEngineConfig()).initialize()
+    assert f"${SERVER_ADDRS_ENV}" in str(exc.value) and "'localhost'" in str(exc.value)
+
+    monkeypatch.delenv(SERVER_ADDRS_ENV)
+    with pytest.raises(ValueError, match=SERVER_ADDRS_ENV):
+        RemoteVLLMEngine(InferenceEngineConfig()).initialize()
+
+
+def test_health_check_failure_names_unreachable_servers(servers) -> None:
+    good, sick = servers(2)
+    sick.health_status = 503
+    missing = f"127.0.0.1:{free_port()}"
+    engine = RemoteVLLMEngine(InferenceEngineConfig(setup_timeout=1.0))
+    t0 = time.monotonic()
+    with pytest.raises(ServerUnavailableError) as exc:
+        engine.initialize([good.addr, sick.addr, missing])
+    elapsed = time.monotonic() - t0
+    msg = str(exc.value)
+    assert "\n" not in msg, msg
+    assert "2 of 3 vllm servers not healthy" in msg and "setup_timeout=1s" in msg, msg
+    assert f"{sick.addr} (GET /health: HTTP 503" in msg and f"{missing} (GET /health: " in msg, msg
+    assert good.addr not in msg
+    assert 1.0 <= elapsed < 4.0
+    with pytest.raises(RuntimeError, match="initialize"):
+        engine.submit({}, None)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------ routing
+
+
+def test_round_robin_and_sticky_rid(servers, engines) -> None:
+    a, b = servers(2)
+    engine = engines([a.addr, b.addr])
+    generate_all(engine, [make_req(2, rid=f"r{i}") for i in range(6)])
+    assert [bd["request_id"] for bd in a.generate_bodies] == ["r0", "r2", "r4"]
+    assert [bd["request_id"] for bd in b.generate_bodies] == ["r1", "r3", "r5"]
+
+    # Group samples and later turns of one rid stay on its server (KV reuse).
+    for _ in range(2):
+        generate_all(engine, [make_req(2, rid="group-1") for _ in range(4)])
+    on_a = [bd["request_id"] for bd in a.generate_bodies].count("group-1")
+    on_b = [bd["request_id"] for bd in b.generate_bodies].count("group-1")
+    assert sorted([on_a, on_b]) == [0, 8]
+
+
+# ------------------------------------------------------------------------ interruptions
+
+
+def test_abort_resubmits_with_remaining_budget(servers, engines) -> None:
+    (srv,) = servers(1, abort_after=4)  # every call is cut after 4 tokens, as by a pause
+    engine = engines([srv.addr])
+    (resp,) = generate_all(engine, [make_req(10, rid="long")])
+    assert_exact(resp, PROMPT, 10)
+    assert resp.stop_reason == "length" and resp.output_versions == [0] * 10
+    budgets = [bd["sampling_params"]["max_tokens"] for bd in srv.generate_bodies]
+    assert budgets == [10, 6, 2]
+    assert prefixes_sent(srv) == [0, 4, 8]
+    toks = expected(PROMPT, 10)[0]
+    assert srv.generate_bodies[2]["token_ids"] == PROMPT + toks[:8]
+    assert 0 < resp.ttft <= resp.latency < 5
+
+
+def test_weight_update_mid_generation_versions_and_tokens(servers, engines) -> None:
+    a, b = servers(2, token_delay=0.01)
+    engine = engines([a.addr, b.addr])
+    reqs = [make_req(40, rid=f"u{i}") for i in range(4)]
+
+    async def run() -> list[ModelResponse]:
+        tasks = [asyncio.ensure_future(engine.agenerate(r)) for r in reqs]
+        await asyncio.sleep(0.12)
+        fut = engine.update_weights_from_disk(WeightUpdateMeta(type="disk", path="/ckpt/step1", version=1))
+        assert engine.generation_paused()  # set before the call returns
+        await asyncio.wrap_future(fut)
+        return list(await asyncio.gather(*tasks))
+
+    resps = asyncio.run(run())
+    assert engine.get_version() == 1 and not engine.generation_paused()
+    for srv in (a, b):
+        control = [e for e in srv.log if "generate" not in e and "health" not in e]
+        assert control == [
+            "POST /pause?mode=abort",
+            "POST /collective_rpc",
+            "POST /reset_prefix_cache",
+            "POST /update_weight_version",
+            "POST /resume",
+        ]
+        assert any(p > 0 for p in prefixes_sent(srv)), "no request was resubmitted with partial output"
+    for resp in resps:
+        assert_exact(resp, PROMPT, 40)
+        v = resp.output_versions
+        assert v == sorted(v) and v[0] == 0 and v[-1] == 1, v  # old weights, then new, never mixed back
+        assert resp.stop_reason == "length"
+
+
+def test_server_dies_mid_run_requests_finish_on_the_other(servers, engines) -> None:
+    a, b = servers(2, token_delay=0.005, abort_after=3)
+    engine = engines([a.addr, b.addr], request_retries=1)
+    reqs = [make_req(30, rid=f"d{i}") for i in range(6)]
+
+    async def run() -> list[ModelResponse]:
+        tasks = [asyncio.ensure_future(engine.agenerate(r)) for r in reqs]
+        await asyncio.sleep(0.1)
+        await asyncio.to_thread(a.stop)
+        return list(await asyncio.gather(*tasks))
+
+    resps = asyncio.run(run())
+    for resp in resps:
+        assert_exact(resp, PROMPT, 30)  # nothing lost, nothing duplicated
+    assert engine.pool.is_dead(a.addr) and not engine.pool.is_dead(b.addr)
+    moved = {bd["request_id"] for bd in b.generate_bodies} & {bd["request_id"] for bd in a.generate_bodies}
+    assert moved, "no request failed over from the dead server"
+    # A failed-over request continued from its partial output, not from scratch.
+    first_on_b = {}
+    for bd in b.generate_bodies:
+        first_on_b.setdefault(bd["request_id"], len(bd["token_ids"]) - len(PROMPT))
+    assert any(first_on_b[rid] > 0 for rid in moved), first_on_b
+
+    # New requests keep flowing to the live server only.
+    n_a = len(a.generate_bodies)
+    generate_all(engine, [make_req(5, rid=f"late{i}") for i in range(3)])
+    assert len(a.generate_bodies) == n_a
+
+
+def test_retry_then_failover_after_5xx(servers, engines) -> None:
+    a, b = servers(2)
+    engine = engines([a.addr, b.addr], request_retries=2)
+    a.fail_next = 2  # two 500s, then OK: retried on the same server
+    (resp,) = generate_all(engine, [make_req(5, rid="r0")])
+    assert_exact(resp, PROMPT, 5)
+    assert len(a.generate_bodies) == 3 and b.generate_bodies == []
+    assert not engine.pool.is_dead(a.addr)
+
+    b.fail_next = 10  # keeps failing: marked dead after 1 + 2 attempts, request goes to a
+    (resp,) = generate_all(engine, [make_req(5, rid="r1")])
+    assert_exact(resp, PROMPT, 5)
+    assert len(b.generate_bodies) == 3 and engine.pool.is_dead(b.addr)
+
+
+def test_only_server_dies_clear_error_within_timeout(servers, engines) -> None:
+    (srv,) = servers(1, token_delay=0.01)
+    engine = engines([srv.addr], request_retries=2, request_backoff=0.05)
+
+    async def run() -> None:
+        task = asyncio.ensure_future(engine.agenerate(make_req(200, rid="only")))
+        await asyncio.sleep(0.1)
+        await asyncio.to_thread(srv.stop)
+        await task
+
+    t0 = time.monotonic()
+    with pytest.raises(ServerUnavailableError) as exc:
+        asyncio.run(run())
+    assert time.monotonic() - t0 < 5.0
+    msg = str(exc.value)
+    assert "\n" not in msg and "all 1 inference servers are marked dead" in msg and srv.addr in msg, msg
+    assert "/inference/v1/generate" in msg, msg
+    with pytest.raises(ServerUnavailableError):
+        engine.pause_generation()
+
+
+def test_pause_generation_holds_requests_until_continue(servers, engines) -> None:
+    (srv,) = servers(1, token_delay=0.005)
+    engine = engines([srv.addr])
+
+    async def run() -> ModelResponse:
+        task = asyncio.ensure_future(engine.agenerate(make_req(30, rid="p")))
+        await asyncio.sleep(0.05)
+        await asyncio.to_thread(engine.pause_generation)
+        await asyncio.sleep(0.3)
+        assert not task.done() and len(srv.generate_bodies) == 1  # aborted, waiting to resubmit
+        await asyncio.to_thread(engine.continue_generation)
+        return await task
+
+    resp = asyncio.run(run())
+    assert_exact(resp, PROMPT, 30)
+    assert len(srv.generate_bodies) == 2 and 0 < prefixes_sent(srv)[1] < 30
+    assert srv.generate_bodies[1]["sampling_params"]["max_tokens"] == 30 - prefixes_sent(srv)[1]
+    assert [e for e in srv.log if "generate" not in e and "health" not in e] == [
+        "POST /pause?mode=abort",
+        "POST /resume",
+    ]
+
+
+def test_collective_update_rank_offsets_and_bucket_sequence(servers, engines) -> None:
+    a, b = servers(2)
+    engine = engines([a.addr, b.addr])
+    meta = WeightUpdateMeta(type="collective", group_port=29999, world_size=5, comm_backend="gloo", version=4)
+    engine.init_weights_update_group(meta).result(10)
+    assert [r["kwargs"]["rank"] for r in a.rpc_bodies + b.rpc_bodies] == ["1", "3"]  # 2 ranks per server
+    assert all(r["method"] == "tandemrl_init_weight_group" for r in a.rpc_bodies + b.rpc_bodies)
+    assert a.log[-1] == "POST /collective_rpc"  # joining the group does not pause generation
+
+    buckets = [
+        [ParamSpec("w1", (2, 3), "bfloat16")],
+        [ParamSpec("w2", (4,), "float32"), ParamSpec("w3", (1,), "int64")],
+    ]
+    engine.update_weights_from_distributed(meta, buckets).result(10)
+    assert engine.get_version() == 4
+    for srv in (a, b):
+        assert [json.loads(r["kwargs"]["meta_json"]) for r in srv.rpc_bodies[1:]] == [
+            [["w1", "bfloat16", [2, 3]]],
+            [["w2", "float32", [4]], ["w3", "int64", [1]]],
+        ]
+        assert srv.log[-6:] == [
+            "POST /pause?mode=abort",
+            "POST /collective_rpc",
+            "POST /collective_rpc",
+            "POST /reset_prefix_cache",
+            "POST /update_weight_version",
+            "POST /resume",
+        ]
+        assert srv.version_label == "4"
+
+    with pytest.raises(ValueError, match="do not split evenly over 2 servers"):
+        engine.init_weights_update_group(dataclasses.replace(meta, world_size=4))
+    engine.pool.mark_dead(b.addr, "test")
+    with pytest.raises(ServerUnavailableError, match="needs all 2 servers"):
+        engine.update_weights_from_distributed(meta, buckets)
+
+
+# ---------------------------------------------------------------------- executor forwarding
+
+
+class EchoWorkflow(RolloutWorkflow):
+    async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> dict[str, torch.Tensor]:
+        resp = await engine.agenerate(make_req(4, prompt=[int(data["id"]) + 1, 2, 3]))
+        ids = resp.input_tokens + resp.output_tokens
+        return {
+            "input_ids": torch.tensor([ids]),
+            "attention_mask": torch.ones(1, len(ids), dtype=torch.bool),
+        }
+
+
+def test_executor_methods_are_forwarded(servers, engines) -> None:
+    (srv,) = servers(1)
+    engine = engines([srv.addr], consumer_batch_size=3)
+    assert RemoteInfEngine.rollout_batch.__doc__ == engine.executor.rollout_batch.__doc__
+    batch = engine.rollout_batch([{"id": i} for i in range(3)], workflow=EchoWorkflow(), timeout=30)
+    for row, i in zip(batch["input_ids"].tolist(), range(3), strict=True):
+        prompt = [i + 1, 2, 3]
+        assert row == prompt + expected(prompt, 4)[0]
+    engine.pause()
+    assert engine.executor.is_paused()
+    engine.resume()
+    engine.set_version(3)
+    assert engine.executor.get_version() == 3
+
+
+# ------------------------------------------------------------------------------ real vLLM
+
+
+class CountingClient(HttpClient):
+    """The real client, recording the path of every request it sends."""
+
+    def __init__(self) -> None:
+        super().__init__("counting-client")
+        self.paths: list[str] = []
+
+    async def send(self, addr: str, req: HttpRequest, *args: Any, **kwargs: Any) -> Any:
+        self.paths.append(req.path)
+        return await super().send(addr, req, *args, **kwargs)
+
+
+@pytest.mark.slow
+def test_agenerate_against_real_vllm(vllm_server) -> None:
+    """Greedy decoding on the real server, interrupted by a pause, still gives the full output."""
+    client = CountingClient()
+    config = InferenceEngineConfig(request_retries=1, request_backoff=0.1, setup_timeout=60)
+    engine = RemoteVLLMEngine(config, http_client=client)
+    engine.initialize([vllm_server.proc.address])
+    try:
+        n = 500  # ~4 s on one loaded CPU core; the server's max_model_len is 1024
+        req = make_req(n, rid="real-1", prompt=[5, 17, 42, 99, 100, 7, 301, 12])
+        req.gconfig.greedy = True
+        req.metadata["ignore_eos"] = True
+        engine.set_version(7)  # the server labels tokens "default": they get the engine's version
+
+        async def run() -> ModelResponse:
+            task = asyncio.ensure_future(engine.agenerate(req))
+            await asyncio.sleep(0.3)
+            assert not task.done(), "generation finished before the pause; raise n"
+            await asyncio.to_thread(engine.pause_generation)
+            await asyncio.sleep(0.2)
+            await asyncio.to_thread(engine.continue_generation)
+            return await task
+
+        resp = asyncio.run(run())
+        assert client.paths.count("/inference/v1/generate") >= 2  # interrupted and resubmitted
+        assert resp.output_len == n and resp.stop_reason == "length"
+        assert len(resp.output_logprobs) == n and all(lp <= 0.0 for lp in resp.output_logprobs)
+        assert resp.output_versions == [7] * n
+        assert 0 < resp.ttft <= resp.latency
+
+        # An uninterrupted greedy run starts identically (after the resubmission point, bf16
+        # prefill-vs-decode numerics may flip near-ties, so only the head is compared).
+        plain = asyncio.run(engine.agenerate(req))
+        assert plain.output_len == n and client.paths.count("/inference/v1/generate") >= 3
+        assert resp.output_tokens[:16] == plain.output_tokens[:16]
+        assert resp.output_logprobs[:16] == pytest.approx(plain.output_logprobs[:16], abs=1e-3)
+    finally:
+        engine.destroy()
+        client.close()

@@ -1,0 +1,176 @@
+"""GSM8K reward on real GSM8K answers, and RewardRunner's failure handling."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tandemrl.rewards.gsm8k import extract_reference_answer, gsm8k_reward_fn
+from tandemrl.rewards.runner import RewardRunner
+from tandemrl.utils import stats_tracker
+
+
+@pytest.fixture(scope="module")
+def gsm8k_rows(gsm8k_dir: str) -> list[dict[str, str]]:
+    rows = []
+    with open(Path(gsm8k_dir) / "train.jsonl", encoding="utf-8") as f:
+        for line in f:
+            rows.append(json.loads(line))
+    # 20 rows, plus 6 whose final answer has a thousands separator
+    picked = rows[:20] + [r for r in rows if "," in r["answer"].rsplit("####", 1)[1]][:6]
+    assert any("," in r["answer"].rsplit("####", 1)[1] for r in picked)
+    return picked
+
+
+def reward(completion: str, answer: str) -> float:
+    return gsm8k_reward_fn("prompt", completion, [1], [2], answer=answer, question="q")
+
+
+def test_reference_solutions_are_correct_and_perturbed_ones_are_not(gsm8k_rows: list[dict[str, str]]) -> None:
+    for row in gsm8k_rows:
+        answer = row["answer"]
+        gold = extract_reference_answer(answer)
+        assert "," not in gold and float(gold) == float(answer.rsplit("####", 1)[1].replace(",", ""))
+        value = int(gold)
+        body = answer.rsplit("####", 1)[0]
+        assert reward(answer, answer) == 1.0
+        assert reward(f"{body}#### {value + 1}", answer) == 0.0
+        assert reward(f"{body}#### {value:,}<|im_end|>", answer) == 1.0  # separators, trailing eos text
+        assert reward(f"So the total is $\\boxed{{{value}}}$.", answer) == 1.0
+        assert reward(f"So the total is \\boxed{{{value - 1}}}.", answer) == 0.0
+        assert reward(f"We get {value + 3} - 3 = {value} dollars.", answer) == 1.0  # last number
+        assert reward(f"The answer is {value}.0", answer) == 1.0
+        assert reward(f"#### {value}\nHmm, or maybe {value + 2}?", answer) == 1.0  # '####' wins
+
+
+@pytest.mark.parametrize(
+    "completion",
+    [
+        "",
+        "####",
+        "#### forty-two",
+        "I don't know.",
+        "\\boxed{",
+        "\\boxed{}",
+        "\\boxed{\\frac{1}{0}}",
+        "9**9**9**9",
+        "__import__('os').system('echo pwned')",
+        "\\boxed{9^{9^{9^{9}}}}",
+        "\\boxed{100000!}",
+        "\\boxed{\\binom{100000}{50000}}",
+        "1e999999",
+        "9" * 6000,
+        "\u0000\ufffd\U0001f600 ####\u00a0",
+        "x" * 200000,
+    ],
+)
+def test_garbage_completions_score_zero_quickly(completion: str) -> None:
+    reward("#### 1", "#### 1")  # warm up math-verify's lazy imports
+    start = time.monotonic()
+    assert reward(completion, "Some work.\n#### 72") == 0.0
+    assert time.monotonic() - start < 2.0
+
+
+def test_reference_formats() -> None:
+    assert extract_reference_answer("a\n#### 1,080") == "1080"
+    assert extract_reference_answer("#### -5") == "-5"
+    assert extract_reference_answer("x #### 3 #### 4.5") == "4.5"
+    assert reward("it is 1080", "x #### 1,080") == 1.0
+    assert reward("\\boxed{\\frac{144}{2}}", "#### 72") == 1.0
+    assert reward("\\boxed{72 \\text{ apples}}", "#### 72") == 1.0
+    assert reward("\\boxed{\\$72.00}", "#### 72") == 1.0
+    assert reward("\\boxed{25\\%}", "#### 25") == 1.0
+    with pytest.raises(ValueError, match="'answer' has no '####'"):
+        reward("72", "the answer is 72")
+    with pytest.raises(ValueError, match="no number after '####'"):
+        reward("72", "#### seventy-two")
+    with pytest.raises(TypeError, match="'answer' must be a string"):
+        reward("72", None)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- runner
+def _raises(**kw: Any) -> float:
+    raise ZeroDivisionError("bad reward")
+
+
+def _hangs(**kw: Any) -> float:
+    time.sleep(1.5)
+    return 1.0
+
+
+def _returns(value: Any) -> Any:
+    def fn(**kw: Any) -> Any:
+        return value
+
+    return fn
+
+
+async def _async_reward(**kw: Any) -> float:
+    await asyncio.sleep(0)
+    return 0.25
+
+
+def _failures(scope: str) -> tuple[float, float]:
+    out = stats_tracker.get(scope).export()
+    return out.get(f"{scope}/reward_failed", math.nan), out.get(f"{scope}/reward_failed__count", 0.0)
+
+
+def test_runner_turns_exceptions_into_zero_with_a_counted_warning(caplog: pytest.LogCaptureFixture) -> None:
+    runner = RewardRunner(_raises, timeout=5, stat_scope="test-rewards-raise")
+    with caplog.at_level("WARNING", logger="tandemrl.rewards.runner"):
+        values = asyncio.run(_gather(runner, 3))
+    assert values == [0.0, 0.0, 0.0]
+    assert runner.n_errors == 3 and runner.n_timeouts == 0
+    assert _failures("test-rewards-raise") == (1.0, 3.0)
+    lines = [r.getMessage() for r in caplog.records if "ZeroDivisionError: bad reward" in r.getMessage()]
+    assert len(lines) == 3 and all("\n" not in line for line in lines)
+    runner.shutdown()
+
+
+def test_runner_times_out_hanging_functions_and_keeps_serving() -> None:
+    runner = RewardRunner(_hangs, timeout=0.1, max_workers=1, stat_scope="test-rewards-timeout")
+    start = time.monotonic()
+    assert asyncio.run(runner(prompt="p")) == 0.0
+    assert time.monotonic() - start < 1.0
+    assert runner.n_timeouts == 1
+    # the single worker is stuck in the abandoned call; a replacement serves the next one
+    ok = RewardRunner(_returns(1.0), timeout=0.5, max_workers=1)
+    ok._pool = runner._pool  # share the pool whose only worker is stuck
+    start = time.monotonic()
+    assert asyncio.run(ok(prompt="p")) == 1.0
+    assert time.monotonic() - start < 1.0
+    assert _failures("test-rewards-timeout") == (1.0, 1.0)
+
+
+@pytest.mark.parametrize("value", [None, "1.0", math.nan, math.inf, [1.0]])
+def test_runner_rejects_non_numeric_rewards(value: Any) -> None:
+    runner = RewardRunner(_returns(value), timeout=5)
+    assert asyncio.run(runner(prompt="p")) == 0.0
+    assert runner.n_errors == 1
+
+
+def test_runner_accepts_numbers_bools_and_async_functions() -> None:
+    assert asyncio.run(RewardRunner(_returns(True))(prompt="p")) == 1.0
+    assert asyncio.run(RewardRunner(_returns(3))(prompt="p")) == 3.0
+    async_runner = RewardRunner(_async_reward, timeout=5, stat_scope="test-rewards-async")
+    assert asyncio.run(async_runner(prompt="p")) == 0.25
+    assert _failures("test-rewards-async") == (0.0, 1.0)
+
+
+def test_gsm8k_reward_runs_in_the_runner_thread_pool() -> None:
+    """Off the main thread math-verify cannot use signals; the reward must still work."""
+    runner = RewardRunner(gsm8k_reward_fn, timeout=10)
+    kw = {"prompt": "p", "prompt_ids": [1], "completion_ids": [2], "answer": "#### 72"}
+    assert asyncio.run(runner(completions="#### 72", **kw)) == 1.0
+    assert asyncio.run(runner(completions="#### 71", **kw)) == 0.0
+    assert runner.n_errors == 0 and runner.n_timeouts == 0
+
+
+async def _gather(runner: RewardRunner, n: int) -> list[float]:
+    return list(await asyncio.gather(*[runner(prompt="p", completions=str(i)) for i in range(n)]))

@@ -1,0 +1,357 @@
+"""The vLLM server side: the weight-update wire format, the server launcher, and (slow) one real
+vLLM server (session fixture `vllm_server`, tiny model, bf16): token-in/token-out generation,
+disk and collective weight updates, pause/abort/resume and version labels.
+
+Every slow test leaves the server with the original weights and unpaused.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from utils import free_port
+from vllm_server import (
+    VLLMTestServer,
+    assert_greedy_matches,
+    decisive_prompt,
+    join,
+    load_hf,
+    perturbed_model,
+    restore_original,
+)
+
+from tandemrl.engines.types import ParallelStrategy
+from tandemrl.inference.server import ServerError, launch_server
+from tandemrl.inference.types import HttpRequest, ModelRequest, WeightUpdateMeta
+from tandemrl.inference.weight_group import (
+    broadcast_buckets,
+    buckets_to_json,
+    create_trainer_weight_group,
+    destroy_weight_group,
+    join_weight_group,
+    pack_bucket,
+    parse_buckets_json,
+    receive_buckets,
+    split_buckets,
+    unpack_bucket,
+)
+
+N = 12  # greedy tokens compared against transformers
+
+
+# ------------------------------------------------------------------- wire format (fast)
+
+
+def _mixed_state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model.embed_tokens.weight": torch.randn(10, 4, generator=g),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(3, 5, generator=g).bfloat16(),
+        "model.layers.0.self_attn.k_proj.weight": torch.randn(7, generator=g).half(),
+        "model.layers.0.mlp.up_proj.weight": torch.arange(5),
+        "model.layers.1.input_layernorm.weight": torch.randn(3, generator=g),
+        "model.norm.weight": torch.tensor(2.5),
+        "lm_head.weight": torch.randn(2, 3, generator=g).t(),  # non-contiguous
+    }
+
+
+def test_pack_unpack_roundtrip_and_layer_aligned_buckets() -> None:
+    state = _mixed_state()
+    buckets = list(split_buckets(state.items(), bucket_bytes=100))
+    # A decoder layer is never split across buckets, and nothing is lost or reordered.
+    layer_of = {n: i for i, b in enumerate(buckets) for n, _ in b}
+    assert len({layer_of[n] for n in state if n.startswith("model.layers.0.")}) == 1
+    assert [n for b in buckets for n, _ in b] == list(state)
+    assert len(buckets) >= 4
+    for bucket in buckets:
+        flat, specs = pack_bucket(bucket)
+        assert flat.dtype == torch.uint8 and flat.dim() == 1
+        for (name, got), (_, want) in zip(unpack_bucket(flat, specs), bucket, strict=True):
+            assert got.dtype == want.dtype and torch.equal(got, want), name
+    specs = [pack_bucket(b)[1] for b in buckets]
+    assert parse_buckets_json(buckets_to_json(specs)) == specs
+    assert parse_buckets_json(buckets_to_json(specs[:1])[1:-1]) == specs[:1]  # one bare bucket
+
+
+@pytest.mark.parametrize(
+    ("meta_json", "needle"),
+    [
+        ("not json", "not valid JSON"),
+        ("[]", "non-empty list"),
+        ('[["w", "float32", [2, "x"]]]', "bucket 0 entry 0"),
+        ('[["w", "floaty", [2]]]', "unknown torch dtype 'floaty'"),
+    ],
+)
+def test_bad_bucket_meta_is_one_line_error(meta_json: str, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle) as e:
+        parse_buckets_json(meta_json)
+    assert "\n" not in str(e.value)
+
+
+def test_unpack_rejects_wrong_size() -> None:
+    flat, specs = pack_bucket([("w", torch.ones(4))])
+    with pytest.raises(ValueError, match="describe"):
+        unpack_bucket(flat[:-1], specs)
+
+
+def test_weight_group_broadcasts_buckets_over_gloo() -> None:
+    """Trainer rank 0 and a server rank (a thread here) rendezvous and move bucketed tensors."""
+    state = _mixed_state()
+    buckets = list(split_buckets(state.items(), bucket_bytes=100))
+    meta_json = buckets_to_json([pack_bucket(b)[1] for b in buckets])
+    port, got = free_port(), {}
+
+    def server_rank() -> None:
+        pg = join_weight_group("127.0.0.1", port, 2, 1, "gloo", timeout_s=60)
+        got.update(receive_buckets(pg, parse_buckets_json(meta_json), "cpu"))
+        destroy_weight_group(pg)
+
+    th = threading.Thread(target=server_rank, daemon=True)
+    th.start()
+    pg = create_trainer_weight_group("127.0.0.1", port, 2, "gloo", timeout_s=60)
+    broadcast_buckets(pg, buckets)
+    th.join(60)
+    destroy_weight_group(pg)
+    assert set(got) == set(state)
+    for name, want in state.items():
+        assert got[name].dtype == want.dtype and torch.equal(got[name], want), name
+
+
+def test_join_rejects_rank_zero() -> None:
+    with pytest.raises(ValueError, match="rank 0 must be in 1..1"):
+        join_weight_group("127.0.0.1", free_port(), 2, 0)
+
+
+# ------------------------------------------------------------------------ launcher (fast)
+
+_FAKE_SERVER = textwrap.dedent(
+    """
+    import http.server, os, subprocess, sys, signal
+    mode = sys.argv[1]
+    if mode == "crash":
+        print("fake server: bad flag --oops", flush=True)
+        sys.exit(3)
+    # A child in the same process group that ignores SIGTERM: stop() must still kill it.
+    child = subprocess.Popen([sys.executable, "-c",
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+    print("child", child.pid, flush=True)
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404); self.end_headers()
+        def log_message(self, *a): pass
+    http.server.HTTPServer((sys.argv[2], int(sys.argv[3])), H).serve_forever()
+    """
+)
+
+
+class _FakeBackend:
+    """Just what launch_server needs from an InferenceBackend."""
+
+    name = "fake"
+
+    def __init__(self, script: Path, mode: str):
+        self.script, self.mode = script, mode
+
+    def server_command(self, model_path: str, host: str, port: int, strategy: Any, extra: dict[str, Any]) -> list[str]:
+        return [sys.executable, str(self.script), self.mode, host, str(port)]
+
+    def server_env(self) -> dict[str, str]:
+        return {}
+
+    def build_health(self) -> HttpRequest:
+        return HttpRequest("GET", "/health", None, 5.0)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (orphans may be reaped late by PID 1)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def test_launch_wait_healthy_and_stop_leaves_no_orphans(tmp_path: Path) -> None:
+    script = tmp_path / "fake_server.py"
+    script.write_text(_FAKE_SERVER)
+    log = tmp_path / "logs" / "fake.log"
+    with launch_server(
+        _FakeBackend(script, "serve"), str(tmp_path), strategy=ParallelStrategy(), log_file=str(log)
+    ) as srv:
+        assert srv.address == f"127.0.0.1:{srv.port}"
+        srv.wait_healthy(timeout=60, poll_interval=0.2)
+        pgid = srv.proc.pid
+        deadline = time.monotonic() + 10
+        while "child" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        child = int(log.read_text().split("child ")[1].split()[0])
+        assert os.getpgid(child) == pgid
+        start = time.monotonic()
+        srv.stop(grace=1.0)
+        assert time.monotonic() - start < 15
+    assert not srv.is_running()
+    assert not _running(child), "a child of the server survived stop() (SIGTERM-ignoring orphan)"
+
+
+def test_wait_healthy_fails_fast_with_log_tail(tmp_path: Path) -> None:
+    script = tmp_path / "fake_server.py"
+    script.write_text(_FAKE_SERVER)
+    srv = launch_server(_FakeBackend(script, "crash"), str(tmp_path), log_file=str(tmp_path / "crash.log"))
+    start = time.monotonic()
+    with pytest.raises(ServerError, match="exited with code 3") as e:
+        srv.wait_healthy(timeout=120, poll_interval=0.2)
+    assert time.monotonic() - start < 30
+    assert "bad flag --oops" in str(e.value)
+    srv.stop()
+
+
+def test_launch_rejects_missing_model(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="model_path"):
+        launch_server(_FakeBackend(tmp_path / "x.py", "serve"), str(tmp_path / "nope"))
+
+
+# ----------------------------------------------------------------- real vLLM server (slow)
+
+
+@pytest.fixture(scope="module")
+def hf_original(tiny_model_dir: str) -> torch.nn.Module:
+    return load_hf(tiny_model_dir)
+
+
+@pytest.mark.slow
+def test_generate_matches_hf_greedy(vllm_server: VLLMTestServer, hf_original: torch.nn.Module) -> None:
+    print(f"\nvLLM server start: {vllm_server.start_seconds:.1f}s")
+    ref = decisive_prompt(hf_original, N, seed=0)
+    chunk = vllm_server.generate(ref.prompt, N)
+    assert chunk.stop_reason == "length"
+    assert_greedy_matches(chunk, ref)
+    # vLLM labels every token with the weight version that produced it.
+    assert chunk.version_spans and chunk.version_spans[0].start == 0 and chunk.version_spans[-1].end == N
+
+
+@pytest.mark.slow
+def test_disk_update(vllm_server: VLLMTestServer, hf_original: torch.nn.Module, tmp_path: Path) -> None:
+    server, b = vllm_server, vllm_server.backend
+    new = perturbed_model(server.model_dir, seed=1, out_dir=tmp_path / "v1")
+    ref_new = decisive_prompt(new, N, seed=1)
+    before = server.generate(ref_new.prompt, N)
+    assert before.output_tokens != ref_new.ids, "perturbed model should change the greedy output"
+    try:
+        start = time.perf_counter()
+        server.call(b.build_pause())
+        for req in b.build_update_from_disk(WeightUpdateMeta(type="disk", path=str(tmp_path / "v1"))):
+            server.call(req)
+        server.call(b.build_resume())
+        print(f"\ndisk update (pause -> load -> flush -> resume): {time.perf_counter() - start:.3f}s")
+        assert_greedy_matches(server.generate(ref_new.prompt, N), ref_new)
+    finally:
+        restore_original(server)
+    assert server.generate(ref_new.prompt, N).output_tokens == before.output_tokens
+
+
+@pytest.mark.slow
+def test_collective_update_bucketed(vllm_server: VLLMTestServer, tiny_model_dir: str) -> None:
+    server, b = vllm_server, vllm_server.backend
+    port = free_port()
+    meta = WeightUpdateMeta(
+        type="collective", group_addr="127.0.0.1", group_port=port, world_size=2, comm_backend="gloo"
+    )
+    new = perturbed_model(tiny_model_dir, seed=2)
+    ref_new = decisive_prompt(new, N, seed=2)
+    before = server.generate(ref_new.prompt, N)
+    assert before.output_tokens != ref_new.ids
+
+    # The server's join blocks until rank 0 (this process, the "trainer") creates the group.
+    th, box = server.call_in_thread(b.build_init_weight_group(meta, rank_offset=1))
+    pg = create_trainer_weight_group(meta.group_addr, port, meta.world_size, meta.comm_backend, timeout_s=120)
+    assert join(th, box)["results"][0]["rank"] == 1
+    try:
+        # bf16 like a trainer would send; small buckets so several broadcasts happen.
+        state = {k: v.to(torch.bfloat16) for k, v in new.state_dict().items()}
+        buckets = list(split_buckets(state.items(), bucket_bytes=150_000))
+        assert len(buckets) >= 3
+        start = time.perf_counter()
+        server.call(b.build_pause())
+        for bucket in buckets:  # the client protocol: one RPC per bucket
+            flat, specs = pack_bucket(bucket)
+            th, box = server.call_in_thread(b.build_update_from_collective(meta, specs))
+            pg.broadcast(flat, 0).wait()
+            assert join(th, box)["results"][0]["tensors"] == len(bucket)
+        server.call(b.build_flush_cache())
+        server.call(b.build_resume())
+        print(f"\ncollective update, {len(buckets)} RPCs: {time.perf_counter() - start:.3f}s")
+        assert_greedy_matches(server.generate(ref_new.prompt, N), ref_new)
+
+        # Back to the original weights in ONE RPC listing all buckets (the multi-bucket format).
+        original = load_hf(tiny_model_dir).state_dict()
+        buckets = list(split_buckets(original.items(), bucket_bytes=150_000))
+        meta_json = buckets_to_json([pack_bucket(bk)[1] for bk in buckets])
+        start = time.perf_counter()
+        rpc = {"method": "tandemrl_recv_weights", "kwargs": {"meta_json": meta_json}}
+        th, box = server.call_in_thread(HttpRequest("POST", "/collective_rpc", rpc, 120.0))
+        broadcast_buckets(pg, buckets)
+        assert join(th, box)["results"][0]["buckets"] == len(buckets)
+        server.call(b.build_flush_cache())
+        print(f"collective update, 1 RPC / {len(buckets)} buckets: {time.perf_counter() - start:.3f}s")
+        assert server.generate(ref_new.prompt, N).output_tokens == before.output_tokens
+    finally:
+        server.call(HttpRequest("POST", "/collective_rpc", {"method": "tandemrl_destroy_weight_group"}, 60.0))
+        destroy_weight_group(pg)
+        restore_original(server)
+
+
+@pytest.mark.slow
+def test_pause_abort_resume_and_version(vllm_server: VLLMTestServer) -> None:
+    server, b = vllm_server, vllm_server.backend
+    prompt = [11, 22, 33, 44, 55, 66, 77, 88]
+    long_budget = 1000  # max_model_len is 1024
+    old_label = server.call(b.build_version_get())["weight_version"]
+    req = ModelRequest(input_ids=prompt, metadata={"ignore_eos": True})
+    try:
+        th, box = server.call_in_thread(b.build_generate(req, [], long_budget, 0))
+        time.sleep(1.0)  # let it decode for a while
+        start = time.perf_counter()
+        server.call(b.build_pause())
+        print(f"\npause(abort): {time.perf_counter() - start:.3f}s")
+        partial = b.parse_generate(join(th, box, timeout=60))
+        assert partial.stop_reason == "abort"
+        assert 0 < len(partial.output_tokens) < long_budget
+        assert len(partial.output_logprobs) == len(partial.output_tokens)
+
+        # While paused, new requests are held, not served.
+        held_th, held_box = server.call_in_thread(b.build_generate(ModelRequest(input_ids=prompt), [], 8, 0))
+        time.sleep(1.0)
+        assert held_th.is_alive(), "a request sent while paused was served"
+
+        server.call(b.build_set_version(7))
+        assert b.parse_version(server.call(b.build_version_get())) == 7
+        server.call(b.build_resume())
+        held = b.parse_generate(join(held_th, held_box, timeout=60))
+        assert held.stop_reason in ("length", "stop") and held.output_tokens
+
+        # Continue the aborted request from its partial output, as the client does.
+        rest = b.parse_generate(server.call(b.build_generate(req, partial.output_tokens, 16, 0)))
+        assert rest.stop_reason == "length" and len(rest.output_tokens) == 16
+        assert rest.token_versions(fallback=-1) == [7] * 16
+    finally:
+        server.call(b.build_resume())
+        server.call(HttpRequest("POST", "/update_weight_version", {"new_version": old_label}, 60.0))
+    assert server.call(HttpRequest("GET", "/is_paused", None, 60.0))["is_paused"] is False
+
+
+@pytest.mark.slow
+def test_disk_update_from_missing_dir_fails_cleanly(vllm_server: VLLMTestServer, tmp_path: Path) -> None:
+    b = vllm_server.backend
+    steps = b.build_update_from_disk(WeightUpdateMeta(type="disk", path=str(tmp_path / "missing")))
+    with pytest.raises(RuntimeError, match="HTTP 5"):
+        vllm_server.call(steps[0])
+    # The server survives the failed RPC and still serves.
+    assert vllm_server.generate([11, 12, 13], 4).stop_reason == "length"
