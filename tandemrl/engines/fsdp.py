@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from tandemrl.configs.engine import TrainEngineConfig
 from tandemrl.engines.base import DTYPES, BaseTrainEngine, default_device, init_default_process_group
 from tandemrl.engines.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta, TensorDict
+from tandemrl.inference.types import ParamSpec
 
 
 def clip_grad_norm_by_mesh(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -152,6 +154,17 @@ class FSDPEngine(BaseTrainEngine):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm, stepped
+
+    # ---------------------------------------------------------- weight export
+    def hf_param_specs(self) -> list[ParamSpec]:
+        return [
+            ParamSpec(name, tuple(p.shape), str(p.dtype).removeprefix("torch."))
+            for name, p in self.model.state_dict().items()
+        ]
+
+    def iter_hf_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, p in self.model.state_dict().items():
+            yield name, (p.full_tensor() if isinstance(p, DTensor) else p).detach()
 
     # ----------------------------------------------------------- checkpoints
     def full_state_dict(self) -> dict[str, torch.Tensor]:
