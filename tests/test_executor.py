@@ -211,7 +211,7 @@ def test_filtering_keeps_batch_size_and_reports_rejections() -> None:
         exported = ex.export_stats()
         assert exported["rollout/rejected"] == stats.rejected
         assert exported["rollout/accepted"] == stats.accepted
-        assert "rollout/staleness" in exported
+        assert "rollout/staleness/max" in exported
     finally:
         ex.destroy()
 

@@ -9,6 +9,13 @@ import importlib
 
 _CLASSES: dict[tuple[str, str], str] = {
     ("lm", "fsdp"): "tandemrl.actors.fsdp:FSDPLMEngine",
+    ("ppo_actor", "fsdp"): "tandemrl.actors.fsdp:FSDPPPOActor",
+    ("ppo_critic", "fsdp"): "tandemrl.actors.fsdp:FSDPPPOCritic",
+    ("reinforce", "fsdp"): "tandemrl.actors.fsdp:FSDPReinforceActor",
+    ("lm", "deepspeed"): "tandemrl.actors.deepspeed:DeepSpeedLMEngine",
+    ("ppo_actor", "deepspeed"): "tandemrl.actors.deepspeed:DeepSpeedPPOActor",
+    ("ppo_critic", "deepspeed"): "tandemrl.actors.deepspeed:DeepSpeedPPOCritic",
+    ("reinforce", "deepspeed"): "tandemrl.actors.deepspeed:DeepSpeedReinforceActor",
 }
 
 

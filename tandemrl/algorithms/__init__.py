@@ -1,1 +1,51 @@
+"""Pure tensor functions of RL algorithms: advantages, reward shaping, KL, policy and value losses.
 
+They take plain tensors and numbers (no configs, no torch.distributed), so they are tested
+on hand-computed values and reused by every backend through the actors in ``tandemrl.actors``.
+"""
+
+from tandemrl.algorithms.advantages import (
+    batch_normalized_advantages,
+    gae,
+    group_normalized_advantages,
+    leave_one_out_advantages,
+    normalization_stats,
+    normalize_advantages,
+    remax_advantages,
+)
+from tandemrl.algorithms.aggregation import aggregate_loss, aggregation_weight
+from tandemrl.algorithms.filters import reject_uniform_rewards
+from tandemrl.algorithms.kl import kl_estimate, kl_penalty_rewards
+from tandemrl.algorithms.policy_loss import entropy_bonus, ppo_policy_loss, reinforce_loss
+from tandemrl.algorithms.rewards import (
+    apply_no_eos_penalty,
+    overlong_penalty,
+    place_at_last_token,
+    response_ends_with_eos,
+    shape_rewards,
+)
+from tandemrl.algorithms.value_loss import value_loss
+
+__all__ = [
+    "aggregate_loss",
+    "aggregation_weight",
+    "apply_no_eos_penalty",
+    "batch_normalized_advantages",
+    "entropy_bonus",
+    "gae",
+    "group_normalized_advantages",
+    "kl_estimate",
+    "kl_penalty_rewards",
+    "leave_one_out_advantages",
+    "normalization_stats",
+    "normalize_advantages",
+    "overlong_penalty",
+    "place_at_last_token",
+    "ppo_policy_loss",
+    "reinforce_loss",
+    "reject_uniform_rewards",
+    "remax_advantages",
+    "response_ends_with_eos",
+    "shape_rewards",
+    "value_loss",
+]

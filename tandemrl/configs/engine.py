@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -37,6 +38,43 @@ class MicroBatchSpec:
 
 
 @dataclass
+class DeepSpeedEngineConfig:
+    """DeepSpeed ZeRO options, used when allocation_mode picks ``deepspeed``.
+
+    The engine owns batch sizes, gradient accumulation, clipping, precision, optimizer and
+    LR schedule (from the fields of TrainEngineConfig); a user's DeepSpeed config supplies
+    everything else (bucket sizes, overlap, offload details, ...).
+    """
+
+    zero_stage: int = field(
+        default=2,
+        metadata={
+            "help": "ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also parameters.",
+            "choices": [1, 2, 3],
+        },
+    )
+    offload_optimizer: bool = field(
+        default=False, metadata={"help": "Keep optimizer states on the CPU and step there (ZeRO-Offload)."}
+    )
+    offload_params: bool = field(
+        default=False, metadata={"help": "Keep partitioned parameters on the CPU between uses (zero_stage 3 only)."}
+    )
+    config_path: str = field(
+        default="",
+        metadata={
+            "help": "A DeepSpeed JSON config to start from; keys the engine owns are overridden (with a warning)."
+        },
+    )
+    extra: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={"help": "DeepSpeed config entries merged over config_path (dicts merge deeply)."},
+    )
+    param_gather_bucket_mb: int = field(
+        default=256, metadata={"help": "ZeRO-3: MB of parameters gathered at once for weight export/updates."}
+    )
+
+
+@dataclass
 class TrainEngineConfig:
     """One model trained by one engine (actor, critic, reference, or SFT model)."""
 
@@ -51,7 +89,11 @@ class TrainEngineConfig:
         metadata={"help": "Compute dtype under FSDP MixedPrecisionPolicy (e.g. bfloat16); None computes in `dtype`."},
     )
     attn_impl: str = field(
-        default="sdpa", metadata={"help": "HF attention implementation.", "choices": ["sdpa", "eager"]}
+        default="varlen_sdpa",
+        metadata={
+            "help": "HF attention implementation; varlen_sdpa runs SDPA per packed sequence (no dense [T, T] mask).",
+            "choices": ["varlen_sdpa", "sdpa", "eager"],
+        },
     )
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward."})
     mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
@@ -63,4 +105,11 @@ class TrainEngineConfig:
     backend: str = field(
         default="",
         metadata={"help": "Extra backend options as a string (e.g. a DeepSpeed JSON path); backend-specific."},
+    )
+    is_critic: bool = field(
+        default=False,
+        metadata={"help": "Build a value model: the LM body with a 1-output token head ([T, 1] 'logits' are values)."},
+    )
+    deepspeed: DeepSpeedEngineConfig = field(
+        default_factory=DeepSpeedEngineConfig, metadata={"help": "Options of the DeepSpeed backend."}
     )

@@ -6,10 +6,67 @@ from dataclasses import dataclass, field
 
 from tandemrl.configs.engine import TrainEngineConfig
 
+_LEVELS = ["batch", "group", "none"]
+
+
+@dataclass
+class NormConfig:
+    """Advantage baseline and scaling: ``A = (A - baseline) / (std + eps)``.
+
+    Statistics pool over the row's group (``group_size`` samples of one prompt), the whole
+    batch (across all data-parallel ranks), or nothing.
+    """
+
+    mean_level: str = field(
+        default="batch", metadata={"help": "Baseline: mean over the batch, the group, or none.", "choices": _LEVELS}
+    )
+    std_level: str = field(
+        default="batch", metadata={"help": "Scale: std over the batch, the group, or none.", "choices": _LEVELS}
+    )
+    leave_one_out: bool = field(
+        default=False, metadata={"help": "Baseline excludes the sample itself (RLOO: mean of the others)."}
+    )
+    std_unbiased: bool = field(default=True, metadata={"help": "Divide the variance by n - 1 instead of n."})
+    eps: float = field(default=1e-5, metadata={"help": "Added to the std."})
+    unit: str = field(
+        default="token",
+        metadata={
+            "help": "Statistics over one value per sequence (its return at the first generated token; "
+            "GRPO/RLOO as in the papers) or over every generated token (REINFORCE++, PPO whitening).",
+            "choices": ["sequence", "token"],
+        },
+    )
+
 
 @dataclass
 class PPOActorConfig(TrainEngineConfig):
-    """A policy trained with a PPO-style objective."""
+    """A policy trained with a PPO-style objective; algorithms are choices of these fields.
+
+    ============  ==============================================================================
+    Algorithm     Fields (others at their defaults)
+    ============  ==============================================================================
+    GRPO          adv_norm: {mean_level: group, std_level: group, unit: sequence};
+                  group_size: n_samples; optional kl_ctl>0 + use_kl_loss + kl_estimator: k3
+    Dr.GRPO       adv_norm: {mean_level: group, std_level: none, unit: sequence};
+                  loss_agg_mode: seq-mean-token-sum, loss_agg_norm_len: <max_new_tokens>
+                  (the paper's constant normalizer; token-mean is the other unbiased choice)
+    DAPO          GRPO's adv_norm; eps_clip: 0.2, eps_clip_higher: 0.28; loss_agg_mode: token-mean;
+                  overlong_buffer: e.g. 256, overlong_penalty_factor: 1.0, max_new_tokens: <gen len>;
+                  dynamic sampling: should_accept_fn=tandemrl.algorithms.filters.reject_uniform_rewards
+    RLOO          adv_norm: {mean_level: group, std_level: none, leave_one_out: true, unit: sequence}
+    REINFORCE++   adv_norm: {mean_level: batch, std_level: batch, unit: token};
+                  kl_ctl > 0 with a reference model (KL as per-token reward, kl_estimator: k2)
+    GSPO          GRPO's adv_norm; importance_sampling_level: sequence; eps_clip: 3e-4,
+                  eps_clip_higher: 4e-4; loss_agg_mode: seq-mean-token-mean
+    PPO (critic)  critic: PPOActorConfig with is_critic: true; batch['values'] from
+                  PPOCritic.compute_values; discount/gae_lambda for GAE;
+                  adv_norm: {mean_level: batch, std_level: batch, unit: token}
+    ReMax         ReMaxRLVRWorkflow rewards (sample - greedy); adv_norm: {mean_level: none,
+                  std_level: none} (or ReinforceActor.train_reinforce)
+    ============  ==============================================================================
+
+    Off-policy (asynchronous) samples: use_decoupled_loss + recompute_logprob + behav_imp_weight_cap.
+    """
 
     group_size: int = field(default=1, metadata={"help": "Samples per prompt (GRPO group)."})
     ppo_n_minibatches: int = field(default=1, metadata={"help": "Minibatches per PPO epoch."})
@@ -27,3 +84,47 @@ class PPOActorConfig(TrainEngineConfig):
     recompute_logprob: bool = field(default=True, metadata={"help": "Recompute proximal logprobs before update."})
     use_decoupled_loss: bool = field(default=False, metadata={"help": "Decoupled PPO with behaviour weights."})
     behav_imp_weight_cap: float | None = field(default=None, metadata={"help": "Cap of behaviour importance weight."})
+    # ---- additions: advantage normalization, KL form, loss shape, reward shaping, critic
+    adv_norm: NormConfig = field(default_factory=NormConfig)
+    kl_estimator: str = field(
+        default="k1",
+        metadata={"help": "KL estimator (k1: d, k2: d^2/2, k3: e^-d - 1 + d).", "choices": ["k1", "k2", "k3"]},
+    )
+    use_kl_loss: bool = field(
+        default=False, metadata={"help": "Add kl_ctl * KL to the loss instead of subtracting it from the rewards."}
+    )
+    entropy_coeff: float = field(default=0.0, metadata={"help": "Entropy bonus coefficient (loss -= coeff * H)."})
+    importance_sampling_level: str = field(
+        default="token",
+        metadata={"help": "PPO ratio per token, or per sequence (GSPO).", "choices": ["token", "sequence"]},
+    )
+    loss_agg_mode: str = field(
+        default="token-mean",
+        metadata={
+            "help": "Per-token loss reduction.",
+            "choices": ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"],
+        },
+    )
+    loss_agg_norm_len: float = field(
+        default=1.0, metadata={"help": "Divides each sequence's token sum in seq-mean-token-sum (Dr.GRPO)."}
+    )
+    overlong_buffer: int = field(
+        default=0, metadata={"help": "DAPO overlong penalty over the last N tokens before max_new_tokens; 0: off."}
+    )
+    overlong_penalty_factor: float = field(default=1.0, metadata={"help": "Largest overlong penalty."})
+    max_new_tokens: int | None = field(
+        default=None, metadata={"help": "Generation length limit (needed by overlong_buffer)."}
+    )
+    mask_no_eos: bool = field(
+        default=False, metadata={"help": "Drop responses that do not end with EOS (truncated) from the loss."}
+    )
+    no_eos_penalty: float | None = field(
+        default=None, metadata={"help": "Reward given to responses that do not end with EOS; None keeps theirs."}
+    )
+    eos_token_ids: list[int] = field(
+        default_factory=list,
+        metadata={"help": "EOS/stop ids for mask_no_eos/no_eos_penalty; empty reads the model's eos_token_id."},
+    )
+    eps_clip_value: float | None = field(
+        default=None, metadata={"help": "Critic only: clip new values to old +- this in the value loss."}
+    )

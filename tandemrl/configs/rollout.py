@@ -44,6 +44,9 @@ class InferenceEngineConfig:
         default=0, metadata={"help": "Max versions a sample may lag the trainer; 0 is synchronous RL."}
     )
     enable_rollout_tracing: bool = field(default=False, metadata={"help": "Log each rollout's lifecycle."})
+    stats_name: str = field(
+        default="rollout", metadata={"help": "Stats tracker (and key prefix) of this client's rollout statistics."}
+    )
     workflow_error_policy: str = field(
         default="raise",
         metadata={

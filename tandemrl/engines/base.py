@@ -7,6 +7,7 @@ Public methods hold the guards and the shared algorithm; a backend implements on
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from abc import abstractmethod
@@ -79,6 +80,11 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _filler_guard(group: list[int]) -> contextlib.AbstractContextManager[None]:
+    """Filler micro-batches (empty group) only keep collectives aligned: record no stats."""
+    return stats_tracker.muted() if not group else contextlib.nullcontext()
 
 
 class BaseTrainEngine(TrainEngine):
@@ -190,9 +196,10 @@ class BaseTrainEngine(TrainEngine):
             raise ValueError("train_batch: total loss weight over all ranks is 0 (no tokens to train on)")
         scale = self.data_parallel_world_size / total
         loss_sum = 0.0
-        for mb, w in zip(mbs.mbs, weights, strict=True):
+        for mb, w, group in zip(mbs.mbs, weights, mbs.groups, strict=True):
             mb = self._to_device(mb)
-            loss = loss_fn(self._forward_logits(mb), mb)
+            with _filler_guard(group):
+                loss = loss_fn(self._forward_logits(mb), mb)
             self._backward(loss * (w * scale))
             loss_sum += float(loss.detach()) * w
         grad_norm, stepped = self._optimizer_step()
@@ -214,9 +221,10 @@ class BaseTrainEngine(TrainEngine):
         mbs = self._split(batch)
         weights = self._weights(mbs, loss_weight_fn)
         loss_sum = 0.0
-        for mb, w in zip(mbs.mbs, weights, strict=True):
+        for mb, w, group in zip(mbs.mbs, weights, mbs.groups, strict=True):
             mb = self._to_device(mb)
-            loss_sum += float(loss_fn(self._forward_logits(mb), mb)) * w
+            with _filler_guard(group):
+                loss_sum += float(loss_fn(self._forward_logits(mb), mb)) * w
         total = self._all_reduce_sum(sum(weights))
         return torch.tensor(self._all_reduce_sum(loss_sum) / max(total, 1e-12))
 

@@ -28,6 +28,7 @@ from tandemrl.configs.engine import TrainEngineConfig
 from tandemrl.engines.base import DTYPES, BaseTrainEngine, default_device, init_default_process_group
 from tandemrl.engines.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta, TensorDict
 from tandemrl.inference.types import ParamSpec
+from tandemrl.models.varlen_attention import VARLEN_SDPA, register_varlen_attention
 
 
 def clip_grad_norm_by_mesh(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -52,6 +53,13 @@ def clip_grad_norm_by_mesh(params: list[torch.nn.Parameter], max_norm: float) ->
         for ps in groups.values():
             torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total)
     return total
+
+
+def auto_model_class(is_critic: bool) -> type:
+    """HF auto class of the engine's model: a causal LM, or a 1-label token classifier as critic."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    return AutoModelForTokenClassification if is_critic else AutoModelForCausalLM
 
 
 class FSDPEngine(BaseTrainEngine):
@@ -94,7 +102,7 @@ class FSDPEngine(BaseTrainEngine):
 
     # ------------------------------------------------------------------ build
     def initialize(self, addr: str | None, ft_spec: FinetuneSpec | None) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
         if self.mesh is None:
             self.create_process_group()
@@ -109,10 +117,16 @@ class FSDPEngine(BaseTrainEngine):
         # Packed inputs need no KV cache: with a cache, HF does not detect packing from
         # position_ids and lets tokens attend across sequence boundaries.
         self.model_config.use_cache = False
+        if cfg.is_critic:  # value head: one output per token, deterministic (no classifier dropout)
+            self.model_config.num_labels = 1
+            self.model_config.classifier_dropout = 0.0
+        auto_cls = auto_model_class(cfg.is_critic)
+        if cfg.attn_impl == VARLEN_SDPA:  # our per-sequence SDPA; HF must know the name before the build
+            register_varlen_attention()
         if cfg.init_from_scratch:
-            model = AutoModelForCausalLM.from_config(self.model_config, dtype=dtype, attn_implementation=cfg.attn_impl)
+            model = auto_cls.from_config(self.model_config, dtype=dtype, attn_implementation=cfg.attn_impl)
         else:
-            model = AutoModelForCausalLM.from_pretrained(
+            model = auto_cls.from_pretrained(
                 cfg.path, config=self.model_config, dtype=dtype, attn_implementation=cfg.attn_impl
             )
         model.to(self._device)
@@ -139,10 +153,15 @@ class FSDPEngine(BaseTrainEngine):
 
     # ---------------------------------------------------------------- compute
     def _forward_logits(self, mb: TensorDict) -> torch.Tensor:
+        varlen: dict[str, torch.Tensor | int] = {}
+        if self.config.attn_impl == VARLEN_SDPA:  # sequence boundaries, so attention costs sum(len^2), not T^2
+            cu, max_len = mb["cu_seqlens"], int(mb["max_seqlen"])
+            varlen = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
         out = self.model(
             input_ids=mb["input_ids"].unsqueeze(0),
             position_ids=mb["position_ids"].unsqueeze(0),
             use_cache=False,
+            **varlen,
         )
         return out.logits.squeeze(0)
 
@@ -173,13 +192,15 @@ class FSDPEngine(BaseTrainEngine):
         return get_model_state_dict(self.model, options=opts)
 
     def _save_hf(self, meta: SaveLoadMeta) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         sd = self.full_state_dict()
         if dist.get_rank() == 0:
             os.makedirs(meta.path, exist_ok=True)
             with torch.device("meta"):
-                fresh = AutoModelForCausalLM.from_config(self.model_config, dtype=DTYPES[self.config.dtype])
+                fresh = auto_model_class(self.config.is_critic).from_config(
+                    self.model_config, dtype=DTYPES[self.config.dtype]
+                )
             fresh.load_state_dict(sd, assign=True)
             fresh.config.use_cache = True  # the exported model is for generation
             fresh.save_pretrained(meta.path, state_dict=sd)

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "muted",
     "ReduceType",
     "StatsTracker",
     "denominator",
@@ -79,6 +80,23 @@ class _Partial:
 
     def copy(self) -> _Partial:
         return _Partial(self.kind, self.reduce_type, self.total, self.count, self.vmin, self.vmax)
+
+
+_MUTE = threading.local()
+
+
+def _is_muted() -> bool:
+    return getattr(_MUTE, "depth", 0) > 0
+
+
+@contextmanager
+def muted() -> Iterator[None]:
+    """Drop everything recorded in this thread inside the block (e.g. filler micro-batches)."""
+    _MUTE.depth = getattr(_MUTE, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _MUTE.depth -= 1
 
 
 def _join(*parts: str) -> str:
@@ -175,6 +193,8 @@ class StatsTracker:
 
     def scalar(self, **values: float | int | torch.Tensor) -> None:
         """Record one sample per key; exported as the mean of samples plus ``key__count``."""
+        if _is_muted():
+            return
         for key, value in values.items():
             if isinstance(value, torch.Tensor):
                 if value.numel() != 1:
@@ -190,6 +210,8 @@ class StatsTracker:
 
     def denominator(self, **masks: torch.Tensor) -> None:
         """Record boolean masks that later ``stat`` calls refer to; exported as their counts."""
+        if _is_muted():
+            return
         for key, mask in masks.items():
             if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
                 got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
@@ -205,6 +227,8 @@ class StatsTracker:
 
     def stat(self, denominator: str, reduce_type: ReduceType | None = None, **tensors: torch.Tensor) -> None:
         """Record tensors masked by the last mask recorded under ``denominator`` in this scope."""
+        if _is_muted():
+            return
         reduce_type = ReduceType.AVG_MIN_MAX if reduce_type is None else reduce_type
         if not isinstance(reduce_type, ReduceType):
             raise TypeError(f"stats_tracker.stat: reduce_type must be a ReduceType, got {reduce_type!r}")

@@ -458,9 +458,10 @@ class WorkflowExecutor:
         if self._must_wait_for_older(rest, count, version):
             return None
         self._accepted = rest
-        tracker = stats_tracker.get("rollout")
-        for d in picked:
-            tracker.scalar(staleness=version - d.version)
+        tracker = stats_tracker.get(self.config.stats_name)
+        lags = torch.tensor([float(version - d.version) for d in picked])
+        tracker.denominator(n_consumed=torch.ones_like(lags, dtype=torch.bool))
+        tracker.stat(staleness=lags, denominator="n_consumed")  # avg/min/max versions behind the trainer
         return picked
 
     def _describe_locked(self) -> str:
@@ -652,11 +653,11 @@ class WorkflowExecutor:
     def n_failed(self) -> int:
         return self._n_failed
 
-    def export_stats(self, reset: bool = True) -> dict[str, float]:
-        """Rollout counters plus everything recorded in the "rollout" tracker, keys ``rollout/...``."""
+    def export_stats(self, reset: bool = True, reduce_group: Any = None) -> dict[str, float]:
+        """Rollout counters plus everything in the ``config.stats_name`` tracker (keys ``<stats_name>/...``)."""
         s = self.staleness.get_stats()
-        tracker = stats_tracker.get("rollout")
+        tracker = stats_tracker.get(self.config.stats_name)
         tracker.scalar(
             submitted=s.submitted, accepted=s.accepted, rejected=s.rejected, running=s.running, failed=self._n_failed
         )
-        return tracker.export(reset=reset)
+        return tracker.export(reduce_group=reduce_group, reset=reset)

@@ -1,0 +1,340 @@
+"""PPO-family actor and critic, written once against the TrainEngine contract.
+
+Input batch (padded [B, L], as the rollout workflows produce it): ``input_ids``,
+``attention_mask``, ``loss_mask`` (1 on generated tokens), ``logprobs`` (behaviour policy,
+token-aligned: ``logprobs[:, t] = log p(token t | < t)``), ``versions`` and per-sequence
+``rewards`` [B].
+
+Every field the actor adds is next-token (action) aligned like the logits: ``x[:, t]`` is
+about emitting token t + 1 from the prefix ``<= t`` (see :mod:`tandemrl.algorithms.layout`):
+``compute_logp`` -> ``prox_logp`` / ``ref_logp``; ``PPOCritic.compute_values`` -> ``values``;
+``compute_advantages`` -> ``action_mask``, ``behav_logp`` (the rollout ``logprobs`` shifted
+left by one), ``shaped_rewards`` [B], ``token_rewards``, ``kl_rewards``, ``advantages``, ``returns``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tandemrl.algorithms.advantages import gae, normalization_stats, normalize_advantages
+from tandemrl.algorithms.aggregation import aggregate_loss, aggregation_weight
+from tandemrl.algorithms.kl import kl_estimate, kl_penalty_rewards
+from tandemrl.algorithms.layout import shift_left
+from tandemrl.algorithms.policy_loss import entropy_bonus, ppo_policy_loss
+from tandemrl.algorithms.rewards import (
+    apply_no_eos_penalty,
+    overlong_penalty,
+    place_at_last_token,
+    response_ends_with_eos,
+    shape_rewards,
+)
+from tandemrl.algorithms.value_loss import value_loss
+from tandemrl.configs.ppo import PPOActorConfig
+from tandemrl.engines.api import TrainEngine
+from tandemrl.engines.types import TensorDict
+from tandemrl.utils import stats_tracker
+from tandemrl.utils.functional import gather_logprobs, gather_logprobs_entropy, next_token_labels
+
+
+def require_fields(batch: TensorDict, names: tuple[str, ...], where: str, hint: str = "") -> None:
+    """One-line error naming the first missing batch field."""
+    for name in names:
+        if name not in batch:
+            raise KeyError(f"{where}: batch has no '{name}'{hint} (fields: {sorted(batch)})")
+
+
+def action_mask_of(batch: TensorDict) -> torch.Tensor:
+    """Next-token aligned mask of positions whose next token is generated (``loss_mask`` shifted left)."""
+    return shift_left(batch["loss_mask"].bool() & batch["attention_mask"].bool(), fill=False)
+
+
+def split_minibatches(batch: TensorDict, n: int, group_size: int) -> list[TensorDict]:
+    """``n`` contiguous minibatches of whole groups (``group_size`` consecutive rows each)."""
+    bsz = batch["attention_mask"].shape[0]
+    if group_size < 1 or bsz % group_size != 0:
+        raise ValueError(f"group_size={group_size} does not divide this rank's batch of {bsz} sequences")
+    n_groups = bsz // group_size
+    if not 1 <= n <= n_groups:
+        raise ValueError(f"ppo_n_minibatches={n} must be in [1, {n_groups}] (groups in this rank's batch)")
+    cuts = [round(i * n_groups / n) * group_size for i in range(n + 1)]
+    return [{k: v[a:b] for k, v in batch.items()} for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+
+
+def next_token_logp(logits: torch.Tensor, mb: TensorDict, temperature: float) -> torch.Tensor:
+    """Post-hook: packed next-token logprobs, 0 at each sequence's last position (no next token)."""
+    logp = gather_logprobs(logits, next_token_labels(mb["input_ids"], mb["cu_seqlens"]), temperature)
+    logp[mb["cu_seqlens"][1:].long() - 1] = 0.0
+    return logp
+
+
+class PPOActor:
+    """compute_logp / compute_advantages / ppo_update for every PPO-family algorithm (see PPOActorConfig)."""
+
+    def __init__(self, config: PPOActorConfig, engine: TrainEngine):
+        norm = config.adv_norm
+        if config.group_size < 1:
+            raise ValueError(f"PPOActorConfig.group_size must be >= 1, got {config.group_size}")
+        if "group" in (norm.mean_level, norm.std_level) and config.group_size == 1:
+            raise ValueError("PPOActorConfig.adv_norm: group-level statistics need group_size > 1")
+        if config.overlong_buffer > 0 and config.max_new_tokens is None:
+            raise ValueError("PPOActorConfig.max_new_tokens must be set when overlong_buffer > 0")
+        self.config = config
+        self.engine = engine
+
+    # ------------------------------------------------------------------ logp
+    def compute_logp(self, batch: TensorDict) -> torch.Tensor:
+        """Log-probs [B, L] of the current weights at ``config.temperature``, next-token aligned.
+
+        ``logp[:, t] = log p(input_ids[:, t + 1] | input_ids[:, : t + 1])``; 0 at each
+        sequence's last token and on padding. Use it as ``batch["prox_logp"]`` (before an
+        update) or, from a reference engine, as ``batch["ref_logp"]``.
+        """
+        require_fields(batch, ("input_ids", "attention_mask"), "compute_logp")
+        temp = self.config.temperature
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        return self.engine.forward(inputs, post_hook=lambda logits, mb: next_token_logp(logits, mb, temp))
+
+    # ------------------------------------------------------------ advantages
+    def _eos_ids(self) -> list[int]:
+        if self.config.eos_token_ids:
+            return list(self.config.eos_token_ids)
+        from transformers import AutoConfig
+
+        eos = AutoConfig.from_pretrained(self.config.path).eos_token_id
+        if eos is None:
+            raise ValueError(f"PPOActorConfig.eos_token_ids: empty and the model at {self.config.path} has none")
+        return [eos] if isinstance(eos, int) else list(eos)
+
+    def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over data-parallel ranks (for batch-level advantage statistics)."""
+        if not dist.is_initialized() or self.engine.data_parallel_world_size <= 1:
+            return t
+        group = self.engine.data_parallel_group
+        on = self.engine.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        x = t.to(on)
+        dist.all_reduce(x, group=group)
+        return x.to(t.device)
+
+    def _normalize(self, adv: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
+        norm = self.config.adv_norm
+        if norm.mean_level == "none" and norm.std_level == "none":
+            return adv
+        kw = {
+            "group_size": self.config.group_size,
+            "mean_level": norm.mean_level,
+            "std_level": norm.std_level,
+            "leave_one_out": norm.leave_one_out,
+            "unbiased": norm.std_unbiased,
+            "eps": norm.eps,
+            "all_reduce": self._dp_sum,
+        }
+        if norm.unit == "token":
+            return normalize_advantages(adv, action, **kw)
+        # One value per sequence: its return at the first generated token.
+        first = action.float().argmax(dim=1, keepdim=True)
+        baseline, scale = normalization_stats(adv.gather(1, first).squeeze(1), action.any(dim=1), **kw)
+        return torch.where(action, (adv - baseline[:, None]) / scale[:, None], 0.0)
+
+    def compute_advantages(self, batch: TensorDict) -> None:
+        """Shape rewards, add KL rewards, run GAE and normalize; writes the fields listed in the module doc.
+
+        Sequence rewards: no-EOS penalty (replaces the reward), + DAPO overlong penalty, then
+        ``clamp((r + reward_bias) * reward_scaling, +-reward_clip)``; placed at the last
+        generated token. KL reward ``-kl_ctl * kl(prox_logp or behaviour, ref_logp)`` on every
+        generated token unless ``use_kl_loss``. GAE uses ``batch["values"]`` if present (critic),
+        else 0 (then ``advantage = reward-to-go``). ``returns`` are taken before normalization.
+        """
+        cfg = self.config
+        require_fields(batch, ("input_ids", "attention_mask", "loss_mask", "logprobs", "rewards"), "compute_advantages")
+        bsz = batch["attention_mask"].shape[0]
+        if tuple(batch["rewards"].shape) != (bsz,):
+            raise ValueError(f"batch field 'rewards' must be per-sequence [{bsz}], got {tuple(batch['rewards'].shape)}")
+        action = action_mask_of(batch)
+        behav = torch.where(action, shift_left(batch["logprobs"].float()), 0.0)
+        rewards = batch["rewards"].float().to(action.device)
+        if cfg.mask_no_eos or cfg.no_eos_penalty is not None:
+            ended = response_ends_with_eos(batch["input_ids"], batch["loss_mask"], self._eos_ids())
+            if cfg.no_eos_penalty is not None:
+                rewards = apply_no_eos_penalty(rewards, ended, cfg.no_eos_penalty)
+            if cfg.mask_no_eos:
+                action = action & ended[:, None]
+        if cfg.overlong_buffer > 0:
+            lengths = batch["loss_mask"].bool().sum(dim=1)
+            rewards = rewards + overlong_penalty(
+                lengths, cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty_factor
+            )
+        rewards = shape_rewards(rewards, cfg.reward_scaling, cfg.reward_bias, cfg.reward_clip)
+
+        kl_rewards = torch.zeros_like(behav)
+        if cfg.kl_ctl > 0 and not cfg.use_kl_loss:
+            require_fields(batch, ("ref_logp",), "compute_advantages", " (kl_ctl > 0 needs reference logprobs)")
+            policy_logp = batch["prox_logp"] if "prox_logp" in batch else behav
+            kl_rewards = kl_penalty_rewards(policy_logp, batch["ref_logp"], action, cfg.kl_ctl, cfg.kl_estimator)
+        token_rewards = place_at_last_token(rewards, action) + kl_rewards
+        values = torch.where(action, batch["values"].float(), 0.0) if "values" in batch else torch.zeros_like(behav)
+        adv, returns = gae(token_rewards, values, action, cfg.discount, cfg.gae_lambda)
+        batch.update(
+            action_mask=action,
+            behav_logp=behav,
+            shaped_rewards=rewards,
+            token_rewards=token_rewards,
+            kl_rewards=kl_rewards,
+            advantages=self._normalize(adv, action),
+            returns=returns,
+        )
+
+    # ---------------------------------------------------------------- update
+    def _loss(self, logits: torch.Tensor, mb: TensorDict) -> torch.Tensor:
+        cfg = self.config
+        cu = mb["cu_seqlens"]
+        labels = next_token_labels(mb["input_ids"], cu)
+        if cfg.entropy_coeff != 0.0:
+            logp, entropy = gather_logprobs_entropy(logits, labels, cfg.temperature)
+        else:
+            logp, entropy = gather_logprobs(logits, labels, cfg.temperature), None
+        mask = mb["action_mask"].bool()
+        agg = {"agg_mode": cfg.loss_agg_mode, "cu_seqlens": cu, "agg_norm_len": cfg.loss_agg_norm_len}
+        loss, st = ppo_policy_loss(
+            logp,
+            mb["old_logp"],
+            mb["advantages"],
+            mask,
+            cfg.eps_clip,
+            cfg.eps_clip_higher,
+            cfg.c_clip,
+            behav_logp=mb.get("behav_logp"),
+            behav_imp_weight_cap=cfg.behav_imp_weight_cap,
+            ratio_level=cfg.importance_sampling_level,
+            **agg,
+        )
+        stats_tracker.denominator(n_action_tokens=mask)
+        stats_tracker.stat(
+            denominator="n_action_tokens",
+            importance_weight=st["ratio"],
+            approx_kl=st["approx_kl"],
+            clip_ratio=st["clip_mask"].float(),
+            dual_clip_ratio=st["dual_clip_mask"].float(),
+            new_logp=logp.detach(),
+        )
+        if "behav_logp" in mb:
+            stats_tracker.stat(
+                denominator="n_action_tokens",
+                behav_imp_weight=st["behav_imp_weight"],
+                behav_kept_ratio=st["behav_kept"].float(),
+            )
+        if entropy is not None:
+            loss = loss + entropy_bonus(entropy, mask, cfg.entropy_coeff, **agg)
+            stats_tracker.stat(denominator="n_action_tokens", entropy=entropy.detach())
+        if cfg.kl_ctl > 0 and cfg.use_kl_loss:
+            kl = kl_estimate(logp, mb["ref_logp"], cfg.kl_estimator)
+            loss = loss + cfg.kl_ctl * aggregate_loss(kl, mask, cfg.loss_agg_mode, cu, cfg.loss_agg_norm_len)
+            stats_tracker.stat(denominator="n_action_tokens", kl=kl.detach())
+        return loss
+
+    def _record_batch(self, batch: TensorDict) -> None:
+        action = batch["action_mask"].bool()
+        stats_tracker.denominator(n_seqs=torch.ones_like(action[:, 0]), n_generated_tokens=action)
+        stats_tracker.stat(
+            denominator="n_seqs",
+            shaped_reward=batch["shaped_rewards"].float(),
+            response_len=action.sum(dim=1).float(),
+        )
+        stats_tracker.stat(
+            denominator="n_generated_tokens",
+            advantages=batch["advantages"],
+            returns=batch["returns"],
+            kl_rewards=batch["kl_rewards"],
+        )
+
+    def ppo_update(self, batch: TensorDict) -> list[dict[str, float]]:
+        """``ppo_n_epochs`` passes over ``ppo_n_minibatches`` minibatches (whole groups); one step each.
+
+        The ratio's old policy is ``prox_logp`` when present (recomputed), else the behaviour
+        logprobs; ``use_decoupled_loss`` additionally weights by ``exp(prox - behaviour)``.
+        Returns the engine's stats of every step; per-token stats go to ``stats_tracker``
+        under ``ppo_actor/``.
+        """
+        cfg = self.config
+        hint = " (call compute_advantages(batch) first)"
+        require_fields(batch, ("advantages", "action_mask", "behav_logp", "returns"), "ppo_update", hint)
+        if cfg.use_decoupled_loss:
+            hint = " (use_decoupled_loss: set batch['prox_logp'] = compute_logp(batch) before the update)"
+            require_fields(batch, ("prox_logp",), "ppo_update", hint)
+        data = {
+            "input_ids": batch["input_ids"],
+            "attention_mask": batch["attention_mask"],
+            "action_mask": batch["action_mask"],
+            "advantages": batch["advantages"],
+            "old_logp": batch["prox_logp"] if "prox_logp" in batch else batch["behav_logp"],
+        }
+        if cfg.use_decoupled_loss:
+            data["behav_logp"] = batch["behav_logp"]
+        if cfg.kl_ctl > 0 and cfg.use_kl_loss:
+            require_fields(batch, ("ref_logp",), "ppo_update", " (use_kl_loss needs reference logprobs)")
+            data["ref_logp"] = batch["ref_logp"]
+        mode = cfg.loss_agg_mode
+
+        def weight(mb: TensorDict) -> int:
+            return aggregation_weight(mb["action_mask"], mode, mb["cu_seqlens"])
+
+        results = []
+        self.engine.train()
+        with stats_tracker.scope("ppo_actor"):
+            self._record_batch(batch)
+            with stats_tracker.scope("update"):
+                for _ in range(cfg.ppo_n_epochs):
+                    for mb in split_minibatches(data, cfg.ppo_n_minibatches, cfg.group_size):
+                        results.append(self.engine.train_batch(mb, self._loss, weight))
+        return results
+
+
+class PPOCritic:
+    """Value model (engine built with ``is_critic=True``): compute_values and a clipped value-loss update."""
+
+    def __init__(self, config: PPOActorConfig, engine: TrainEngine):
+        if not config.is_critic:
+            raise ValueError("PPOCritic: config.is_critic must be true so the engine builds a value head")
+        self.config = config
+        self.engine = engine
+
+    def compute_values(self, batch: TensorDict) -> torch.Tensor:
+        """Values [B, L]: ``values[:, t] = V(input_ids[:, : t + 1])``, the state before the action at t."""
+        require_fields(batch, ("input_ids", "attention_mask"), "compute_values")
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        return self.engine.forward(inputs, post_hook=lambda logits, mb: _values_of(logits))
+
+    def _loss(self, logits: torch.Tensor, mb: TensorDict) -> torch.Tensor:
+        mask = mb["action_mask"].bool()
+        loss, st = value_loss(_values_of(logits), mb["old_values"], mb["returns"], mask, self.config.eps_clip_value)
+        stats_tracker.denominator(n_action_tokens=mask)
+        stats_tracker.stat(
+            denominator="n_action_tokens", value_clip_ratio=st["clip_mask"].float(), value_error=st["error"]
+        )
+        return loss
+
+    def ppo_update(self, batch: TensorDict) -> list[dict[str, float]]:
+        """Fit ``returns`` (from the actor's compute_advantages) starting from ``values``; one step per minibatch."""
+        cfg = self.config
+        hint = " (set batch['values'] = compute_values(batch), then actor.compute_advantages(batch))"
+        require_fields(batch, ("values", "returns", "action_mask"), "PPOCritic.ppo_update", hint)
+        data = {
+            "input_ids": batch["input_ids"],
+            "attention_mask": batch["attention_mask"],
+            "action_mask": batch["action_mask"],
+            "returns": batch["returns"],
+            "old_values": batch["values"],
+        }
+        results = []
+        self.engine.train()
+        with stats_tracker.scope("ppo_critic"):
+            for _ in range(cfg.ppo_n_epochs):
+                for mb in split_minibatches(data, cfg.ppo_n_minibatches, cfg.group_size):
+                    results.append(self.engine.train_batch(mb, self._loss, lambda m: int(m["action_mask"].sum())))
+        return results
+
+
+def _values_of(logits: torch.Tensor) -> torch.Tensor:
+    if logits.shape[-1] != 1:
+        raise ValueError(f"PPOCritic: model outputs {logits.shape[-1]} values per token; build it with is_critic=True")
+    return logits[..., 0].float()

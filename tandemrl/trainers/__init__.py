@@ -1,0 +1,1 @@
+"""Training loops shared by the example scripts (import the submodules; nothing heavy here)."""

@@ -1,0 +1,300 @@
+"""The RL loop every example shares; the algorithm plugs in as a ``train_step`` callback.
+
+An RL script builds an :class:`RLTrainer` (engines, data, rollout clients, saver,
+evaluator, logger), picks its workflows and extra engines (reference, critic), and
+hands :meth:`RLTrainer.run` a function that turns one rollout batch into updates::
+
+    trainer = RLTrainer(config, "ppo_actor", name="grpo")
+    workflow, eval_workflow = trainer.rlvr_workflows(gsm8k_reward_fn)
+    trainer.run(workflow, ppo_train_step(trainer.actor, config.actor, ref=trainer.reference()), eval_workflow)
+    trainer.close()
+
+Each step: rollout (``prepare_batch`` when ``async_training`` else ``rollout_batch``) ->
+``train_step(batch, global_step)`` -> pause / update_weights / set_version / resume ->
+save -> evaluate -> log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from tandemrl.actors.registry import engine_class
+from tandemrl.configs import GRPOConfig
+from tandemrl.configs.engine import TrainEngineConfig
+from tandemrl.configs.loader import save_config
+from tandemrl.configs.ppo import PPOActorConfig
+from tandemrl.data.loader import create_dataloader, dataset_from_config
+from tandemrl.engines.types import FinetuneSpec, TensorDict
+from tandemrl.inference.remote import remote_engine_for
+from tandemrl.inference.types import WeightUpdateMeta
+from tandemrl.models.hf import load_hf_tokenizer
+from tandemrl.models.resolve import resolve_model_path
+from tandemrl.rewards.runner import RewardFn
+from tandemrl.utils import stats_tracker
+from tandemrl.utils.allocation import AllocationMode
+from tandemrl.utils.evaluator import Evaluator
+from tandemrl.utils.saver import Saver
+from tandemrl.utils.stats_logger import StatsLogger
+from tandemrl.workflows.api import RolloutWorkflow
+from tandemrl.workflows.rlvr import RLVRWorkflow
+
+# train_step(batch, global_step): compute whatever the algorithm needs and update the engines.
+TrainStep = Callable[[TensorDict, int], None]
+
+
+def weight_update_meta(config: GRPOConfig, alloc: AllocationMode) -> WeightUpdateMeta:
+    """Rank 0 picks the rendezvous address/port; every rank gets the same meta."""
+    if config.weight_update_mode == "disk":
+        meta = WeightUpdateMeta.from_disk(config.cluster.fileroot, config.experiment_name, config.trial_name)
+    else:
+        meta = WeightUpdateMeta.from_fsdp_collective(
+            alloc, group_addr="127.0.0.1" if config.cluster.n_nodes == 1 else None
+        )
+    box = [meta]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def ppo_train_step(actor: Any, config: PPOActorConfig, ref: Any = None, critic: Any = None) -> TrainStep:
+    """The PPO-family step (GRPO, DAPO, RLOO, ..., PPO with ``critic``): logp, values, advantages, updates."""
+
+    def step(batch: TensorDict, global_step: int) -> None:
+        with stats_tracker.record_timing("compute_logp"):
+            if config.recompute_logprob or config.use_decoupled_loss:
+                batch["prox_logp"] = actor.compute_logp(batch)
+            if ref is not None:
+                batch["ref_logp"] = ref.compute_logp(batch)
+        if critic is not None:
+            with stats_tracker.record_timing("compute_values"):
+                batch["values"] = critic.compute_values(batch)
+        with stats_tracker.record_timing("train_step"), stats_tracker.scope("actor"):
+            actor.compute_advantages(batch)
+            actor.ppo_update(batch)
+            actor.step_lr_scheduler()
+        if critic is not None:
+            with stats_tracker.record_timing("critic_train_step"), stats_tracker.scope("critic"):
+                critic.ppo_update(batch)
+                critic.step_lr_scheduler()
+
+    return step
+
+
+@dataclass
+class RunSummary:
+    """What a run did, for the closing line and for callers that report on it."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    n_samples: int = 0
+    n_tokens: int = 0
+    rewards: list[float] = field(default_factory=list)
+    evals: list[tuple[int, float]] = field(default_factory=list)  # (global step, greedy accuracy)
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+class RLTrainer:
+    """Builds the pieces of an RL run from a GRPOConfig (or subclass) and runs the shared loop."""
+
+    def __init__(self, config: GRPOConfig, actor_algorithm: str = "ppo_actor", name: str = "grpo") -> None:
+        alloc = AllocationMode.from_str(config.allocation_mode)
+        if alloc.train is None or alloc.gen is None:
+            raise ValueError(f"allocation_mode: '{config.allocation_mode}' needs an inference and a training component")
+        self.config, self.alloc, self.name = config, alloc, name
+        config.actor.path = resolve_model_path(config.actor.path, "actor.path", corpus_path=config.train_dataset.path)
+
+        self.actor = engine_class(actor_algorithm, alloc.train_backend)(config.actor)
+        self.actor.create_process_group(alloc.train.strategy)
+        rank, world = self.actor.data_parallel_rank, self.actor.data_parallel_world_size
+        self.tokenizer = load_hf_tokenizer(config.tokenizer_path or config.actor.path)
+
+        train_ds = dataset_from_config(config.train_dataset, self.tokenizer, rank, world)
+        self.train_dl = create_dataloader(train_ds, config.train_dataset, rank, world, seed=config.seed)
+        self.valid_dl = None
+        if config.valid_dataset is not None:
+            valid_ds = dataset_from_config(config.valid_dataset, self.tokenizer, rank, world)
+            self.valid_dl = create_dataloader(valid_ds, config.valid_dataset, rank, world, seed=config.seed)
+        self.ft_spec = FinetuneSpec(
+            total_train_epochs=config.total_train_epochs,
+            dataset_size=len(train_ds) * world,
+            train_batch_size=config.train_dataset.batch_size,
+            total_train_steps_override=config.total_train_steps,
+        )
+        self.actor.initialize(None, self.ft_spec)
+        self._extra_engines: list[Any] = []
+
+        # Each trainer rank runs its own client; servers come from the launcher's environment.
+        config.rollout.consumer_batch_size = config.train_dataset.batch_size // world
+        self.rollout = remote_engine_for(alloc.gen_backend, config.rollout)
+        self.rollout.initialize()
+        self.eval_rollout = None
+        if self.valid_dl is not None:
+            # Evaluation is never throttled by staleness: it does not train on what it generates.
+            eval_cfg = dataclasses.replace(config.rollout, max_head_offpolicyness=10**6, stats_name="eval-rollout")
+            self.eval_rollout = remote_engine_for(alloc.gen_backend, eval_cfg)
+            self.eval_rollout.initialize()
+        self.meta = weight_update_meta(config, alloc)
+        self.actor.connect_engine(self.rollout, self.meta)
+        stop = sorted({*config.gconfig.stop_token_ids, self.tokenizer.eos_token_id})
+        self.gconfig = config.gconfig.new(stop_token_ids=stop)
+
+        self.saver = Saver(config.saver, self.ft_spec)
+        self.evaluator = Evaluator(config.evaluator, self.ft_spec)
+        self.logger = StatsLogger(config.stats_logger, self.ft_spec)
+        if dist.get_rank() == 0:
+            save_config(config, f"{self.logger.log_dir}/config.yaml")
+        self.summary = RunSummary()
+
+    # ------------------------------------------------------------------ parts
+    def add_engine(self, algorithm: str, engine_config: TrainEngineConfig, field_name: str) -> Any:
+        """Another engine on the training ranks (reference, critic); its path defaults to the actor's."""
+        engine_config.path = resolve_model_path(engine_config.path or self.config.actor.path, f"{field_name}.path")
+        engine = engine_class(algorithm, self.alloc.train_backend)(engine_config)
+        engine.create_process_group(self.alloc.train.strategy)
+        engine.initialize(None, self.ft_spec)
+        self._extra_engines.append(engine)
+        return engine
+
+    def reference(self) -> Any:
+        """The frozen reference policy when the KL term is on (``actor.kl_ctl > 0`` and ``ref`` set), else None."""
+        if self.config.actor.kl_ctl > 0 and self.config.ref is not None:
+            return self.add_engine("ppo_actor", self.config.ref, "ref")
+        return None
+
+    def rlvr_workflows(
+        self, reward_fn: RewardFn, workflow_cls: type[RLVRWorkflow] = RLVRWorkflow, **kwargs: Any
+    ) -> tuple[RLVRWorkflow, RLVRWorkflow]:
+        """(training workflow, greedy single-sample evaluation workflow) scoring with ``reward_fn``."""
+        workflow = workflow_cls(reward_fn, self.gconfig, self.tokenizer, **kwargs)
+        eval_gconfig = self.gconfig.new(greedy=True, n_samples=1)
+        return workflow, RLVRWorkflow(reward_fn, eval_gconfig, self.tokenizer, stat_scope="eval-rollout")
+
+    def _dp_sum(self, values: list[float]) -> list[float]:
+        group = self.actor.data_parallel_group
+        device = self.actor.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(t, group=group)
+        return t.tolist()
+
+    def evaluate(self, eval_workflow: RolloutWorkflow, global_step: int | None = None) -> float | None:
+        """Mean reward of ``eval_workflow`` over the whole validation set (all DP ranks); None without one.
+
+        With the greedy 0/1-reward workflow of :meth:`rlvr_workflows` this is the accuracy.
+        """
+        if self.valid_dl is None or self.eval_rollout is None:
+            return None
+        total, count = 0.0, 0
+        for rows in self.valid_dl:
+            batch = self.eval_rollout.rollout_batch(rows, eval_workflow)
+            total += float(batch["rewards"].float().sum())
+            count += int(batch["rewards"].numel())
+        total, count = self._dp_sum([total, float(count)])
+        accuracy = total / max(count, 1.0)
+        stats_tracker.get("eval-rollout").scalar(accuracy=accuracy)
+        step = self.actor.get_version() if global_step is None else global_step
+        self.summary.evals.append((step, accuracy))
+        return accuracy
+
+    # ------------------------------------------------------------------ loop
+    def _sync_weights(self, version: int) -> None:
+        self.rollout.pause()
+        self.actor.update_weights(self.meta.with_version(version))
+        self.actor.set_version(version)
+        self.rollout.set_version(version)
+        if self.eval_rollout is not None:
+            self.eval_rollout.set_version(version)
+        self.rollout.resume()
+
+    def run(
+        self, workflow: RolloutWorkflow, train_step: TrainStep, eval_workflow: RolloutWorkflow | None = None
+    ) -> RunSummary:
+        """``total_train_steps`` steps of rollout -> train_step -> weight update -> save/eval/log."""
+        config, actor, summary = self.config, self.actor, self.summary
+        group = config.actor.group_size
+        world = actor.data_parallel_world_size
+        data_iter = itertools.cycle(self.train_dl)
+        total_steps = self.ft_spec.total_train_steps
+        spe = self.ft_spec.steps_per_epoch
+        bar = tqdm(total=total_steps, desc=self.name, disable=dist.get_rank() != 0)
+        start = time.monotonic()
+        for global_step in range(total_steps):
+            epoch, step = divmod(global_step, spe)
+            with stats_tracker.record_timing("rollout"):
+                if config.async_training:
+                    batch = actor.prepare_batch(self.train_dl, workflow, granularity=group)
+                else:
+                    batch = actor.rollout_batch(next(data_iter), workflow, granularity=group)
+            summary.n_samples += batch["attention_mask"].shape[0] * world
+            summary.n_tokens += int(batch["loss_mask"].sum()) * world
+            gen = batch["versions"][batch["loss_mask"].bool()]
+            # Weight versions that produced this batch's tokens (the server labels each token).
+            stats_tracker.scalar(rollout_version_min=gen.min(), rollout_version_max=gen.max())
+            train_step(batch, global_step)
+            with stats_tracker.record_timing("update_weights"):
+                self._sync_weights(global_step + 1)
+            with stats_tracker.record_timing("save"):
+                self.saver.save(actor, epoch, step, global_step, tokenizer=self.tokenizer)
+            if eval_workflow is not None and self.valid_dl is not None:
+                with stats_tracker.record_timing("eval"):
+                    self.evaluator.evaluate(
+                        lambda gs=global_step + 1: self.evaluate(eval_workflow, gs), epoch, step, global_step
+                    )
+            self._commit(epoch, step, global_step)
+            bar.update(1)
+            reward = summary.rewards[-1] if summary.rewards else None
+            if reward is not None:
+                bar.set_postfix(reward=f"{reward:.3f}")
+        bar.close()
+        summary.steps += total_steps
+        summary.seconds += time.monotonic() - start
+        self._print_summary()
+        return summary
+
+    def _commit(self, epoch: int, step: int, global_step: int) -> None:
+        # Rollout trackers first (reduced over DP ranks), then everything the trainer recorded.
+        dp_group = self.actor.data_parallel_group
+        stats = self.rollout.export_stats(reduce_group=dp_group)
+        if self.eval_rollout is not None:
+            stats.update(self.eval_rollout.export_stats(reduce_group=dp_group))
+        stats.update(self.actor.export_stats())
+        self.logger.commit(epoch, step, global_step, stats)
+        reward = stats.get("rollout/reward")
+        if reward is not None:
+            self.summary.rewards.append(reward)
+
+    def _print_summary(self) -> None:
+        if dist.get_rank() != 0:
+            return
+        s, cfg = self.summary, self.config.saver
+        root = self.saver.get_save_root(cfg.fileroot, cfg.experiment_name, cfg.trial_name)
+        secs = max(s.seconds, 1e-9)
+        k = max(1, len(s.rewards) // 4)
+        head, tail = s.rewards[:k] or [0.0], s.rewards[-k:] or [0.0]
+        print(
+            f"{self.name} done: {s.steps} steps in {secs:.0f} s; reward {_mean(head):.3f} (first steps) -> "
+            f"{_mean(tail):.3f} (last steps); throughput {s.n_samples / secs:.2f} samples/s, "
+            f"{s.n_tokens / secs:.0f} generated tokens/s; logs in {self.logger.log_dir}; checkpoints under {root}",
+            flush=True,
+        )
+
+    def close(self) -> None:
+        """Stop the rollout clients and release every engine and the process group."""
+        self.logger.close()
+        self.rollout.destroy()
+        if self.eval_rollout is not None:
+            self.eval_rollout.destroy()
+        for engine in self._extra_engines:
+            engine.destroy()
+        self.actor.destroy()
+        dist.destroy_process_group()

@@ -1,0 +1,308 @@
+"""PPOActor / PPOCritic / ReinforceActor: advantages on hand-computed batches, and 2-rank FSDP updates
+that must equal a plain single-process PyTorch reference (independent loss code, same AdamW)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from utils import run_torchrun
+
+from tandemrl.actors.ppo import PPOActor, PPOCritic, split_minibatches
+from tandemrl.configs.ppo import NormConfig, PPOActorConfig
+
+WORKER = Path(__file__).parent / "workers" / "ppo_checks.py"
+ENV = {"TANDEMRL_DIST_TIMEOUT": "120"}
+
+
+# --------------------------------------------------------------------------- compute_advantages (no engine)
+def _batch() -> dict[str, torch.Tensor]:
+    """Two groups of two rows; prompts of 2 tokens; responses of 3, 1, 2, 2 tokens (token-aligned)."""
+    loss_mask = torch.tensor(
+        [[0, 0, 1, 1, 1, 0], [0, 0, 1, 0, 0, 0], [0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 0, 0]], dtype=torch.long
+    )
+    am = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0]]).bool()
+    ids = torch.tensor([[5, 6, 7, 8, 2, 0], [5, 6, 2, 0, 0, 0], [5, 9, 7, 2, 0, 0], [5, 9, 7, 7, 0, 0]])
+    logprobs = torch.tensor(
+        [
+            [0.0, 0.0, -1.0, -2.0, -3.0, 0.0],
+            [0.0, 0.0, -4.0, 0.0, 0.0, 0.0],
+            [0.0, 0.0, -0.5, -1.5, 0.0, 0.0],
+            [0.0, 0.0, -2.5, -0.5, 0.0, 0.0],
+        ]
+    )
+    return {
+        "input_ids": ids,
+        "attention_mask": am,
+        "loss_mask": loss_mask,
+        "logprobs": logprobs,
+        "rewards": torch.tensor([1.0, 0.0, 1.0, 1.0]),
+    }
+
+
+def _actor(**fields: object) -> PPOActor:
+    cfg = PPOActorConfig(path="unused", group_size=2)
+    for k, v in fields.items():
+        setattr(cfg, k, v)
+    return PPOActor(cfg, engine=None)  # compute_advantages needs no engine outside torch.distributed
+
+
+def test_fields_are_next_token_aligned() -> None:
+    b = _batch()
+    _actor(adv_norm=NormConfig(mean_level="none", std_level="none")).compute_advantages(b)
+    # Position t acts by emitting token t+1: the first generated token (t=2) is predicted at t=1.
+    assert b["action_mask"][0].tolist() == [False, True, True, True, False, False]
+    assert b["behav_logp"][0].tolist() == [0.0, -1.0, -2.0, -3.0, 0.0, 0.0]
+    # Reward at the last action; no normalization, gamma = lambda = 1: reward-to-go = reward.
+    assert b["token_rewards"][0].tolist() == [0.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+    assert b["advantages"][0].tolist() == [0.0, 1.0, 1.0, 1.0, 0.0, 0.0]
+    assert torch.equal(b["returns"], b["advantages"])
+
+
+def test_grpo_sequence_vs_token_statistics() -> None:
+    b = _batch()
+    _actor(adv_norm=NormConfig(mean_level="group", std_level="group", unit="sequence")).compute_advantages(b)
+    a = 0.5 / (math.sqrt(0.5) + 1e-5)  # group [1, 0]: mean 0.5, unbiased std sqrt(0.5)
+    assert b["advantages"][0, 1:4].tolist() == pytest.approx([a] * 3)
+    assert b["advantages"][1, 1].item() == pytest.approx(-a)
+    assert b["advantages"][2:].abs().max().item() == 0.0  # uniform group: no signal
+    # Token statistics weigh rows by length: group-1 tokens are [1, 1, 1, 0] -> mean 0.75.
+    b = _batch()
+    _actor(adv_norm=NormConfig(mean_level="group", std_level="none", unit="token")).compute_advantages(b)
+    assert b["advantages"][0, 1:4].tolist() == pytest.approx([0.25] * 3)
+    assert b["advantages"][1, 1].item() == pytest.approx(-0.75)
+
+
+def test_kl_reward_and_shaping() -> None:
+    b = _batch()
+    b["ref_logp"] = torch.full((4, 6), -1.0)
+    b["rewards"] = torch.tensor([30.0, 0.0, 1.0, 1.0])
+    actor = _actor(
+        adv_norm=NormConfig(mean_level="none", std_level="none"),
+        kl_ctl=0.1,
+        reward_scaling=2.0,
+        reward_bias=1.0,
+        reward_clip=10.0,
+    )
+    actor.compute_advantages(b)
+    assert b["shaped_rewards"].tolist() == [10.0, 2.0, 4.0, 4.0]  # clamp((r + 1) * 2, +-10)
+    # k1 on behaviour logp [-1, -2, -3] vs ref -1 -> kl [0, -1, -2] -> reward -0.1 * kl.
+    assert b["kl_rewards"][0].tolist() == pytest.approx([0.0, 0.0, 0.1, 0.2, 0.0, 0.0])
+    # Reward-to-go: [10 + 0.3, 10 + 0.3, 10 + 0.2].
+    assert b["advantages"][0, 1:4].tolist() == pytest.approx([10.3, 10.3, 10.2])
+    with pytest.raises(KeyError, match="ref_logp"):
+        c = _batch()
+        actor.compute_advantages(c)
+
+
+def test_overlong_and_no_eos() -> None:
+    b = _batch()  # response lengths 3, 1, 2, 2; rows 0, 1, 2 end with EOS (id 2), row 3 does not
+    actor = _actor(
+        adv_norm=NormConfig(mean_level="none", std_level="none"),
+        overlong_buffer=2,
+        max_new_tokens=3,
+        no_eos_penalty=-1.0,
+        mask_no_eos=True,
+        eos_token_ids=[2],
+    )
+    actor.compute_advantages(b)
+    # safe length 1: penalties [-1, 0, -0.5, -0.5]; row 3's reward replaced by -1 first.
+    assert b["shaped_rewards"].tolist() == pytest.approx([0.0, 0.0, 0.5, -1.5])
+    assert not b["action_mask"][3].any() and b["action_mask"][2].any()
+
+
+def test_gae_uses_critic_values() -> None:
+    b = _batch()
+    b["values"] = torch.arange(24, dtype=torch.float32).view(4, 6) / 10
+    _actor(adv_norm=NormConfig(mean_level="none", std_level="none"), discount=0.5, gae_lambda=0.5).compute_advantages(b)
+    # Row 1 has one action (t=1, value 0.7, reward 0): A = 0 - 0.7; return = A + V = 0.
+    assert b["advantages"][1, 1].item() == pytest.approx(-0.7)
+    assert b["returns"][1, 1].item() == pytest.approx(0.0)
+
+
+def test_bad_inputs_are_named() -> None:
+    b = _batch()
+    b["rewards"] = torch.ones(4, 6)
+    with pytest.raises(ValueError, match="'rewards' must be per-sequence"):
+        _actor().compute_advantages(b)
+    with pytest.raises(ValueError, match="group_size > 1"):
+        PPOActor(PPOActorConfig(adv_norm=NormConfig(mean_level="group")), engine=None)
+    with pytest.raises(KeyError, match="compute_advantages"):
+        _actor().ppo_update(_batch())
+    with pytest.raises(ValueError, match="is_critic"):
+        PPOCritic(PPOActorConfig(), engine=None)
+    with pytest.raises(ValueError, match="ppo_n_minibatches=3"):
+        split_minibatches(_batch(), 3, 2)
+    parts = split_minibatches(_batch(), 2, 2)
+    assert [p["rewards"].tolist() for p in parts] == [[1.0, 0.0], [1.0, 1.0]]
+
+
+def test_registry_rows() -> None:
+    from tandemrl.actors.fsdp import FSDPPPOActor, FSDPPPOCritic, FSDPReinforceActor
+    from tandemrl.actors.registry import engine_class
+
+    assert engine_class("ppo_actor", "fsdp") is FSDPPPOActor
+    assert engine_class("ppo_critic", "fsdp") is FSDPPPOCritic
+    assert engine_class("reinforce", "fsdp") is FSDPReinforceActor
+    assert callable(FSDPPPOActor.ppo_update) and callable(FSDPReinforceActor.train_reinforce)
+
+
+# --------------------------------------------------------------------------- 2-rank FSDP vs reference
+def _token_logps(model: torch.nn.Module, batch: dict, with_entropy: bool = False) -> list:
+    """Per row: (log p of generated tokens, entropy at the positions predicting them), one sequence at a time."""
+    out = []
+    for i, n in enumerate(batch["attention_mask"].sum(1).tolist()):
+        ids = batch["input_ids"][i : i + 1, :n]
+        lp_all = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)[:-1]  # position t-1 predicts t
+        resp = batch["loss_mask"][i, 1:n].bool()
+        lp = lp_all.gather(-1, ids[0, 1:, None]).squeeze(-1)[resp]
+        ent = -(lp_all.exp() * lp_all).sum(-1)[resp] if with_entropy else None
+        out.append((lp, ent, resp))
+    return out
+
+
+def _reference_update(model_dir: str, batch: dict, tag: str) -> dict[str, torch.Tensor]:
+    """One AdamW step of the PPO objective written out by hand on the global batch."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        initial = [lp for lp, _, _ in _token_logps(model, batch)]
+    r = batch["rewards"]
+    lens = batch["attention_mask"].sum(1).tolist()
+    behav = [batch["logprobs"][i, 1:n][batch["loss_mask"][i, 1:n].bool()] for i, n in enumerate(lens)]
+    n_tok = [len(x) for x in initial]
+    # Advantages: one value per generated token.
+    if tag == "decoupled":  # GRPO on sequences: (r - group mean) / (unbiased group std + eps)
+        adv = []
+        for i in range(len(r)):
+            g = r[(i // 2) * 2 : (i // 2) * 2 + 2]
+            adv.append(torch.full((n_tok[i],), float((r[i] - g.mean()) / (g.std() + 1e-5))))
+    else:  # group token-mean baseline, std over every generated token of the global batch
+        tokens = torch.cat([torch.full((n,), float(r[i])) for i, n in enumerate(n_tok)])
+        std = tokens.std()
+        adv = []
+        for i in range(len(r)):
+            j = (i // 2) * 2
+            base = (r[j] * n_tok[j] + r[j + 1] * n_tok[j + 1]) / (n_tok[j] + n_tok[j + 1])
+            adv.append(torch.full((n_tok[i],), float((r[i] - base) / (std + 1e-5))))
+    rows = _token_logps(model, batch, with_entropy=(tag == "clipped"))
+    per_row = []
+    for i, (lp, ent, _) in enumerate(rows):
+        a = adv[i]
+        if tag == "decoupled":
+            prox = initial[i]
+            ratio = torch.exp(lp - prox)
+            loss = torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.28))
+            w = torch.exp(prox - behav[i])
+            per_row.append(loss * torch.where(w <= 1.3, w, torch.zeros_like(w)))
+        else:
+            ratio = torch.exp(lp - behav[i])
+            loss = torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.3))
+            loss = torch.where(a < 0, torch.minimum(loss, -1.5 * a), loss)
+            per_row.append(loss.mean() - 0.01 * ent.mean())
+    if tag == "decoupled":
+        total = torch.cat(per_row).sum() / sum(n_tok)
+    else:
+        total = torch.stack(per_row).mean()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
+    total.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def results(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("ppo")
+    run_torchrun(WORKER, 2, ["--model", tiny_model_dir, "--out", out], env=ENV)
+    return torch.load(out / "ppo.pt", weights_only=False), out
+
+
+@pytest.fixture(scope="module")
+def initial_params(tiny_model_dir: str) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    return dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict())
+
+
+@pytest.mark.parametrize("tag", ["decoupled", "clipped"])
+def test_two_rank_update_equals_single_process_reference(
+    results: tuple[dict, Path], tiny_model_dir: str, initial_params: dict, tag: str
+) -> None:
+    res, _ = results
+    ref = _reference_update(tiny_model_dir, res["batch"], tag)
+    assert _max_diff(res[tag]["params"], initial_params) > 1e-5, "the update must move the weights"
+    assert _max_diff(res[tag]["params"], ref) < 1e-5
+    stats = res[tag]["exported"]
+    if tag == "decoupled":  # capped behaviour weights drop some tokens
+        assert 0.0 < stats["ppo_actor/update/behav_kept_ratio/avg"] < 1.0
+    else:  # stale logprobs: both clips fire
+        assert stats["ppo_actor/update/clip_ratio/avg"] > 0.0
+        assert stats["ppo_actor/update/dual_clip_ratio/avg"] > 0.0
+        assert stats["ppo_actor/update/entropy/avg"] > 0.0
+
+
+def test_compute_logp_equals_hf(results: tuple[dict, Path], tiny_model_dir: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    _, out = results
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    for rank in (0, 1):
+        saved = torch.load(out / f"logp_rank{rank}.pt")
+        rows, logp = saved["rows"], saved["logp"]
+        with torch.no_grad():
+            for i, n in enumerate(rows["attention_mask"].sum(1).tolist()):
+                ids = rows["input_ids"][i : i + 1, :n]
+                lp = torch.log_softmax(model(input_ids=ids).logits[0], -1)[:-1].gather(-1, ids[0, 1:, None])
+                assert (logp[i, : n - 1] - lp.squeeze(-1)).abs().max().item() < 1e-5
+                assert logp[i, n - 1 :].abs().max().item() == 0.0  # last token and padding
+
+
+def test_minibatches_and_epochs_take_one_step_each(results: tuple[dict, Path], initial_params: dict) -> None:
+    res, _ = results
+    stats = res["multi"]["stats"]
+    assert len(stats) == 4 and all(s["update_successful"] == 1.0 for s in stats)
+    assert _max_diff(res["multi"]["params"], initial_params) > 1e-5
+
+
+def test_reinforce_loss_and_update(results: tuple[dict, Path], tiny_model_dir: str, initial_params: dict) -> None:
+    from transformers import AutoModelForCausalLM
+
+    res, _ = results
+    batch = res["batch"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        rows = _token_logps(model, batch)
+    num = sum(-(float(batch["rewards"][i]) * lp).sum() for i, (lp, _, _) in enumerate(rows))
+    expected = float(num) / sum(len(lp) for lp, _, _ in rows)
+    assert res["reinforce"]["stats"]["loss"] == pytest.approx(expected, rel=1e-5)
+    assert _max_diff(res["reinforce"]["params"], initial_params) > 1e-5
+
+
+def test_critic_values_and_updates(results: tuple[dict, Path], tiny_model_dir: str) -> None:
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    res, _ = results
+    crit = res["critic"]
+    cfg = AutoConfig.from_pretrained(tiny_model_dir, num_labels=1, classifier_dropout=0.0)
+    model = AutoModelForTokenClassification.from_config(cfg, dtype=torch.float32)
+    model.load_state_dict(crit["init_params"])
+    model.eval()
+    rows = crit["rows"]
+    with torch.no_grad():
+        for i, n in enumerate(rows["attention_mask"].sum(1).tolist()):
+            v = model(input_ids=rows["input_ids"][i : i + 1, :n]).logits[0, :, 0]
+            assert (crit["values"][i, :n] - v).abs().max().item() < 1e-5
+    # GAE from the values: returns = advantages + values on actions (before normalization).
+    act = rows["action_mask"]
+    assert act.any() and torch.isfinite(rows["returns"]).all()
+    losses = crit["losses"]
+    assert losses[0] > losses[1] > losses[2], losses

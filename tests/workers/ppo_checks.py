@@ -1,0 +1,164 @@
+"""torchrun worker for the PPO actor tests: runs every check on 2 ranks, saves results to --out.
+
+Rank 0 writes ``ppo.pt`` (the global batch, parameters after each update, stats); every rank
+writes ``logp_rank{r}.pt`` (its compute_logp output and rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+from tandemrl.actors.fsdp import FSDPPPOActor, FSDPPPOCritic, FSDPReinforceActor
+from tandemrl.actors.ppo import PPOActor
+from tandemrl.configs.engine import OptimizerConfig
+from tandemrl.configs.ppo import NormConfig, PPOActorConfig
+from tandemrl.engines.base import init_default_process_group
+
+VOCAB = 1024
+GROUP = 2
+REWARDS = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.5, 0.0]  # group 3 is uniform: zero GRPO advantage
+
+# The two configurations compared with the single-process reference in tests/test_ppo_actor.py.
+CONFIGS = {
+    # GRPO + decoupled PPO (asynchronous samples): ratio vs recomputed proximal logp,
+    # behaviour weights exp(prox - behav) capped at 1.3.
+    "decoupled": dict(
+        adv_norm=NormConfig(mean_level="group", std_level="group", unit="sequence"),
+        use_decoupled_loss=True,
+        behav_imp_weight_cap=1.3,
+        eps_clip=0.2,
+        eps_clip_higher=0.28,
+    ),
+    # Plain PPO on stale behaviour logprobs (no recompute): asymmetric + dual clip,
+    # group mean / batch std over tokens (needs the cross-rank sum), per-sequence loss mean, entropy.
+    "clipped": dict(
+        adv_norm=NormConfig(mean_level="group", std_level="batch", unit="token"),
+        recompute_logprob=False,
+        eps_clip=0.2,
+        eps_clip_higher=0.3,
+        c_clip=1.5,
+        loss_agg_mode="seq-mean-token-mean",
+        entropy_coeff=0.01,
+    ),
+}
+
+
+def hf_logprobs(model_dir: str, input_ids: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """Token-aligned log p(token t | < t) of each row under the plain HF model (0 at t = 0 and padding)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = torch.zeros(input_ids.shape)
+    with torch.no_grad():
+        for i, n in enumerate(lens):
+            ids = input_ids[i : i + 1, :n]
+            lp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+            out[i, 1:n] = lp[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1)
+    return out
+
+
+def make_rollout_batch(model_dir: str, seed: int = 7, n: int = 8, max_len: int = 24) -> dict[str, torch.Tensor]:
+    """Random prompts + responses; behaviour logprobs = HF logprobs + noise (a slightly stale policy)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(10, max_len + 1, (n,), generator=g)
+    lens[0] = max_len  # one full-length row: no padding after it
+    prompt = torch.randint(3, 7, (n,), generator=g)
+    pos = torch.arange(max_len)[None, :]
+    am = pos < lens[:, None]
+    loss_mask = am & (pos >= prompt[:, None])
+    ids = torch.randint(3, VOCAB, (n, max_len), generator=g) * am
+    noise = 0.3 * torch.randn(n, max_len, generator=g)
+    logprobs = torch.where(loss_mask, hf_logprobs(model_dir, ids, lens.tolist()) + noise, 0.0)
+    return {
+        "input_ids": ids,
+        "attention_mask": am,
+        "loss_mask": loss_mask.long(),
+        "logprobs": logprobs,
+        "versions": torch.where(loss_mask, 0, -1),
+        "rewards": torch.tensor(REWARDS),
+    }
+
+
+def rank_slice(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    r, w = dist.get_rank(), dist.get_world_size()
+    n = batch["input_ids"].shape[0] // w
+    return {k: v[r * n : (r + 1) * n].clone() for k, v in batch.items()}
+
+
+def build(cls: type, model: str, lr: float = 1e-4, **fields: object) -> object:
+    cfg = PPOActorConfig(path=model, group_size=GROUP, optimizer=OptimizerConfig(lr=lr, gradient_clipping=1.0))
+    for k, v in fields.items():
+        setattr(cfg, k, v)
+    e = cls(cfg)
+    e.create_process_group()
+    e.initialize(None, None)
+    return e
+
+
+def ppo_step(model: str, global_batch: dict[str, torch.Tensor], fields: dict) -> dict:
+    e = build(FSDPPPOActor, model, **fields)
+    batch = rank_slice(global_batch)
+    prox = e.compute_logp(batch)
+    if e.config.recompute_logprob:
+        batch["prox_logp"] = prox
+    e.compute_advantages(batch)
+    stats = e.ppo_update(batch)
+    exported = e.export_stats()
+    out = {"params": e.full_state_dict(), "stats": stats, "exported": exported, "prox": prox}
+    e.destroy()
+    return out
+
+
+def main(args: argparse.Namespace) -> None:
+    init_default_process_group()
+    rank = dist.get_rank()
+    global_batch = make_rollout_batch(args.model)
+    results: dict[str, object] = {"batch": global_batch}
+
+    for tag, fields in CONFIGS.items():
+        res = ppo_step(args.model, global_batch, fields)
+        torch.save(
+            {"logp": res.pop("prox"), "rows": rank_slice(global_batch)}, os.path.join(args.out, f"logp_rank{rank}.pt")
+        )
+        results[tag] = res
+
+    # Several minibatches and epochs: 2 x 2 optimizer steps.
+    e = build(FSDPPPOActor, args.model, ppo_n_minibatches=2, ppo_n_epochs=2, eps_clip_higher=0.28)
+    batch = rank_slice(global_batch)
+    batch["prox_logp"] = e.compute_logp(batch)
+    e.compute_advantages(batch)
+    results["multi"] = {"stats": e.ppo_update(batch), "params": e.full_state_dict()}
+    e.destroy()
+
+    # REINFORCE on per-sequence rewards (e.g. ReMax reward differences).
+    e = build(FSDPReinforceActor, args.model)
+    results["reinforce"] = {"stats": e.train_reinforce(rank_slice(global_batch)), "params": e.full_state_dict()}
+    e.destroy()
+
+    # Critic: values, GAE advantages from them, three clipped value-loss updates.
+    e = build(FSDPPPOCritic, args.model, lr=1e-5, is_critic=True, eps_clip_value=0.5)
+    batch = rank_slice(global_batch)
+    init_params = e.full_state_dict()
+    batch["values"] = e.compute_values(batch)
+    gae_cfg = PPOActorConfig(path=args.model, group_size=GROUP, discount=0.9, gae_lambda=0.95)
+    PPOActor(gae_cfg, e).compute_advantages(batch)
+    losses = [e.ppo_update(batch)[0]["loss"] for _ in range(3)]
+    results["critic"] = {"init_params": init_params, "values": batch["values"], "rows": batch, "losses": losses}
+    e.destroy()
+
+    if rank == 0:
+        torch.save(results, os.path.join(args.out, "ppo.pt"))
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    torch.use_deterministic_algorithms(True)
+    main(a)
+    dist.destroy_process_group()
