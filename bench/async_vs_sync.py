@@ -1,0 +1,71 @@
+"""End-to-end GRPO throughput: asynchronous (staleness 1 and 2) vs synchronous rollout.
+
+Runs the same GSM8K GRPO job (tiny model, one vLLM server, FSDP trainer) through the
+local launcher three times and compares the samples/s each run prints (measured over the
+training loop, excluding server start-up). A benchmark: it prints figures, asserts nothing.
+
+    python bench/async_vs_sync.py [--steps 12] [--data ../shared/data/gsm8k] [extra overrides...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+THROUGHPUT = re.compile(r"throughput ([0-9.]+) samples/s, ([0-9.]+) generated tokens/s")
+
+VARIANTS = {
+    "sync": ["async_training=false"],
+    "async k=1": ["async_training=true", "rollout.max_head_offpolicyness=1"],
+    "async k=2": ["async_training=true", "rollout.max_head_offpolicyness=2"],
+}
+
+
+def run(name: str, overrides: list[str], fileroot: str) -> tuple[float, float]:
+    cmd = [sys.executable, "-m", "tandemrl.launchers.local", "examples/gsm8k_grpo.py"]
+    cmd += [
+        "--config",
+        "examples/gsm8k_grpo.yaml",
+        f"cluster.fileroot={fileroot}",
+        f"trial_name={name.replace(' ', '_').replace('=', '')}",
+    ]
+    cmd += overrides
+    env = {**os.environ, "WANDB_SILENT": "true"}
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    match = THROUGHPUT.search(out.stdout)
+    if out.returncode != 0 or match is None:
+        tail = "\n".join(out.stdout.splitlines()[-20:])
+        raise SystemExit(f"{name}: run failed (exit {out.returncode})\n{tail}")
+    return float(match.group(1)), float(match.group(2))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "gsm8k"))
+    args, extra = p.parse_known_args()
+    common = [
+        f"train_dataset.path={args.data}",
+        f"total_train_steps={args.steps}",
+        "evaluator.freq_steps=100000",
+        "saver.freq_steps=100000",
+        *extra,
+    ]
+    results = {}
+    with tempfile.TemporaryDirectory() as root:
+        for name, overrides in VARIANTS.items():
+            results[name] = run(name, overrides + common, root)
+            print(f"{name:10s} {results[name][0]:7.2f} samples/s {results[name][1]:8.0f} gen tokens/s", flush=True)
+    base = results["sync"][0]
+    for name in ("async k=1", "async k=2"):
+        print(f"{name} / sync: {results[name][0] / base:.2f}x samples/s")
+
+
+if __name__ == "__main__":
+    main()
