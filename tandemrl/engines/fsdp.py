@@ -6,8 +6,6 @@ the packed forward, mesh-aware gradient clipping, and HF/DCP checkpoints.
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Iterator
 
 import torch
@@ -26,9 +24,11 @@ from torch.distributed.tensor import DTensor
 
 from tandemrl.configs.engine import TrainEngineConfig
 from tandemrl.engines.base import DTYPES, BaseTrainEngine, default_device, init_default_process_group
+from tandemrl.engines.engine_state import load_engine_state, read_engine_meta, save_engine_state
+from tandemrl.engines.hf_io import read_hf_state_dict, save_hf_dir
+from tandemrl.engines.hf_model import build_hf_model, packed_logits
 from tandemrl.engines.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta, TensorDict
 from tandemrl.inference.types import ParamSpec
-from tandemrl.models.varlen_attention import VARLEN_SDPA, register_varlen_attention
 
 
 def clip_grad_norm_by_mesh(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -53,13 +53,6 @@ def clip_grad_norm_by_mesh(params: list[torch.nn.Parameter], max_norm: float) ->
         for ps in groups.values():
             torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total)
     return total
-
-
-def auto_model_class(is_critic: bool) -> type:
-    """HF auto class of the engine's model: a causal LM, or a 1-label token classifier as critic."""
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
-
-    return AutoModelForTokenClassification if is_critic else AutoModelForCausalLM
 
 
 class FSDPEngine(BaseTrainEngine):
@@ -102,36 +95,10 @@ class FSDPEngine(BaseTrainEngine):
 
     # ------------------------------------------------------------------ build
     def initialize(self, addr: str | None, ft_spec: FinetuneSpec | None) -> None:
-        from transformers import AutoConfig
-
         if self.mesh is None:
             self.create_process_group()
         cfg = self.config
-        if not cfg.path:
-            raise ValueError("TrainEngineConfig.path: empty; set it to an HF model directory")
-        if not os.path.isdir(cfg.path) and os.path.sep in cfg.path:
-            raise FileNotFoundError(f"TrainEngineConfig.path: model directory not found: {cfg.path}")
-        dtype = DTYPES[cfg.dtype]
-        torch.manual_seed(cfg.seed)
-        self.model_config = AutoConfig.from_pretrained(cfg.path)
-        # Packed inputs need no KV cache: with a cache, HF does not detect packing from
-        # position_ids and lets tokens attend across sequence boundaries.
-        self.model_config.use_cache = False
-        if cfg.is_critic:  # value head: one output per token, deterministic (no classifier dropout)
-            self.model_config.num_labels = 1
-            self.model_config.classifier_dropout = 0.0
-        auto_cls = auto_model_class(cfg.is_critic)
-        if cfg.attn_impl == VARLEN_SDPA:  # our per-sequence SDPA; HF must know the name before the build
-            register_varlen_attention()
-        if cfg.init_from_scratch:
-            model = auto_cls.from_config(self.model_config, dtype=dtype, attn_implementation=cfg.attn_impl)
-        else:
-            model = auto_cls.from_pretrained(
-                cfg.path, config=self.model_config, dtype=dtype, attn_implementation=cfg.attn_impl
-            )
-        model.to(self._device)
-        if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model, self.model_config = build_hf_model(cfg, self._device, DTYPES[cfg.dtype])
         mp = None
         if cfg.mixed_precision:
             mp = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.mixed_precision], reduce_dtype=torch.float32)
@@ -153,17 +120,7 @@ class FSDPEngine(BaseTrainEngine):
 
     # ---------------------------------------------------------------- compute
     def _forward_logits(self, mb: TensorDict) -> torch.Tensor:
-        varlen: dict[str, torch.Tensor | int] = {}
-        if self.config.attn_impl == VARLEN_SDPA:  # sequence boundaries, so attention costs sum(len^2), not T^2
-            cu, max_len = mb["cu_seqlens"], int(mb["max_seqlen"])
-            varlen = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
-        out = self.model(
-            input_ids=mb["input_ids"].unsqueeze(0),
-            position_ids=mb["position_ids"].unsqueeze(0),
-            use_cache=False,
-            **varlen,
-        )
-        return out.logits.squeeze(0)
+        return packed_logits(self.model, mb, self.config.attn_impl)
 
     def _optimizer_step(self) -> tuple[float, bool]:
         params = list(self.model.parameters())
@@ -192,35 +149,13 @@ class FSDPEngine(BaseTrainEngine):
         return get_model_state_dict(self.model, options=opts)
 
     def _save_hf(self, meta: SaveLoadMeta) -> None:
-        from transformers import AutoTokenizer
-
         sd = self.full_state_dict()
         if dist.get_rank() == 0:
-            os.makedirs(meta.path, exist_ok=True)
-            with torch.device("meta"):
-                fresh = auto_model_class(self.config.is_critic).from_config(
-                    self.model_config, dtype=DTYPES[self.config.dtype]
-                )
-            fresh.load_state_dict(sd, assign=True)
-            fresh.config.use_cache = True  # the exported model is for generation
-            fresh.save_pretrained(meta.path, state_dict=sd)
-            tok_path = meta.tokenizer_path or self.config.tokenizer_path or self.config.path
-            if tok_path:
-                AutoTokenizer.from_pretrained(tok_path).save_pretrained(meta.path)
+            save_hf_dir(sd, self.model_config, self.config, meta)
 
     def _load_hf(self, meta: SaveLoadMeta) -> None:
-        from safetensors.torch import load_file
-
-        files = sorted(f for f in os.listdir(meta.path) if f.endswith(".safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no .safetensors files in {meta.path}")
-        sd: dict[str, torch.Tensor] = {}
-        for f in files:
-            sd.update(load_file(os.path.join(meta.path, f)))
-        if "lm_head.weight" not in sd and getattr(self.model_config, "tie_word_embeddings", False):
-            sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        set_model_state_dict(self.model, sd, options=opts)
+        sd = read_hf_state_dict(meta.path, self.model_config)
+        set_model_state_dict(self.model, sd, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def _save_recoverable(self, meta: SaveLoadMeta) -> None:
         msd, osd = get_state_dict(self.model, self.optimizer) if self.optimizer else (None, None)
@@ -229,16 +164,10 @@ class FSDPEngine(BaseTrainEngine):
             state["optim"] = osd
         dcp.save(state, checkpoint_id=meta.path)
         if dist.get_rank() == 0:
-            extra = {"version": self._version}
-            if self.lr_scheduler is not None:
-                extra["lr_scheduler"] = self.lr_scheduler.state_dict()
-            torch.save(extra, os.path.join(meta.path, "engine_state.pt"))
-            with open(os.path.join(meta.path, "engine_meta.json"), "w") as f:
-                json.dump({"with_optim": "optim" in state, "backend": "fsdp"}, f)
+            save_engine_state(meta.path, "fsdp", self._version, self.lr_scheduler, with_optim="optim" in state)
 
     def _load_recoverable(self, meta: SaveLoadMeta) -> None:
-        with open(os.path.join(meta.path, "engine_meta.json")) as f:
-            info = json.load(f)
+        info = read_engine_meta(meta.path, "fsdp")
         with_optim = info["with_optim"] and meta.with_optim and self.optimizer is not None
         if with_optim:
             msd, osd = get_state_dict(self.model, self.optimizer)
@@ -250,7 +179,4 @@ class FSDPEngine(BaseTrainEngine):
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         else:
             set_model_state_dict(self.model, state["model"])
-        extra = torch.load(os.path.join(meta.path, "engine_state.pt"), weights_only=False)
-        self._version = int(extra["version"])
-        if self.lr_scheduler is not None and "lr_scheduler" in extra:
-            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        self._version = load_engine_state(meta.path, self.lr_scheduler)

@@ -1,0 +1,315 @@
+"""DeepSpeed ZeRO (stages 1, 2, 3) backend over an HF causal LM.
+
+Only what differs from the shared base lives here: the DeepSpeed config (a user's JSON merged
+under what the engine must own), backward/step through the DeepSpeed engine, and gathering
+ZeRO-3 partitions for HF export, weight updates and loading. Micro-batching, loss weighting,
+the optimizer (torch AdamW) and its LR schedule come from the base, so an update equals plain
+torch on the union of the ranks' data: each micro-batch's backward only accumulates, the
+one ``step()`` per batch is the accumulation boundary (``managed_gradient_accumulation: false``)
+and DeepSpeed's average over data-parallel ranks is undone by the base's ``dp_world_size`` factor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tandemrl.configs.engine import TrainEngineConfig
+from tandemrl.engines.base import DTYPES, BaseTrainEngine, default_device, init_default_process_group
+from tandemrl.engines.engine_state import load_engine_state, read_engine_meta, save_engine_state
+from tandemrl.engines.hf_io import read_hf_state_dict, save_hf_dir
+from tandemrl.engines.hf_model import build_hf_model, packed_logits
+from tandemrl.engines.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta, TensorDict
+from tandemrl.inference.types import ParamSpec
+
+logger = logging.getLogger(__name__)
+
+BACKEND = "deepspeed"
+CKPT_TAG = "engine"  # one DeepSpeed tag per checkpoint directory: the directory is the checkpoint
+
+# Keys of a DeepSpeed config that follow from TrainEngineConfig; a user's values are replaced.
+_OWNED_KEYS = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "managed_gradient_accumulation",
+    "gradient_clipping",
+    "optimizer",
+    "scheduler",
+)
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` on top of ``base``; nested dicts merge key by key."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _drop_auto(d: dict[str, Any]) -> dict[str, Any]:
+    """Remove HF-Trainer style ``"auto"`` placeholders so DeepSpeed's defaults apply."""
+    return {k: _drop_auto(v) if isinstance(v, dict) else v for k, v in d.items() if v != "auto"}
+
+
+def deepspeed_config(cfg: TrainEngineConfig, dp_world_size: int) -> dict[str, Any]:
+    """The DeepSpeed config dict: ``cfg.deepspeed.config_path`` < ``.extra`` < what the engine owns."""
+    ds = cfg.deepspeed
+    if ds.zero_stage not in (1, 2, 3):
+        raise ValueError(f"deepspeed.zero_stage: must be 1, 2 or 3, got {ds.zero_stage}")
+    if ds.offload_params and ds.zero_stage != 3:
+        raise ValueError(f"deepspeed.offload_params: parameter offload needs zero_stage 3, got {ds.zero_stage}")
+    user: dict[str, Any] = {}
+    if ds.config_path:
+        try:
+            with open(ds.config_path) as f:
+                user = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"deepspeed.config_path: file not found: {ds.config_path}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"deepspeed.config_path: {ds.config_path} is not valid JSON ({e})") from None
+        if not isinstance(user, dict):
+            raise ValueError(f"deepspeed.config_path: {ds.config_path} must hold a JSON object")
+    user = _drop_auto(_merge(user, dict(ds.extra)))
+
+    dtype = cfg.mixed_precision or cfg.dtype
+    clip = cfg.optimizer.gradient_clipping if cfg.optimizer is not None else 0.0
+    zero = dict(user.get("zero_optimization", {}))
+    owned: dict[str, Any] = {
+        # One packed row per micro-batch; the base decides how many and weights their losses.
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": dp_world_size,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": max(clip, 0.0),
+        "bf16": {**user.get("bf16", {}), "enabled": dtype == "bfloat16"},
+        "fp16": {**user.get("fp16", {}), "enabled": dtype == "float16"},
+    }
+    for key in _OWNED_KEYS:
+        if key in user and user[key] != owned.get(key):
+            logger.warning(
+                "deepspeed config: '%s' is set by the engine (TrainEngineConfig); ignoring %r", key, user[key]
+            )
+    if "stage" in zero and zero["stage"] != ds.zero_stage:
+        logger.warning("deepspeed config: zero_optimization.stage comes from deepspeed.zero_stage=%d", ds.zero_stage)
+    # A forward-only engine has no optimizer states or gradients to shard: stages 1/2 become 0.
+    zero["stage"] = ds.zero_stage if cfg.optimizer is not None or ds.zero_stage == 3 else 0
+    if ds.zero_stage == 1:  # overlap_comm with manual accumulation boundaries needs stage >= 2
+        zero["overlap_comm"] = False
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {**zero.get("offload_optimizer", {}), "device": "cpu"}
+    if ds.offload_params:
+        zero["offload_param"] = {**zero.get("offload_param", {}), "device": "cpu"}
+    out = {k: v for k, v in user.items() if k not in _OWNED_KEYS}
+    out.update(owned)
+    out["zero_optimization"] = zero
+    out.setdefault("steps_per_print", 2**62)  # we log our own stats
+    if ds.offload_optimizer:
+        out["zero_force_ds_cpu_optimizer"] = False  # the base's torch AdamW steps the offloaded states
+    return out
+
+
+def _skip_cpu_op_builds() -> None:
+    """CPU only: skip DeepSpeed's JIT build of the shared-memory all-reduce op (~3 min of g++).
+
+    The op only serves inference all-reduce (AutoTP inference), never training. DeepSpeed's
+    comm backend asks ``deepspeed.ops.__compatible_ops__`` whether it may build it; an empty
+    table answers no. Leave GPU machines alone.
+    """
+    import deepspeed.ops
+
+    if not torch.cuda.is_available():
+        deepspeed.ops.__compatible_ops__ = {}
+
+
+class DeepSpeedEngine(BaseTrainEngine):
+    """An HF causal LM trained with DeepSpeed ZeRO over all ranks as one data-parallel group."""
+
+    def __init__(self, config: TrainEngineConfig):
+        super().__init__(config)
+        self._device = default_device()
+        self.parallel_strategy = ParallelStrategy()
+        self.model_config: Any = None
+        self._ds_ready = False
+
+    # ------------------------------------------------------------ groups/ids
+    def create_process_group(self, parallel_strategy: ParallelStrategy | None = None) -> None:
+        import deepspeed
+
+        init_default_process_group()
+        world = dist.get_world_size()
+        strategy = parallel_strategy or ParallelStrategy(dp=world)
+        if strategy.tp != 1 or strategy.pp != 1 or strategy.ep != 1 or strategy.cp != 1:
+            raise ValueError(f"DeepSpeedEngine supports data parallelism only, got {strategy}")
+        if strategy.dp != world:
+            raise ValueError(f"allocation gives deepspeed d={strategy.dp} but the torchrun world size is {world}")
+        self.parallel_strategy = strategy
+        _skip_cpu_op_builds()
+        deepspeed.init_distributed(dist_backend=dist.get_backend())  # wraps the existing default group
+        self._ds_ready = True
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup | None:
+        return dist.group.WORLD if self._ds_ready else None
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return dist.get_rank() if self._ds_ready else 0
+
+    @property
+    def data_parallel_world_size(self) -> int:
+        return dist.get_world_size() if self._ds_ready else 1
+
+    @property
+    def zero_stage(self) -> int:
+        return self.config.deepspeed.zero_stage
+
+    # ------------------------------------------------------------------ build
+    def initialize(self, addr: str | None, ft_spec: FinetuneSpec | None) -> None:
+        import deepspeed
+
+        if not self._ds_ready:
+            self.create_process_group()
+        cfg = self.config
+        ds_config = deepspeed_config(cfg, self.data_parallel_world_size)
+        model, self.model_config = build_hf_model(cfg, self._device, DTYPES[cfg.dtype])
+        self.ft_spec = ft_spec
+        # The base's AdamW + LambdaLR: DeepSpeed steps this optimizer on its (sharded) fp32
+        # partitions, reusing its param_groups, so the schedule's lr reaches every step.
+        self.build_optimizer(list(model.parameters()), ft_spec)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=ds_config)
+        self.model = engine
+        self._initialized = True
+        self.model.train()
+
+    def destroy(self) -> None:
+        if self.model is not None and hasattr(self.model, "destroy"):
+            self.model.destroy()
+        self.model = None
+        self.optimizer = None
+        self.lr_scheduler = None
+        self._initialized = False
+
+    # ---------------------------------------------------------------- compute
+    def _forward_logits(self, mb: TensorDict) -> torch.Tensor:
+        return packed_logits(self.model, mb, self.config.attn_impl)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        # The base already weighted the loss for this micro-batch: no 1/GAS scaling.
+        self.model.backward(loss, scale_wrt_gas=False)
+
+    def _optimizer_step(self) -> tuple[float, bool]:
+        """Reduce, clip, step (skipped by DeepSpeed on a non-finite norm) and zero grads."""
+        self.model.step()
+        norm = self.model.get_global_grad_norm()
+        norm = float("nan") if norm is None else float(norm)
+        return norm, bool(self.model.was_step_applied())
+
+    # ---------------------------------------------------------- weight access
+    def _named_hf_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """HF state-dict entries in state-dict order (tied weights under both names), unsharded or not."""
+        return list(self.model.module.state_dict(keep_vars=True).items())
+
+    def _gathered(self, params: list[torch.Tensor], modifier_rank: int | None = None) -> Any:
+        """Full parameters inside the context (ZeRO-3 gathers them; stages 1/2 already hold them)."""
+        import deepspeed
+
+        params = list({id(p): p for p in params if hasattr(p, "ds_id")}.values())  # tied weights appear twice
+        if self.zero_stage != 3 or not params:
+            return contextlib.nullcontext()
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
+
+    def _buckets(self, entries: list[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Consecutive entries of at most ``param_gather_bucket_mb`` (one entry may exceed it)."""
+        limit = self.config.deepspeed.param_gather_bucket_mb << 20
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, t in entries:
+            nbytes = _full_numel(t) * t.element_size()
+            if bucket and size + nbytes > limit:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, t))
+            size += nbytes
+        if bucket:
+            yield bucket
+
+    def hf_param_specs(self) -> list[ParamSpec]:
+        return [
+            ParamSpec(name, _full_shape(t), str(t.dtype).removeprefix("torch.")) for name, t in self._named_hf_tensors()
+        ]
+
+    def iter_hf_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective: ZeRO-3 gathers one bucket of partitions at a time; yields copies that outlive it."""
+        for bucket in self._buckets(self._named_hf_tensors()):
+            with self._gathered([t for _, t in bucket]):
+                for name, t in bucket:
+                    yield name, (t.detach().clone() if self.zero_stage == 3 else t.detach())
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: unsharded CPU weights on rank 0 (empty dict on the other ranks)."""
+        if self.zero_stage == 3:
+            sd = self.model._zero3_consolidated_16bit_state_dict()  # gathers layer by layer
+            return dict(sd) if sd is not None else {}
+        if dist.get_rank() != 0:
+            return {}
+        return {k: v.detach().cpu().clone() for k, v in self.model.module.state_dict().items()}
+
+    # ----------------------------------------------------------- checkpoints
+    def _save_hf(self, meta: SaveLoadMeta) -> None:
+        sd = self.full_state_dict()
+        if dist.get_rank() == 0:
+            save_hf_dir(sd, self.model_config, self.config, meta)
+
+    def _load_hf(self, meta: SaveLoadMeta) -> None:
+        sd = read_hf_state_dict(meta.path, self.model_config)
+        entries = [(n, t) for n, t in self._named_hf_tensors() if isinstance(t, torch.nn.Parameter)]
+        missing = [n for n, _ in entries if n not in sd]
+        if missing:
+            raise KeyError(f"HF checkpoint {meta.path} has no '{missing[0]}' ({len(missing)} weights missing)")
+        for bucket in self._buckets(entries):
+            with self._gathered([t for _, t in bucket], modifier_rank=0), torch.no_grad():
+                for name, p in bucket:  # ZeRO-3: rank 0's copy is scattered when the context exits
+                    p.data.copy_(sd[name].to(device=p.device, dtype=p.dtype))
+        optimizer = getattr(self.model, "optimizer", None)
+        if hasattr(optimizer, "refresh_fp32_params"):  # the fp32 master partitions follow the weights
+            optimizer.refresh_fp32_params()
+
+    def _save_recoverable(self, meta: SaveLoadMeta) -> None:
+        """DeepSpeed's own sharded checkpoint (weights + optimizer; always both) plus version and schedule."""
+        if self.optimizer is None and self.zero_stage == 3:
+            raise ValueError("a forward-only ZeRO-3 engine has no recoverable state; save it with weight_format='hf'")
+        self.model.save_checkpoint(meta.path, tag=CKPT_TAG, save_latest=False)
+        if dist.get_rank() == 0:
+            with_optim = self.optimizer is not None
+            save_engine_state(meta.path, BACKEND, self._version, self.lr_scheduler, with_optim)
+
+    def _load_recoverable(self, meta: SaveLoadMeta) -> None:
+        info = read_engine_meta(meta.path, BACKEND)
+        with_optim = bool(info["with_optim"]) and meta.with_optim and self.optimizer is not None
+        # Without optimizer states DeepSpeed still restores the fp32 master weights (Adam state stays fresh).
+        path, _ = self.model.load_checkpoint(
+            meta.path, tag=CKPT_TAG, load_optimizer_states=with_optim, load_lr_scheduler_states=False
+        )
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint (tag '{CKPT_TAG}') under {meta.path}")
+        self._version = load_engine_state(meta.path, self.lr_scheduler)
+
+
+def _full_shape(t: torch.Tensor) -> tuple[int, ...]:
+    """Unpartitioned shape: ZeRO-3 parameters keep it in ``ds_shape``."""
+    return tuple(t.ds_shape) if hasattr(t, "ds_shape") else tuple(t.shape)
+
+
+def _full_numel(t: torch.Tensor) -> int:
+    return int(t.ds_numel) if hasattr(t, "ds_numel") else t.numel()
