@@ -6,7 +6,9 @@ full HF-named tensors, one at a time) and ``hf_param_specs`` (names, shapes, dty
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -150,10 +152,28 @@ class RolloutLink:
         for bucket in plan:
             tensors = [next(params) for _ in bucket]
             if sender:
-                flat, _ = pack_bucket(tensors)
-                self._weight_group.broadcast(flat.to(self._comm_device(meta)), 0).wait()
+                flat, sent = pack_bucket(tensors)
+                if sent != bucket:  # the servers unpack by the plan: a mismatch would load garbage
+                    got = next(f"{a} != {b}" for a, b in zip(sent, bucket, strict=True) if a != b)
+                    raise RuntimeError(f"update_weights: iter_hf_params disagrees with hf_param_specs: {got}")
+                self._broadcast(flat.to(self._comm_device(meta)), future)
         if future is not None:
             future.result()
+
+    def _broadcast(self, flat: torch.Tensor, servers: Future[None] | None) -> None:
+        """Broadcast one bucket; fail at once (not after the group timeout) if the servers gave up.
+
+        A server whose receive RPC failed (e.g. a weight name its model rejects) never joins
+        the next broadcast, so waiting on it would block until the group's timeout.
+        """
+        work = self._weight_group.broadcast(flat, 0)
+        while not work.is_completed():
+            failed = servers.exception() if servers is not None and servers.done() else None
+            if failed is not None:
+                self._weight_group = None  # the group is unusable now; the next update builds a new one
+                raise failed
+            time.sleep(0.002)
+        work.wait()
 
     def _comm_device(self, meta: WeightUpdateMeta) -> torch.device:
         return self.engine.device if meta.comm_backend == "nccl" else torch.device("cpu")

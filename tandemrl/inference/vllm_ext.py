@@ -18,6 +18,7 @@ in ``tandemrl.inference.weight_group``, which the trainer uses for its side.
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -34,6 +35,8 @@ from tandemrl.inference.weight_group import (
 if TYPE_CHECKING:
     import torch
 
+logger = logging.getLogger(__name__)
+
 
 class TandemWorkerExtension:
     """Mixed into vLLM's Worker class; ``self`` is the worker (``reload_weights``, ``rank``, ``device``)."""
@@ -45,6 +48,7 @@ class TandemWorkerExtension:
     if TYPE_CHECKING:  # provided by the vLLM Worker this class is mixed into
         rank: int
         device: torch.device
+        model_runner: Any
 
         def reload_weights(self, *, weights_iterator: Any) -> None: ...
 
@@ -57,7 +61,7 @@ class TandemWorkerExtension:
             raise FileNotFoundError(f"tandemrl_update_from_disk: no *.safetensors files in {path!r}")
         start = time.perf_counter()
         counter = _Counter(_iter_safetensors(files))
-        self.reload_weights(weights_iterator=counter)
+        self._tandemrl_reload(counter)
         return {"tensors": counter.n, "seconds": round(time.perf_counter() - start, 4)}
 
     # ---- collective ------------------------------------------------------------------------
@@ -96,7 +100,7 @@ class TandemWorkerExtension:
         counter = _Counter(receive_buckets(self._tandemrl_pg, buckets, self._tandemrl_pg_device))
         expected = sum(len(b) for b in buckets)
         try:
-            self.reload_weights(weights_iterator=counter)
+            self._tandemrl_reload(counter)
         finally:
             # If loading stopped early (an error, a rejected name), still take every broadcast
             # so the trainer is not left blocked in its next one.
@@ -107,6 +111,27 @@ class TandemWorkerExtension:
         if consumed != expected:
             raise RuntimeError(f"tandemrl_recv_weights: the model consumed {consumed} of {expected} tensors")
         return {"buckets": len(buckets), "tensors": counter.n, "seconds": round(time.perf_counter() - start, 4)}
+
+    def _tandemrl_reload(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """``reload_weights``, leaving the model reloadable if it fails part-way.
+
+        vLLM's in-place reload first swaps every layer to checkpoint-format parameters and
+        only restores the kernel format in a final pass that an exception (e.g. a weight
+        name the model does not have) skips; every later reload then fails too
+        ("'Parameter' object has no attribute 'weight_loader'"). Running that final pass
+        keeps the server updatable; its weights are a mix until the next complete update.
+        """
+        try:
+            self.reload_weights(weights_iterator=weights)
+        except BaseException:
+            try:
+                from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+                runner = self.model_runner
+                finalize_layerwise_reload(runner.get_model(), runner.vllm_config.model_config)
+            except Exception:  # noqa: BLE001 - the original error is the one to report
+                logger.exception("tandemrl: could not finalize a failed weight reload")
+            raise
 
     def tandemrl_destroy_weight_group(self) -> dict[str, Any]:
         destroy_weight_group(self._tandemrl_pg)

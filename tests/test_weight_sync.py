@@ -1,0 +1,511 @@
+"""Trainer <-> real vLLM acceptance tests of the rollout path (all ``slow``).
+
+* the trainer (FSDPEngine, 2 gloo ranks under torchrun) recomputes the server's
+  behaviour logprobs at the sampling temperature;
+* ``FSDPEngine.update_weights`` by disk (tiny model, bf16 session server) and by bucketed
+  collective broadcast (a ~25M-parameter model on its own fp32 server) makes the server's
+  greedy output equal transformers' greedy output on the engine's exported weights;
+* a collective update the server rejects fails with a clear error and leaves the server
+  updatable;
+* a long generation interrupted by a weight update carries both versions, and each
+  token's logprob matches the weights that sampled it;
+* killing a real server mid-rollout: rollouts finish on the survivor, none lost or
+  duplicated; with no survivor a one-line error comes within the configured timeout.
+
+The session server (``vllm_server``) is left with its original weights, version label and
+unpaused. The extra 25M server is launched when the module starts (if a selected test
+needs it), so its ~100 s start overlaps the tiny-server tests; the kill test ends it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import gsm8k_path, tiny_model_cache_dir
+from utils import free_port, run_torchrun
+from vllm_server import (
+    VLLM_EXTRA,
+    VLLMTestServer,
+    assert_greedy_matches,
+    decisive_prompt,
+    hf_greedy,
+    join,
+    load_hf,
+    restore_original,
+)
+
+from tandemrl.configs.rollout import InferenceEngineConfig
+from tandemrl.engines.types import TensorDict
+from tandemrl.inference.http import HttpClient
+from tandemrl.inference.remote import RemoteVLLMEngine, ServerUnavailableError
+from tandemrl.inference.server import ServerProcess, launch_server
+from tandemrl.inference.types import HttpRequest, ModelRequest, ModelResponse, WeightUpdateMeta
+from tandemrl.inference.vllm import VLLMBackend
+from tandemrl.inference.weight_group import create_trainer_weight_group, destroy_weight_group, pack_bucket
+from tandemrl.workflows.api import GenerationEngine, RolloutWorkflow
+
+WORKER = Path(__file__).resolve().parent / "workers" / "sync_checks.py"
+WORKER_ENV = {"TANDEMRL_DIST_TIMEOUT": "300"}  # a hung collective fails after 5 min, not 30
+LOGPROB_TOL = 0.02  # mean |server - recomputed| logprob, bf16 server vs fp32 trainer
+# ~25M parameters: 8 layers of ~3M (hidden 512, MLP 1536) + 2 x 0.5M embeddings.
+BIG_MODEL = {"hidden": 512, "layers": 8, "intermediate": 1536, "heads": 8, "kv_heads": 2}
+BIG_TESTS = ("test_collective_update_25m_model_in_buckets", "test_killed_server_mid_rollout_fails_over")
+TOP_PROMPTS = 8  # compared on a bf16 server: the prompts whose greedy paths have the widest top-2 logit gaps
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def weight_label(server: VLLMTestServer) -> str:
+    return str(server.call(HttpRequest("GET", "/weight_info", None, 60.0))["weight_version"])
+
+
+def restore_session_server(server: VLLMTestServer, label: str) -> None:
+    """Original weights, unpaused, version label ``label`` (what every test must leave)."""
+    restore_original(server)
+    server.call(HttpRequest("POST", "/update_weight_version", {"new_version": label}, 60.0))
+    assert server.call(HttpRequest("GET", "/is_paused", None, 60.0))["is_paused"] is False
+
+
+def run_worker(mode: str, model: str, server: VLLMTestServer, out: Path, *extra: str) -> None:
+    start = time.perf_counter()
+    args = [mode, "--model", model, "--addr", server.proc.address, "--out", str(out), *extra]
+    run_torchrun(WORKER, nproc=2, args=args, env=WORKER_ENV, timeout=600)
+    print(f"\n{mode} worker ({Path(model).name}): {time.perf_counter() - start:.1f}s")
+
+
+def random_prompts(vocab: int, seed: int, n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n, 8), generator=g).tolist()
+
+
+def check_update_record(out: Path, prompts: list[list[int]], sync: str, fp32_server: bool) -> dict[str, Any]:
+    """The update changed the server's greedy outputs, which now equal fp32 transformers'
+    greedy outputs on the engine's exported weights.
+
+    An fp32 server must match on every prompt without an exact near-tie; a bf16 server
+    only on the ``TOP_PROMPTS`` prompts with the widest top-2 logit gaps (its rounding
+    flips near-ties of the near-uniform tiny model).
+    """
+    record = torch.load(out / "update.pt")
+    print(f"{sync} update: {record['update_seconds']:.2f}s, SFT losses {record['losses']}")
+    assert record["losses"][-1] < record["losses"][0], "the SFT steps did not change the model"
+    before, after = record["before"], record["after"]
+    refs = hf_greedy(load_hf(str(out / "exported")), prompts, len(after[0]))
+    n_exact = sum(a == r.ids for r, a in zip(refs, after, strict=True))
+    print(f"{sync}: server greedy == HF greedy on {n_exact}/{len(prompts)} prompts")
+    if fp32_server:
+        compared = [i for i, r in enumerate(refs) if r.min_gap > 1e-3]
+        assert len(compared) >= len(prompts) * 3 // 4
+    else:
+        compared = sorted(range(len(prompts)), key=lambda i: refs[i].min_gap, reverse=True)[:TOP_PROMPTS]
+        print(
+            f"{sync}: smallest top-2 logit gap of the {TOP_PROMPTS} compared prompts {refs[compared[-1]].min_gap:.3f}"
+        )
+    for i in compared:
+        assert after[i] == refs[i].ids, (
+            f"prompt {i}: server greedy {after[i]} != HF greedy {refs[i].ids} after the update"
+        )
+    # Not trivially true: the outputs differ across prompts and from the server's before the update.
+    assert len({tuple(refs[i].ids) for i in compared}) >= len(compared) // 2
+    changed = sum(b != r.ids for b, r in zip(before, refs, strict=True))
+    assert changed >= len(prompts) // 2, f"the update changed only {changed}/{len(prompts)} greedy outputs"
+    assert record["label_before"] != "1" and record["label_after"] == "1" and record["client_version"] == 1
+    return record
+
+
+def big_model_dir() -> str:
+    from tandemrl.models.make_tiny import ensure_tiny_model
+
+    return ensure_tiny_model(tiny_model_cache_dir(), "qwen2", corpus_path=str(gsm8k_path()), **BIG_MODEL)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def big_server_proc(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess | None]:
+    """Launch (without waiting) the 25M-model server when the module starts, if a selected test needs it."""
+    items = [i for i in request.session.items if i.module is request.module]
+    if not any(i.originalname in BIG_TESTS for i in items if isinstance(i, pytest.Function)):
+        yield None
+        return
+    log = tmp_path_factory.mktemp("vllm-big") / "server.log"
+    # fp32: the trainer's fp32 weights arrive exactly, so greedy equality holds on every prompt.
+    extra = {**VLLM_EXTRA, "dtype": "float32"}
+    proc = launch_server(VLLMBackend(), big_model_dir(), extra=extra, log_file=str(log))
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def big_server(big_server_proc: ServerProcess | None) -> VLLMTestServer:
+    assert big_server_proc is not None, f"big_server_proc launches only for {BIG_TESTS}"
+    start = time.monotonic()
+    big_server_proc.wait_healthy(900.0)
+    print(f"\n25M vLLM server healthy (waited {time.monotonic() - start:.1f}s here)")
+    return VLLMTestServer(big_server_proc, big_model_dir(), time.monotonic() - start)
+
+
+# ------------------------------------------------------------------- 1. logprobs
+
+
+@pytest.mark.slow
+def test_trainer_recomputes_server_logprobs(vllm_server: VLLMTestServer, tiny_model_dir: str, tmp_path: Path) -> None:
+    """Token-in/token-out: vLLM's processed logprobs == FSDPEngine.forward logprobs at T."""
+    run_worker("logprobs", tiny_model_dir, vllm_server, tmp_path, "--temperatures", "1.0", "0.7")
+    result = torch.load(tmp_path / "logprobs.pt")
+    assert sorted(result) == [0.7, 1.0]
+    for temp, r in result.items():
+        server, trainer = torch.tensor(r["server"]), torch.tensor(r["trainer"])
+        assert len(server) == 2 * 4 * 48  # 2 ranks x 4 samples x 48 tokens
+        diff = (server - trainer).abs()
+        print(f"T={temp}: mean |server - trainer| {diff.mean():.4f}, max {diff.max():.4f}")
+        assert diff.mean() < LOGPROB_TOL, f"T={temp}: mean logprob diff {diff.mean():.4f}"
+        if temp != 1.0:  # the temperature matters: logprobs of the raw logits are clearly off
+            raw = (server - torch.tensor(r["trainer_raw"])).abs().mean()
+            print(f"T={temp}: mean |server - trainer at T=1| {raw:.4f}")
+            assert raw > 2 * LOGPROB_TOL
+
+
+# ---------------------------------------------------------------- 2. weight updates
+
+
+@pytest.mark.slow
+def test_disk_update_from_fsdp_engine(vllm_server: VLLMTestServer, tiny_model_dir: str, tmp_path: Path) -> None:
+    label = weight_label(vllm_server)
+    # Many candidates: on the bf16 server only the widest-gap ones are compared.
+    prompts = random_prompts(int(load_hf(tiny_model_dir).config.vocab_size), seed=11, n=256)
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    try:
+        run_worker(
+            "update",
+            tiny_model_dir,
+            vllm_server,
+            tmp_path,
+            "--sync",
+            "disk",
+            "--prompts",
+            str(tmp_path / "prompts.json"),
+            "--lr",
+            "1e-3",
+        )
+        check_update_record(tmp_path, prompts, "disk", fp32_server=False)
+    finally:
+        restore_session_server(vllm_server, label)
+
+
+@pytest.mark.slow
+def test_collective_update_25m_model_in_buckets(big_server: VLLMTestServer, tmp_path: Path) -> None:
+    model = big_server.model_dir
+    hf = load_hf(model)
+    n_params = sum(p.numel() for p in hf.parameters())
+    assert 20e6 < n_params < 30e6, n_params
+    prompts = random_prompts(int(hf.config.vocab_size), seed=12, n=64)
+    del hf
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    run_worker(
+        "update",
+        model,
+        big_server,
+        tmp_path,
+        "--sync",
+        "collective",
+        "--bucket-mb",
+        "8",
+        "--prompts",
+        str(tmp_path / "prompts.json"),
+        "--lr",
+        "2e-4",
+    )
+    record = check_update_record(tmp_path, prompts, "collective", fp32_server=True)
+    sizes = record["bucket_sizes"]
+    print(f"collective: {n_params / 1e6:.1f}M fp32 parameters in {len(sizes)} buckets of {sizes} tensors")
+    assert len(sizes) > 1 and sum(sizes) == record["n_params"]
+
+
+@pytest.mark.slow
+def test_failed_update_is_clear_and_server_stays_updatable(vllm_server: VLLMTestServer, tiny_model_dir: str) -> None:
+    """A weight name the model lacks fails the receive RPC with that name, and a later update still works."""
+    server, b = vllm_server, vllm_server.backend
+    label = weight_label(server)
+    port = free_port()
+    meta = WeightUpdateMeta(type="collective", group_port=port, world_size=2, comm_backend="gloo")
+    original = load_hf(tiny_model_dir)
+    ref = decisive_prompt(original, 12, seed=0)
+    # The whole model in one bucket, one MLP weight renamed: the server receives it all, then rejects it.
+    state = {k.replace("layers.1.mlp.up_proj", "layers.1.mlp.bogus"): v for k, v in original.state_dict().items()}
+    flat, specs = pack_bucket(list(state.items()))
+    th, box = server.call_in_thread(b.build_init_weight_group(meta, rank_offset=1))
+    pg = create_trainer_weight_group(meta.group_addr, port, meta.world_size, meta.comm_backend, timeout_s=120)
+    try:
+        join(th, box)
+        server.call(b.build_pause())
+        th, box = server.call_in_thread(b.build_update_from_collective(meta, specs))
+        pg.broadcast(flat, 0).wait()
+        with pytest.raises(RuntimeError, match="HTTP 500.*layers.1.mlp.bogus"):
+            join(th, box)
+        restore_session_server(server, label)  # failed here before vllm_ext finalized failed reloads
+        assert_greedy_matches(server.generate(ref.prompt, 12), ref)
+    finally:
+        server.call(HttpRequest("POST", "/collective_rpc", {"method": "tandemrl_destroy_weight_group"}, 60.0))
+        destroy_weight_group(pg)
+        restore_session_server(server, label)
+
+
+# ------------------------------------------------------------------ 3. interruption
+
+
+def perturbed_dir(model_dir: str, out: Path) -> torch.nn.Module:
+    """A strongly different model of the same scale: noise on every weight, lm_head x2.
+
+    (A much larger logit scale would also scale the bf16 rounding of the server's logprobs.)
+    """
+    model = load_hf(model_dir)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+        model.lm_head.weight.mul_(2.0)
+    model.save_pretrained(out)
+    return model
+
+
+@torch.no_grad()
+def output_logprobs(model: torch.nn.Module, resp: ModelResponse) -> torch.Tensor:
+    """fp32 logprobs (T=1) of each output token given everything before it."""
+    seq = torch.tensor([resp.input_tokens + resp.output_tokens])
+    logp = torch.log_softmax(model(seq, use_cache=False).logits[0].float(), -1)
+    p = resp.input_len
+    return logp[p - 1 : -1].gather(1, seq[0, p:, None])[:, 0]
+
+
+class ReplyRecorder(HttpClient):
+    """The real HTTP client, recording each generate call's request id and reply (tokens, finish reason)."""
+
+    def __init__(self) -> None:
+        super().__init__("switch-test")
+        self.sent: list[str] = []
+        self.replies: list[tuple[str, int, str]] = []
+
+    async def send(self, addr: str, req: HttpRequest, *args: Any, **kwargs: Any) -> Any:
+        is_generate = req.path == "/inference/v1/generate" and req.json is not None
+        if is_generate:
+            self.sent.append(req.json["request_id"])
+        payload = await super().send(addr, req, *args, **kwargs)
+        if is_generate:
+            choice = payload["choices"][0]
+            self.replies.append((req.json["request_id"], len(choice["token_ids"]), choice["finish_reason"]))
+        return payload
+
+    def of(self, rid: str) -> list[tuple[str, int, str]]:
+        return [r for r in list(self.replies) if r[0] == rid]
+
+    def in_flight(self, rid: str) -> bool:
+        return list(self.sent).count(rid) > len(self.of(rid))
+
+
+@pytest.mark.slow
+def test_interrupted_generation_switches_version(
+    vllm_server: VLLMTestServer, tiny_model_dir: str, tmp_path: Path
+) -> None:
+    """pause -> disk update + version -> resume mid-generation: old tokens by old weights, new by new."""
+    label = weight_label(vllm_server)
+    old, new = load_hf(tiny_model_dir), perturbed_dir(tiny_model_dir, tmp_path / "v1")
+    n, min_side = 1000, 20  # tokens in all (prompt + n fits max_model_len 1024); at least this many per version
+    client = ReplyRecorder()
+    engine = RemoteVLLMEngine(InferenceEngineConfig(request_retries=1, setup_timeout=60.0), http_client=client)
+    engine.initialize([vllm_server.proc.address])
+
+    async def switch_midway(req: ModelRequest) -> ModelResponse | None:
+        """Pause (the in-flight call returns its partial output) until >= min_side tokens exist,
+        then update the weights and the version and resume; None if the generation ended first."""
+        task = asyncio.ensure_future(engine.agenerate(req))
+        deadline = time.monotonic() + 120
+
+        async def until(cond: Callable[[], bool], limit: float) -> None:
+            end = min(deadline, time.monotonic() + limit)
+            while not cond() and not task.done() and time.monotonic() < end:
+                await asyncio.sleep(0.02)
+
+        while True:
+            assert time.monotonic() < deadline, "no interruptible generation within 120 s"
+            await asyncio.sleep(0.3)
+            await until(lambda: client.in_flight(req.rid), 60)
+            seen = len(client.of(req.rid))
+            await asyncio.to_thread(engine.pause_generation)
+            # A call that reached the server returns its partial output; one still on its way
+            # is held until the resume, so do not wait for it forever.
+            await until(lambda seen=seen: len(client.of(req.rid)) > seen, 10)
+            if task.done():
+                await asyncio.to_thread(engine.continue_generation)
+                return None
+            if sum(r[1] for r in client.of(req.rid)) >= min_side:
+                break
+            await asyncio.to_thread(engine.continue_generation)
+        start = time.perf_counter()
+        meta = WeightUpdateMeta(type="disk", path=str(tmp_path / "v1"), version=1)
+        await asyncio.to_thread(lambda: engine.update_weights_from_disk(meta).result())
+        await asyncio.to_thread(engine.continue_generation)
+        print(f"\ndisk update + version + resume while paused: {time.perf_counter() - start:.2f}s")
+        return await task
+
+    try:
+        for attempt in range(3):  # the weights change only once a switch is certain to land midway
+            req = ModelRequest(rid=f"switch-{attempt}", input_ids=[5, 17, 42, 99, 100, 7, 301, 12])
+            req.metadata["ignore_eos"] = True
+            req.gconfig = req.gconfig.new(temperature=1.0, max_new_tokens=n)
+            resp = asyncio.run(switch_midway(req))
+            if resp is not None:
+                break
+            print(f"attempt {attempt}: the generation finished before the pause")
+        assert resp is not None
+        assert resp.output_len == n and resp.stop_reason == "length"
+        assert len(resp.output_logprobs) == n
+        versions = resp.output_versions
+        k = versions.index(1) if 1 in versions else n
+        assert versions == [0] * k + [1] * (n - k), f"versions must be old then new, monotone: {versions}"
+        assert min_side <= k <= n - min_side, k
+        # Interrupted and resubmitted: the first new-version token came from a later call.
+        assert [r[2] for r in client.of(req.rid)][-1] == "length" and len(client.of(req.rid)) >= 2
+        server = torch.tensor(resp.output_logprobs)
+        lp_old, lp_new = output_logprobs(old, resp), output_logprobs(new, resp)
+        diffs = {
+            "before/old": (server[:k] - lp_old[:k]).abs().mean(),
+            "before/new": (server[:k] - lp_new[:k]).abs().mean(),
+            "after/new": (server[k:] - lp_new[k:]).abs().mean(),
+            "after/old": (server[k:] - lp_old[k:]).abs().mean(),
+        }
+        print(
+            f"switch after {k}/{n} tokens; mean |logprob diff| " + ", ".join(f"{a} {v:.4f}" for a, v in diffs.items())
+        )
+        assert diffs["before/old"] < LOGPROB_TOL and diffs["after/new"] < LOGPROB_TOL
+        assert diffs["before/new"] > 5 * LOGPROB_TOL and diffs["after/old"] > 5 * LOGPROB_TOL
+    finally:
+        engine.destroy()
+        client.close()
+        restore_session_server(vllm_server, label)
+
+
+# ------------------------------------------------------------------ 4. killed server
+
+
+class RecordingClient(HttpClient):
+    """The real HTTP client, recording (server, request id) of every generate call."""
+
+    def __init__(self) -> None:
+        super().__init__("kill-test")
+        self.generate_calls: list[tuple[str, str]] = []
+
+    async def send(self, addr: str, req: HttpRequest, *args: Any, **kwargs: Any) -> Any:
+        if req.path == "/inference/v1/generate" and req.json is not None:
+            self.generate_calls.append((addr, req.json["request_id"]))
+        return await super().send(addr, req, *args, **kwargs)
+
+    def rids_on(self, addr: str) -> set[str]:
+        return {rid for a, rid in list(self.generate_calls) if a == addr}
+
+
+class NumberedWorkflow(RolloutWorkflow):
+    """One sampled completion of a row-specific prompt; the row id travels with the trajectory."""
+
+    def __init__(self, new_tokens: int) -> None:
+        self.new_tokens = new_tokens
+
+    async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> TensorDict:
+        i = int(data["id"])
+        req = ModelRequest(rid=f"kill-{i}", input_ids=[3 + i, 17, 42, 99, 100, 7], metadata={"ignore_eos": True})
+        req.gconfig = req.gconfig.new(max_new_tokens=self.new_tokens)
+        resp = await engine.agenerate(req)
+        ids = resp.input_tokens + resp.output_tokens
+        return {
+            "input_ids": torch.tensor([ids]),
+            "attention_mask": torch.ones(1, len(ids), dtype=torch.bool),
+            "row_id": torch.tensor([i]),
+            "n_out": torch.tensor([resp.output_len]),
+        }
+
+
+@pytest.mark.slow
+def test_killed_server_mid_rollout_fails_over(vllm_server: VLLMTestServer, big_server: VLLMTestServer) -> None:
+    """SIGKILL the 25M server while rollouts run on both servers; the session server survives.
+
+    A failed-over request restarts on the survivor (the tiny model, same tokenizer and
+    vocabulary): what is checked is the protocol (lengths, every rollout exactly once).
+    """
+    assert load_hf(big_server.model_dir).config.vocab_size == load_hf(vllm_server.model_dir).config.vocab_size
+    rows, new_tokens = 8, 300
+    dead, survivor = big_server.proc.address, vllm_server.proc.address
+    base = {"request_retries": 2, "request_backoff": 0.2, "request_timeout": 30.0, "setup_timeout": 60.0}
+    client = RecordingClient()
+    both = RemoteVLLMEngine(
+        InferenceEngineConfig(**base, consumer_batch_size=rows, max_concurrent_rollouts=rows), http_client=client
+    )
+    both.initialize([dead, survivor])  # round-robin: rows alternate between the servers
+    only = RemoteVLLMEngine(InferenceEngineConfig(**base))
+    only.initialize([dead])
+
+    def lonely() -> tuple[BaseException | None, float]:
+        req = ModelRequest(rid="lonely", input_ids=[9, 8, 7, 6], metadata={"ignore_eos": True})
+        req.gconfig = req.gconfig.new(max_new_tokens=900)
+        try:
+            asyncio.run(only.agenerate(req))
+        except BaseException as e:  # noqa: BLE001 - inspected by the test
+            return e, time.monotonic()
+        return None, time.monotonic()
+
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    try:
+        batch_f = pool.submit(
+            both.rollout_batch, [{"id": i} for i in range(rows)], NumberedWorkflow(new_tokens), None, 300
+        )
+        lonely_f = pool.submit(lonely)
+        deadline = time.monotonic() + 60
+        while len(client.rids_on(dead)) < rows // 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        sent_to_dead = client.rids_on(dead)
+        assert len(sent_to_dead) == rows // 2, sent_to_dead
+        time.sleep(1.0)  # well into decoding (the 25M server needs several seconds for these)
+        assert not batch_f.done() and not lonely_f.done(), "rollouts finished before the kill; raise new_tokens"
+        killed_at = time.monotonic()
+        os.killpg(big_server.proc.proc.pid, signal.SIGKILL)
+
+        batch = batch_f.result(timeout=300)
+        print(f"\nbatch done {time.monotonic() - killed_at:.1f}s after the kill")
+        err, failed_at = lonely_f.result(timeout=120)
+        marked_dead = both.pool.dead()
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        both.destroy()
+        only.destroy()
+        client.close()
+        big_server.proc.stop()
+
+    # Every rollout exactly once, at full length.
+    assert sorted(batch["row_id"].tolist()) == list(range(rows))
+    assert batch["n_out"].tolist() == [new_tokens] * rows
+    lengths = batch["attention_mask"].sum(1).tolist()
+    assert lengths == [6 + new_tokens] * rows
+    # The dead server's rollouts were resubmitted to the survivor; it is marked dead.
+    assert sent_to_dead <= client.rids_on(survivor), (sent_to_dead, client.rids_on(survivor))
+    assert list(marked_dead) == [dead], marked_dead
+
+    # No survivor: a clear one-line error, well within the configured request timeout.
+    assert isinstance(err, ServerUnavailableError), repr(err)
+    msg = str(err)
+    print(f"no survivor: {failed_at - killed_at:.2f}s after the kill: {msg}")
+    assert "\n" not in msg and "all 1 inference servers are marked dead" in msg and dead in msg, msg
+    assert failed_at - killed_at < base["request_timeout"]
+    # The session server is untouched.
+    assert vllm_server.generate([11, 12, 13], 4).stop_reason == "length"

@@ -1,0 +1,233 @@
+"""torchrun worker for tests/test_weight_sync.py: an FSDP trainer talking to a real vLLM server.
+
+Modes (results go to ``--out``, written by rank 0):
+
+* ``logprobs``: each rank samples completions through ``RemoteVLLMEngine.agenerate`` at
+  every ``--temperatures`` value, then ``FSDPEngine.forward`` recomputes the sampled
+  tokens' logprobs at that temperature on the same weights -> ``logprobs.pt``.
+* ``update``: train a few SFT steps on a fixed batch, export the weights (HF),
+  push them with ``update_weights`` (``--sync disk`` or ``collective``) and record the
+  server's greedy continuations of ``--prompts`` before and after -> ``update.pt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tandemrl.actors.fsdp import FSDPLMEngine
+from tandemrl.configs.engine import OptimizerConfig, TrainEngineConfig
+from tandemrl.configs.rollout import InferenceEngineConfig
+from tandemrl.engines.types import FinetuneSpec, SaveLoadMeta, TensorDict
+from tandemrl.inference.http import HttpClient
+from tandemrl.inference.remote import RemoteVLLMEngine
+from tandemrl.inference.types import HttpRequest, ModelRequest, ModelResponse, WeightUpdateMeta
+from tandemrl.utils.allocation import AllocationMode
+from tandemrl.utils.functional import gather_logprobs, next_token_labels
+
+GREEDY_TOKENS = 12  # greedy continuation length compared with transformers
+
+
+def make_engine(model: str, lr: float) -> FSDPLMEngine:
+    cfg = TrainEngineConfig(path=model, optimizer=OptimizerConfig(lr=lr, gradient_clipping=0.0))
+    engine = FSDPLMEngine(cfg)
+    engine.create_process_group()
+    engine.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=8, train_batch_size=1))
+    return engine
+
+
+class RecordingClient(HttpClient):
+    """The real HTTP client, also keeping every request body it sends to ``/collective_rpc``."""
+
+    def __init__(self) -> None:
+        super().__init__("sync-checks")
+        self.rpcs: list[dict[str, Any]] = []
+
+    async def send(self, addr: str, req: HttpRequest, *args: Any, **kwargs: Any) -> Any:
+        if req.path == "/collective_rpc" and req.json is not None:
+            self.rpcs.append(req.json)
+        return await super().send(addr, req, *args, **kwargs)
+
+
+def make_rollout(addr: str, client: HttpClient | None = None) -> RemoteVLLMEngine:
+    config = InferenceEngineConfig(request_retries=1, request_timeout=300.0, setup_timeout=60.0)
+    rollout = RemoteVLLMEngine(config, http_client=client)
+    rollout.initialize([addr])
+    return rollout
+
+
+def generate(rollout: RemoteVLLMEngine, reqs: list[ModelRequest]) -> list[ModelResponse]:
+    async def run() -> list[ModelResponse]:
+        return list(await asyncio.gather(*(rollout.agenerate(r) for r in reqs)))
+
+    return asyncio.run(run())
+
+
+def padded(seqs: list[list[int]]) -> TensorDict:
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = True
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def gather_to_rank0(obj: object) -> list[object]:
+    out: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# --------------------------------------------------------------------------- logprobs
+
+
+def logprobs(args: argparse.Namespace) -> None:
+    """Server (behaviour) logprobs vs the trainer's recomputation, per temperature."""
+    engine = make_engine(args.model, lr=1e-4)
+    rollout = make_rollout(args.addr)
+    vocab = int(engine.model_config.vocab_size)
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(1000 + rank)
+    result: dict[float, dict[str, list[float]]] = {}
+    try:
+        for temp in args.temperatures:
+            reqs = []
+            for i in range(args.samples):
+                prompt = torch.randint(3, vocab, (int(torch.randint(6, 16, (1,), generator=g)),), generator=g)
+                req = ModelRequest(
+                    rid=f"lp-{rank}-{temp}-{i}", input_ids=prompt.tolist(), metadata={"ignore_eos": True}
+                )
+                req.gconfig = req.gconfig.new(temperature=temp, max_new_tokens=args.new_tokens)
+                reqs.append(req)
+            resps = generate(rollout, reqs)
+
+            def post_hook(logits: torch.Tensor, mb: TensorDict, temp: float = temp) -> torch.Tensor:
+                return gather_logprobs(logits, next_token_labels(mb["input_ids"], mb["cu_seqlens"]), temp)
+
+            def raw_hook(logits: torch.Tensor, mb: TensorDict) -> torch.Tensor:
+                return gather_logprobs(logits, next_token_labels(mb["input_ids"], mb["cu_seqlens"]), 1.0)
+
+            batch = padded([r.input_tokens + r.output_tokens for r in resps])
+            recomputed = engine.forward(batch, post_hook=post_hook)
+            raw = engine.forward(batch, post_hook=raw_hook)  # ignoring the temperature (a control)
+            out: dict[str, list[float]] = {"server": [], "trainer": [], "trainer_raw": []}
+            for i, r in enumerate(resps):
+                assert r.output_len == args.new_tokens, (r.output_len, r.stop_reason)
+                # Position t holds log p(token t + 1 | tokens <= t).
+                span = slice(r.input_len - 1, r.input_len - 1 + r.output_len)
+                out["trainer"] += recomputed[i, span].tolist()
+                out["trainer_raw"] += raw[i, span].tolist()
+                out["server"] += r.output_logprobs
+            result[temp] = out
+    finally:
+        rollout.destroy()
+    gathered = gather_to_rank0(result)
+    if rank == 0:
+        merged = {t: {k: sum((part[t][k] for part in gathered), []) for k in result[t]} for t in result}
+        torch.save(merged, os.path.join(args.out, "logprobs.pt"))
+
+
+# ----------------------------------------------------------------------------- update
+
+
+def memorize_batch(vocab: int, seed: int) -> TensorDict:
+    """Rows the SFT steps fit, so the trained model's greedy outputs differ from the original's."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (2, 24), generator=g)
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids, dtype=torch.bool),
+        "loss_mask": torch.ones_like(ids),
+    }
+
+
+def greedy_outputs(rollout: RemoteVLLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    reqs = []
+    for i, p in enumerate(prompts):
+        req = ModelRequest(rid=f"greedy-{i}", input_ids=list(p), metadata={"ignore_eos": True})
+        req.gconfig = req.gconfig.new(greedy=True, max_new_tokens=GREEDY_TOKENS)
+        reqs.append(req)
+    return [r.output_tokens for r in generate(rollout, reqs)]
+
+
+def version_label(rollout: RemoteVLLMEngine) -> str:
+    b = rollout.backend
+    return str(rollout.http.send_sync(rollout.addresses[0], b.build_version_get())["weight_version"])
+
+
+def update(args: argparse.Namespace) -> None:
+    """Train, export, update the server by ``args.sync``; record greedy outputs around the update."""
+    engine = make_engine(args.model, lr=args.lr)
+    client = RecordingClient()
+    rollout = make_rollout(args.addr, client)
+    rank = dist.get_rank()
+    with open(args.prompts) as f:
+        prompts = json.load(f)
+    if args.sync == "disk":
+        meta = WeightUpdateMeta.from_disk(os.path.join(args.out, "sync"), "weight_sync", "disk")
+    else:
+        meta = WeightUpdateMeta.from_fsdp_collective(
+            AllocationMode.from_str("vllm:d1+fsdp:d2"),
+            group_addr="127.0.0.1",
+            comm_backend="gloo",
+            bucket_size_mb=args.bucket_mb,
+        )
+    engine.connect_engine(rollout, meta)
+    record: dict[str, object] = {"meta": {"type": meta.type, "bucket_size_mb": meta.bucket_size_mb}}
+    try:
+        batch = memorize_batch(int(engine.model_config.vocab_size), seed=7)
+        shard = {k: v[rank :: dist.get_world_size()] for k, v in batch.items()}
+        record["losses"] = [engine.train_lm(shard)["loss"] for _ in range(args.steps)]
+        engine.save(SaveLoadMeta(path=os.path.join(args.out, "exported"), weight_format="hf"))
+        if rank == 0:
+            record["before"] = greedy_outputs(rollout, prompts)
+            record["label_before"] = version_label(rollout)
+        dist.barrier()
+        start = time.perf_counter()
+        engine.update_weights()  # meta from connect_engine; labelled get_version() + 1
+        record["update_seconds"] = time.perf_counter() - start
+        new_version = engine.get_version() + 1
+        engine.set_version(new_version)
+        rollout.set_version(new_version)
+        if rank == 0:
+            record["after"] = greedy_outputs(rollout, prompts)
+            record["label_after"] = version_label(rollout)
+            record["client_version"] = rollout.get_version()
+            # Tensors per received bucket, as the server was told in each tandemrl_recv_weights call.
+            recv = [r for r in client.rpcs if r["method"] == "tandemrl_recv_weights"]
+            record["bucket_sizes"] = [len(json.loads(r["kwargs"]["meta_json"])) for r in recv]
+            record["n_params"] = len(engine.hf_param_specs())
+        dist.barrier()
+    finally:
+        engine._link.destroy()  # the weight-update group (no public engine API for it yet)
+        rollout.destroy()
+        client.close()
+    if rank == 0:
+        torch.save(record, os.path.join(args.out, "update.pt"))
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["logprobs", "update"])
+    p.add_argument("--model", required=True)
+    p.add_argument("--addr", required=True, help="host:port of the vLLM server")
+    p.add_argument("--out", required=True)
+    p.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.7])
+    p.add_argument("--samples", type=int, default=4, help="completions per rank and temperature")
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--sync", choices=["disk", "collective"], default="disk")
+    p.add_argument("--prompts", help="JSON list of token-id prompts for the greedy comparison")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--bucket-mb", type=int, default=8)
+    a = p.parse_args()
+    {"logprobs": logprobs, "update": update}[a.mode](a)
+    dist.destroy_process_group()
