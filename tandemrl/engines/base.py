@@ -21,7 +21,7 @@ import torch.distributed as dist
 from tandemrl.configs.engine import OptimizerConfig, TrainEngineConfig
 from tandemrl.engines.api import LossFn, LossWeightFn, PostHook, TrainEngine
 from tandemrl.engines.rollout_link import RolloutClient, RolloutLink
-from tandemrl.engines.types import FinetuneSpec, SaveLoadMeta, TensorDict
+from tandemrl.engines.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta, TensorDict
 from tandemrl.inference.types import ParamSpec, WeightUpdateMeta
 from tandemrl.utils import stats_tracker
 from tandemrl.utils.packing import MicroBatches, pack_groups, plan_padded_batch, unpack_to_padded
@@ -72,6 +72,18 @@ def init_default_process_group() -> None:
     # Seconds a collective may wait; tests lower it so a hang fails fast.
     timeout = timedelta(seconds=int(os.environ.get("TANDEMRL_DIST_TIMEOUT", "1800")))
     dist.init_process_group(backend, timeout=timeout)
+
+
+def data_parallel_only(strategy: ParallelStrategy | None, backend: str) -> ParallelStrategy:
+    """Join the torchrun world and check a data-parallel-only allocation against its size."""
+    init_default_process_group()
+    world = dist.get_world_size()
+    strategy = strategy or ParallelStrategy(dp=world)
+    if strategy.tp != 1 or strategy.pp != 1 or strategy.ep != 1 or strategy.cp != 1:
+        raise ValueError(f"the {backend} engine supports data parallelism only, got {strategy}")
+    if strategy.dp != world:
+        raise ValueError(f"allocation gives {backend} d={strategy.dp} but the torchrun world size is {world}")
+    return strategy
 
 
 def _free_port() -> int:

@@ -21,7 +21,12 @@ import torch
 import torch.distributed as dist
 
 from tandemrl.configs.engine import TrainEngineConfig
-from tandemrl.engines.base import DTYPES, BaseTrainEngine, default_device, init_default_process_group
+from tandemrl.engines.base import (
+    DTYPES,
+    BaseTrainEngine,
+    data_parallel_only,
+    default_device,
+)
 from tandemrl.engines.engine_state import load_engine_state, read_engine_meta, save_engine_state
 from tandemrl.engines.hf_io import read_hf_state_dict, save_hf_dir
 from tandemrl.engines.hf_model import build_hf_model, packed_logits
@@ -142,14 +147,7 @@ class DeepSpeedEngine(BaseTrainEngine):
     def create_process_group(self, parallel_strategy: ParallelStrategy | None = None) -> None:
         import deepspeed
 
-        init_default_process_group()
-        world = dist.get_world_size()
-        strategy = parallel_strategy or ParallelStrategy(dp=world)
-        if strategy.tp != 1 or strategy.pp != 1 or strategy.ep != 1 or strategy.cp != 1:
-            raise ValueError(f"DeepSpeedEngine supports data parallelism only, got {strategy}")
-        if strategy.dp != world:
-            raise ValueError(f"allocation gives deepspeed d={strategy.dp} but the torchrun world size is {world}")
-        self.parallel_strategy = strategy
+        self.parallel_strategy = data_parallel_only(parallel_strategy, "deepspeed")
         _skip_cpu_op_builds()
         deepspeed.init_distributed(dist_backend=dist.get_backend())  # wraps the existing default group
         self._ds_ready = True

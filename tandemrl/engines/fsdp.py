@@ -23,7 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from tandemrl.configs.engine import TrainEngineConfig
-from tandemrl.engines.base import DTYPES, BaseTrainEngine, default_device, init_default_process_group
+from tandemrl.engines.base import DTYPES, BaseTrainEngine, data_parallel_only, default_device
 from tandemrl.engines.engine_state import load_engine_state, read_engine_meta, save_engine_state
 from tandemrl.engines.hf_io import read_hf_state_dict, save_hf_dir
 from tandemrl.engines.hf_model import build_hf_model, packed_logits
@@ -67,14 +67,8 @@ class FSDPEngine(BaseTrainEngine):
 
     # ------------------------------------------------------------ groups/ids
     def create_process_group(self, parallel_strategy: ParallelStrategy | None = None) -> None:
-        init_default_process_group()
+        self.parallel_strategy = data_parallel_only(parallel_strategy, "fsdp")
         world = dist.get_world_size()
-        strategy = parallel_strategy or ParallelStrategy(dp=world)
-        if strategy.tp != 1 or strategy.pp != 1 or strategy.ep != 1 or strategy.cp != 1:
-            raise ValueError(f"FSDPEngine supports data parallelism only, got {strategy}")
-        if strategy.dp != world:
-            raise ValueError(f"allocation gives fsdp d={strategy.dp} but the torchrun world size is {world}")
-        self.parallel_strategy = strategy
         self.mesh = init_device_mesh(self._device.type, (world,), mesh_dim_names=("dp",))
 
     @property
