@@ -9,7 +9,9 @@ hands :meth:`RLTrainer.run` a function that turns one rollout batch into updates
     trainer.run(workflow, ppo_train_step(trainer.actor, config.actor, ref=trainer.reference()), eval_workflow)
     trainer.close()
 
-Each step: rollout (``prepare_batch`` when ``async_training`` else ``rollout_batch``) ->
+Steps provided here: :func:`ppo_train_step` (PPO family, optionally with reference and
+critic) and :func:`reinforce_train_step` (ReMax). Each step of the loop: rollout
+(``prepare_batch`` when ``async_training`` else ``rollout_batch``) ->
 ``train_step(batch, global_step)`` -> pause / update_weights / set_version / resume ->
 save -> evaluate -> log.
 """
@@ -84,6 +86,17 @@ def ppo_train_step(actor: Any, config: PPOActorConfig, ref: Any = None, critic: 
             with stats_tracker.record_timing("critic_train_step"), stats_tracker.scope("critic"):
                 critic.ppo_update(batch)
                 critic.step_lr_scheduler()
+
+    return step
+
+
+def reinforce_train_step(actor: Any) -> TrainStep:
+    """The REINFORCE step (ReMax with ``ReMaxRLVRWorkflow``): one update on the workflow's rewards as advantages."""
+
+    def step(batch: TensorDict, global_step: int) -> None:
+        with stats_tracker.record_timing("train_step"), stats_tracker.scope("actor"):
+            actor.train_reinforce(batch)
+            actor.step_lr_scheduler()
 
     return step
 
@@ -217,9 +230,17 @@ class RLTrainer:
         self.rollout.resume()
 
     def run(
-        self, workflow: RolloutWorkflow, train_step: TrainStep, eval_workflow: RolloutWorkflow | None = None
+        self,
+        workflow: RolloutWorkflow,
+        train_step: TrainStep,
+        eval_workflow: RolloutWorkflow | None = None,
+        should_accept_fn: Callable[[TensorDict], bool] | None = None,
     ) -> RunSummary:
-        """``total_train_steps`` steps of rollout -> train_step -> weight update -> save/eval/log."""
+        """``total_train_steps`` steps of rollout -> train_step -> weight update -> save/eval/log.
+
+        ``should_accept_fn(trajectory) -> bool`` drops whole rollout groups before they reach
+        the batch (DAPO's dynamic sampling: ``tandemrl.algorithms.filters.reject_uniform_rewards``).
+        """
         config, actor, summary = self.config, self.actor, self.summary
         group = config.actor.group_size
         world = actor.data_parallel_world_size
@@ -232,9 +253,13 @@ class RLTrainer:
             epoch, step = divmod(global_step, spe)
             with stats_tracker.record_timing("rollout"):
                 if config.async_training:
-                    batch = actor.prepare_batch(self.train_dl, workflow, granularity=group)
+                    batch = actor.prepare_batch(
+                        self.train_dl, workflow, should_accept_fn=should_accept_fn, granularity=group
+                    )
                 else:
-                    batch = actor.rollout_batch(next(data_iter), workflow, granularity=group)
+                    batch = actor.rollout_batch(
+                        next(data_iter), workflow, should_accept_fn=should_accept_fn, granularity=group
+                    )
             summary.n_samples += batch["attention_mask"].shape[0] * world
             summary.n_tokens += int(batch["loss_mask"].sum()) * world
             gen = batch["versions"][batch["loss_mask"].bool()]

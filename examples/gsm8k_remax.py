@@ -1,0 +1,32 @@
+"""ReMax on GSM8K: REINFORCE whose baseline is the reward of a greedy completion of the same prompt.
+
+    python -m tandemrl.launchers.local examples/gsm8k_remax.py --config examples/gsm8k_remax.yaml \
+        train_dataset.path=../shared/data/gsm8k
+
+The two-class pattern of docs/customize_algorithm.md: ``ReMaxRLVRWorkflow`` generates
+n sampled and one greedy completion per prompt and rewards each sample with
+``r(sample) - r(greedy)``; ``ReinforceActor.train_reinforce`` (bound to the backend as
+``engine_class("reinforce", backend)``) takes one step of ``-A * log p`` per batch.
+The loop is the shared one (tandemrl/trainers/rl_loop.py).
+"""
+
+from __future__ import annotations
+
+from tandemrl.configs import GRPOConfig
+from tandemrl.configs.loader import load_config_or_exit
+from tandemrl.rewards.gsm8k import gsm8k_reward_fn
+from tandemrl.trainers.rl_loop import RLTrainer, reinforce_train_step
+from tandemrl.utils.cli import run_main
+from tandemrl.workflows.remax import ReMaxRLVRWorkflow
+
+
+def main(argv: list[str]) -> None:
+    config, _ = load_config_or_exit(argv, GRPOConfig)
+    trainer = RLTrainer(config, "reinforce", name="remax")
+    workflow, eval_workflow = trainer.rlvr_workflows(gsm8k_reward_fn, workflow_cls=ReMaxRLVRWorkflow)
+    trainer.run(workflow, reinforce_train_step(trainer.actor), eval_workflow)
+    trainer.close()
+
+
+if __name__ == "__main__":
+    run_main(main)
