@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -69,6 +70,49 @@ def test_grpo_gsm8k_sync_and_async(tiny_model_dir: str, gsm8k_dir: str, tmp_path
         from transformers import AutoModelForCausalLM
 
         assert AutoModelForCausalLM.from_pretrained(ckpt).config.vocab_size > 0
+
+
+@pytest.mark.slow
+def test_grpo_gsm8k_async_on_deepspeed(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
+    """allocation_mode ``deepspeed:d1``: 2 async GRPO steps on ZeRO-3 with a user's DeepSpeed JSON."""
+    ds_json = tmp_path / "ds_config.json"  # the engine owns gradient_clipping: it warns and uses actor's 1.0
+    ds_json.write_text(json.dumps({"gradient_clipping": 5.0, "zero_optimization": {"stage": 3}}))
+    proc = _run(
+        [
+            "examples/gsm8k_grpo.py",
+            "--config",
+            "examples/gsm8k_grpo.yaml",
+            "allocation_mode=vllm:d1+deepspeed:d1",
+            "actor.deepspeed.zero_stage=3",
+            f"actor.deepspeed.config_path={ds_json}",
+            f"actor.path={tiny_model_dir}",
+            f"train_dataset.path={gsm8k_dir}",
+            f"cluster.fileroot={tmp_path}",
+            "total_train_steps=2",
+            "async_training=true",
+            "rollout.max_head_offpolicyness=1",
+            "valid_dataset.max_samples=8",
+            "gconfig.max_new_tokens=32",
+            "saver.freq_steps=2",
+            "evaluator.freq_steps=2",
+        ],
+        timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    trainer_log = (tmp_path / "logs" / "gsm8k-grpo" / "trial0" / "trainer.log").read_text()
+    # The DeepSpeed engine trained: it read the user's JSON (and overrode the key it owns).
+    assert "deepspeed config: 'gradient_clipping' is set by the engine" in trainer_log, trainer_log[-3000:]
+    stats = _scalars(tmp_path / "tensorboard" / "gsm8k-grpo" / "trial0")
+    assert len(stats["actor/ppo_actor/update/loss"]) == 2 and len(stats["timeperf/update_weights"]) == 2, sorted(stats)
+    # Bounded staleness over the weight updates (the trainer is at version s at step s).
+    lags = [s - v for s, v in enumerate(stats["rollout_version_min"])]
+    assert len(lags) == 2 and 0 <= min(lags) and max(lags) <= 1, lags
+    assert max(stats["rollout/staleness/max"]) <= 1
+    assert "eval-rollout/reward" in stats
+    from transformers import AutoModelForCausalLM
+
+    ckpt = tmp_path / "checkpoints" / "gsm8k-grpo" / "trial0" / "epoch0epochstep1globalstep1"
+    assert AutoModelForCausalLM.from_pretrained(ckpt).config.vocab_size > 0
 
 
 @pytest.mark.slow

@@ -89,7 +89,9 @@ def random_prompts(vocab: int, seed: int, n: int) -> list[list[int]]:
     return torch.randint(3, vocab, (n, 8), generator=g).tolist()
 
 
-def check_update_record(out: Path, prompts: list[list[int]], sync: str, fp32_server: bool) -> dict[str, Any]:
+def check_update_record(
+    out: Path, prompts: list[list[int]], sync: str, fp32_server: bool, version: int = 1
+) -> dict[str, Any]:
     """The update changed the server's greedy outputs, which now equal fp32 transformers'
     greedy outputs on the engine's exported weights.
 
@@ -120,7 +122,8 @@ def check_update_record(out: Path, prompts: list[list[int]], sync: str, fp32_ser
     assert len({tuple(refs[i].ids) for i in compared}) >= len(compared) // 2
     changed = sum(b != r.ids for b, r in zip(before, refs, strict=True))
     assert changed >= len(prompts) // 2, f"the update changed only {changed}/{len(prompts)} greedy outputs"
-    assert record["label_before"] != "1" and record["label_after"] == "1" and record["client_version"] == 1
+    label = str(version)
+    assert record["label_before"] != label and record["label_after"] == label and record["client_version"] == version
     return record
 
 

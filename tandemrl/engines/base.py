@@ -183,6 +183,32 @@ class BaseTrainEngine(TrainEngine):
     def _reduce_device(self) -> torch.device:
         return self.device if self.device.type == "cuda" else torch.device("cpu")
 
+    # ------------------------------------------------- micro-batch loops
+    def _train_micro_batches(self, mbs: MicroBatches, weights: list[float], scale: float, loss_fn: LossFn) -> float:
+        """Forward+backward every micro-batch, its loss weighted by ``w * scale``; returns sum(loss * w).
+
+        Overridable as a whole: a pipeline-parallel backend runs its own schedule instead.
+        """
+        loss_sum = 0.0
+        for mb, w, group in zip(mbs.mbs, weights, mbs.groups, strict=True):
+            mb = self._to_device(mb)
+            with _filler_guard(group):
+                loss = loss_fn(self._forward_logits(mb), mb)
+            self._backward(loss * (w * scale))
+            loss_sum += float(loss.detach()) * w
+        return loss_sum
+
+    def _forward_micro_batches(
+        self, mbs: MicroBatches, fn: Callable[[torch.Tensor, TensorDict], torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """``fn(logits, mb)`` of every micro-batch (no grad), in order, on every rank."""
+        outs = []
+        for mb, group in zip(mbs.mbs, mbs.groups, strict=True):
+            mb = self._to_device(mb)
+            with _filler_guard(group):
+                outs.append(fn(self._forward_logits(mb), mb))
+        return outs
+
     # --------------------------------------------------------------- public
     def train(self, mode: bool = True) -> BaseTrainEngine:
         self._require_initialized("train")
@@ -206,14 +232,7 @@ class BaseTrainEngine(TrainEngine):
         total = self._all_reduce_sum(sum(weights))
         if total <= 0:
             raise ValueError("train_batch: total loss weight over all ranks is 0 (no tokens to train on)")
-        scale = self.data_parallel_world_size / total
-        loss_sum = 0.0
-        for mb, w, group in zip(mbs.mbs, weights, mbs.groups, strict=True):
-            mb = self._to_device(mb)
-            with _filler_guard(group):
-                loss = loss_fn(self._forward_logits(mb), mb)
-            self._backward(loss * (w * scale))
-            loss_sum += float(loss.detach()) * w
+        loss_sum = self._train_micro_batches(mbs, weights, self.data_parallel_world_size / total, loss_fn)
         grad_norm, stepped = self._optimizer_step()
         lr = self.optimizer.param_groups[0]["lr"]
         stats = {
@@ -232,11 +251,8 @@ class BaseTrainEngine(TrainEngine):
         self.eval()
         mbs = self._split(batch)
         weights = self._weights(mbs, loss_weight_fn)
-        loss_sum = 0.0
-        for mb, w, group in zip(mbs.mbs, weights, mbs.groups, strict=True):
-            mb = self._to_device(mb)
-            with _filler_guard(group):
-                loss_sum += float(loss_fn(self._forward_logits(mb), mb)) * w
+        losses = self._forward_micro_batches(mbs, lambda logits, mb: loss_fn(logits, mb).detach().reshape(()))
+        loss_sum = sum(float(loss) * w for loss, w in zip(losses, weights, strict=True))
         total = self._all_reduce_sum(sum(weights))
         return torch.tensor(self._all_reduce_sum(loss_sum) / max(total, 1e-12))
 
@@ -258,11 +274,7 @@ class BaseTrainEngine(TrainEngine):
         self._require_initialized("forward")
         self.eval()
         mbs = self._split(batch)
-        outs = []
-        for mb in mbs.mbs:
-            mb = self._to_device(mb)
-            logits = self._forward_logits(mb)
-            outs.append(post_hook(logits, mb) if post_hook is not None else logits)
+        outs = self._forward_micro_batches(mbs, post_hook if post_hook is not None else lambda logits, mb: logits)
         if aggregate_fn is not None:
             return aggregate_fn([o for o, g in zip(outs, mbs.groups, strict=True) if g])
         padded = unpack_to_padded(outs, mbs, batch["attention_mask"])
@@ -334,6 +346,16 @@ class BaseTrainEngine(TrainEngine):
     def connect_engine(self, rollout: RolloutClient, meta: WeightUpdateMeta | None = None) -> None:
         """Attach an inference client: enables rollout_batch/prepare_batch/update_weights."""
         self._link = RolloutLink(self, rollout, meta)
+
+    def disconnect_engine(self) -> None:
+        """Detach the inference client and close the weight-update group (rank 0 hosts its store and port).
+
+        No-op when not connected; ``destroy()`` calls it. The client itself stays the caller's to destroy.
+        """
+        link: RolloutLink | None = getattr(self, "_link", None)
+        self._link = None
+        if link is not None:
+            link.destroy()
 
     def _require_link(self, what: str) -> RolloutLink:
         link = getattr(self, "_link", None)

@@ -191,6 +191,7 @@ class DeepSpeedEngine(BaseTrainEngine):
         self.model.train()
 
     def destroy(self) -> None:
+        self.disconnect_engine()
         if self.model is not None and hasattr(self.model, "destroy"):
             self.model.destroy()
         self.model = None

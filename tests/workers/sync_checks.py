@@ -207,7 +207,7 @@ def update(args: argparse.Namespace) -> None:
             record["n_params"] = len(engine.hf_param_specs())
         dist.barrier()
     finally:
-        engine._link.destroy()  # the weight-update group (no public engine API for it yet)
+        engine.disconnect_engine()  # closes the weight-update group
         rollout.destroy()
         client.close()
     if rank == 0:
