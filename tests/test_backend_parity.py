@@ -29,6 +29,10 @@ CASES: list[dict[str, Any]] = [
     {"name": "deepspeed-zero1", "allocation": "deepspeed:d2", "overrides": {"deepspeed.zero_stage": 1}},
     {"name": "deepspeed-zero2", "allocation": "deepspeed:d2", "overrides": {"deepspeed.zero_stage": 2}},
     {"name": "deepspeed-zero3", "allocation": "deepspeed:d2", "overrides": {"deepspeed.zero_stage": 3}},
+    # Megatron's CPU shims patch torch process-wide: its rows share a launch of their own.
+    {"name": "megatron-d2", "allocation": "megatron:d2", "launch": "megatron"},
+    {"name": "megatron-t2", "allocation": "megatron:t2", "launch": "megatron"},
+    {"name": "megatron-p2", "allocation": "megatron:p2", "launch": "megatron"},
 ]
 REFERENCE = CASES[0]["name"]
 

@@ -53,6 +53,7 @@ def test_zero3_updates_vllm_by_disk_and_collective(
     sizes = coll["bucket_sizes"]
     print(f"zero3 collective: {coll['n_params']} tensors in {len(sizes)} buckets of {sizes}")
     assert len(sizes) > 1 and sum(sizes) == coll["n_params"]
+    assert coll["recv_rpcs"] == 1  # every bucket's specs in one receive RPC per update
     # After disconnect_engine the engine refuses updates; reconnecting on the same group port works.
     assert "needs connect_engine" in coll["disconnected_error"]
     assert coll["reconnected_label"] == "3"

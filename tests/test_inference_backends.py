@@ -28,6 +28,7 @@ from tandemrl.inference import (
 )
 from tandemrl.inference.sglang import SGLangBackend
 from tandemrl.inference.vllm import WORKER_EXTENSION, VLLMBackend
+from tandemrl.inference.weight_group import parse_buckets_json
 from tandemrl.utils.allocation import AllocationMode
 
 PROMPT = [5, 17, 42, 99]
@@ -290,15 +291,20 @@ def test_vllm_collective_requests() -> None:
             b.build_init_weight_group(meta, rank_offset=bad)
         assert_one_line_error(exc, "rank_offset", str(bad))
     specs = [ParamSpec("model.embed_tokens.weight", (64, 16), "bfloat16"), ParamSpec("lm_head.bias", (64,), "float32")]
-    recv = b.build_update_from_collective(meta, specs)
+    assert b.multi_bucket_collective is True
+    # Every bucket in ONE RPC, in the multi-bucket JSON the extension parses back exactly.
+    recv = b.build_update_from_collective(meta, [specs[:1], specs[1:]])
     assert recv.json is not None and recv.json["method"] == "tandemrl_recv_weights"
-    assert json.loads(recv.json["kwargs"]["meta_json"]) == [
-        ["model.embed_tokens.weight", "bfloat16", [64, 16]],
-        ["lm_head.bias", "float32", [64]],
+    meta_json = recv.json["kwargs"]["meta_json"]
+    assert json.loads(meta_json) == [
+        [["model.embed_tokens.weight", "bfloat16", [64, 16]]],
+        [["lm_head.bias", "float32", [64]]],
     ]
-    with pytest.raises(ValueError) as exc:
-        b.build_update_from_collective(meta, [])
-    assert_one_line_error(exc, "param_specs")
+    assert parse_buckets_json(meta_json) == [specs[:1], specs[1:]]
+    for bad in ([], [specs, []]):
+        with pytest.raises(ValueError) as exc:
+            b.build_update_from_collective(meta, bad)
+        assert_one_line_error(exc, "param_specs", "vllm")
     with pytest.raises(ValueError) as exc:
         b.build_init_weight_group(WeightUpdateMeta.from_disk("/x"), 1)
     assert_one_line_error(exc, "collective")
@@ -571,7 +577,8 @@ def test_sglang_weight_updates_not_run_against_real_server() -> None:
         "backend": "gloo",
     }
     specs = [ParamSpec("a.weight", (4, 2), "bfloat16"), ParamSpec("b.bias", (4,), "float32")]
-    upd = b.build_update_from_collective(coll, specs)
+    assert b.multi_bucket_collective is False  # the documented API describes one bucket per call
+    upd = b.build_update_from_collective(coll, [specs])
     assert upd.path == "/update_weights_from_distributed"
     assert upd.json == {
         "names": ["a.weight", "b.bias"],
@@ -581,6 +588,9 @@ def test_sglang_weight_updates_not_run_against_real_server() -> None:
         "flush_cache": True,
         "weight_version": "3",
     }
+    with pytest.raises(ValueError) as exc:
+        b.build_update_from_collective(coll, [specs[:1], specs[1:]])
+    assert_one_line_error(exc, "at most 1 bucket", "sglang")
     with pytest.raises(ValueError) as exc:
         b.build_init_weight_group(coll, rank_offset=5)
     assert_one_line_error(exc, "rank_offset", "sglang")

@@ -116,6 +116,41 @@ def test_grpo_gsm8k_async_on_deepspeed(tiny_model_dir: str, gsm8k_dir: str, tmp_
 
 
 @pytest.mark.slow
+def test_grpo_gsm8k_async_on_megatron(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
+    """allocation_mode ``megatron:d1``: 2 async GRPO steps, weights pushed from the Megatron engine."""
+    proc = _run(
+        [
+            "examples/gsm8k_grpo.py",
+            "--config",
+            "examples/gsm8k_grpo.yaml",
+            "allocation_mode=vllm:d1+megatron:d1",
+            f"actor.path={tiny_model_dir}",
+            f"train_dataset.path={gsm8k_dir}",
+            f"cluster.fileroot={tmp_path}",
+            "total_train_steps=2",
+            "async_training=true",
+            "rollout.max_head_offpolicyness=1",
+            "valid_dataset.max_samples=8",
+            "gconfig.max_new_tokens=32",
+            "saver.freq_steps=2",
+            "evaluator.freq_steps=2",
+        ],
+        timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "megatron" in (tmp_path / "logs" / "gsm8k-grpo" / "trial0" / "trainer.log").read_text()
+    stats = _scalars(tmp_path / "tensorboard" / "gsm8k-grpo" / "trial0")
+    assert len(stats["actor/ppo_actor/update/loss"]) == 2 and len(stats["timeperf/update_weights"]) == 2, sorted(stats)
+    lags = [s - v for s, v in enumerate(stats["rollout_version_min"])]
+    assert len(lags) == 2 and 0 <= min(lags) and max(lags) <= 1, lags
+    assert "eval-rollout/reward" in stats
+    from transformers import AutoModelForCausalLM
+
+    ckpt = tmp_path / "checkpoints" / "gsm8k-grpo" / "trial0" / "epoch0epochstep1globalstep1"
+    assert AutoModelForCausalLM.from_pretrained(ckpt).config.vocab_size > 0
+
+
+@pytest.mark.slow
 def test_sft_multirun_sweep_makes_separate_trials(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
     proc = _run(
         [

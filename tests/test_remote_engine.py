@@ -28,6 +28,7 @@ from tandemrl.inference.http import HttpClient, InferenceServerError, send, send
 from tandemrl.inference.remote import (
     SERVER_ADDRS_ENV,
     RemoteInfEngine,
+    RemoteSGLangEngine,
     RemoteVLLMEngine,
     ServerUnavailableError,
 )
@@ -97,6 +98,11 @@ class FakeVLLM:
         app.router.add_post("/update_weight_version", self._set_version)
         app.router.add_post("/collective_rpc", self._rpc)
         app.router.add_post("/reset_prefix_cache", self._ok)
+        # SGLang's weight-update routes (for the shared client's per-bucket path), recorded like RPCs.
+        for path in ("/init_weights_update_group", "/update_weights_from_distributed"):
+            app.router.add_post(path, self._rpc)
+        for path in ("/pause_generation", "/continue_generation", "/flush_cache"):
+            app.router.add_post(path, self._ok)
         self._runner = web.AppRunner(app, shutdown_timeout=0.5)
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, "127.0.0.1", self.port)
@@ -518,13 +524,14 @@ def test_collective_update_rank_offsets_and_bucket_sequence(servers, engines) ->
     engine.update_weights_from_distributed(meta, buckets).result(10)
     assert engine.get_version() == 4
     for srv in (a, b):
-        assert [json.loads(r["kwargs"]["meta_json"]) for r in srv.rpc_bodies[1:]] == [
+        # vLLM: ONE receive RPC per server per update, listing every bucket in broadcast order.
+        assert len(srv.rpc_bodies) == 2 and srv.rpc_bodies[1]["method"] == "tandemrl_recv_weights"
+        assert json.loads(srv.rpc_bodies[1]["kwargs"]["meta_json"]) == [
             [["w1", "bfloat16", [2, 3]]],
             [["w2", "float32", [4]], ["w3", "int64", [1]]],
         ]
-        assert srv.log[-6:] == [
+        assert srv.log[-5:] == [
             "POST /pause?mode=abort",
-            "POST /collective_rpc",
             "POST /collective_rpc",
             "POST /reset_prefix_cache",
             "POST /update_weight_version",
@@ -537,6 +544,36 @@ def test_collective_update_rank_offsets_and_bucket_sequence(servers, engines) ->
     engine.pool.mark_dead(b.addr, "test")
     with pytest.raises(ServerUnavailableError, match="needs all 2 servers"):
         engine.update_weights_from_distributed(meta, buckets)
+
+
+def test_collective_update_one_request_per_bucket_for_sglang(servers) -> None:
+    """A backend without multi-bucket receive (SGLang) gets one request per bucket, in broadcast order."""
+    (srv,) = servers(1)
+    config = InferenceEngineConfig(request_retries=0, setup_timeout=5.0)
+    engine = RemoteSGLangEngine(config)
+    engine.initialize([srv.addr])
+    try:
+        assert engine.backend.multi_bucket_collective is False
+        meta = WeightUpdateMeta(type="collective", group_port=29998, world_size=2, comm_backend="gloo", version=2)
+        buckets = [
+            [ParamSpec("w1", (2, 3), "bfloat16")],
+            [ParamSpec("w2", (4,), "float32"), ParamSpec("w3", (1,), "int64")],
+            [ParamSpec("w4", (5,), "float32")],
+        ]
+        engine.update_weights_from_distributed(meta, buckets).result(10)
+        assert [r["names"] for r in srv.rpc_bodies] == [["w1"], ["w2", "w3"], ["w4"]]
+        assert srv.log[-7:] == [
+            "POST /pause_generation",
+            "POST /update_weights_from_distributed",
+            "POST /update_weights_from_distributed",
+            "POST /update_weights_from_distributed",
+            "POST /flush_cache",
+            "POST /update_weight_version",
+            "POST /continue_generation",
+        ]
+        assert engine.get_version() == 2 and srv.version_label == "2"
+    finally:
+        engine.destroy()
 
 
 # ---------------------------------------------------------------------- executor forwarding

@@ -280,9 +280,9 @@ def test_collective_update_bucketed(vllm_server: VLLMTestServer, tiny_model_dir:
         assert len(buckets) >= 3
         start = time.perf_counter()
         server.call(b.build_pause())
-        for bucket in buckets:  # the client protocol: one RPC per bucket
+        for bucket in buckets:  # the extension also takes one bucket per RPC
             flat, specs = pack_bucket(bucket)
-            th, box = server.call_in_thread(b.build_update_from_collective(meta, specs))
+            th, box = server.call_in_thread(b.build_update_from_collective(meta, [specs]))
             pg.broadcast(flat, 0).wait()
             assert join(th, box)["results"][0]["tensors"] == len(bucket)
         server.call(b.build_flush_cache())
@@ -293,10 +293,9 @@ def test_collective_update_bucketed(vllm_server: VLLMTestServer, tiny_model_dir:
         # Back to the original weights in ONE RPC listing all buckets (the multi-bucket format).
         original = load_hf(tiny_model_dir).state_dict()
         buckets = list(split_buckets(original.items(), bucket_bytes=150_000))
-        meta_json = buckets_to_json([pack_bucket(bk)[1] for bk in buckets])
         start = time.perf_counter()
-        rpc = {"method": "tandemrl_recv_weights", "kwargs": {"meta_json": meta_json}}
-        th, box = server.call_in_thread(HttpRequest("POST", "/collective_rpc", rpc, 120.0))
+        recv = b.build_update_from_collective(meta, [pack_bucket(bk)[1] for bk in buckets])  # the client's way
+        th, box = server.call_in_thread(recv)
         broadcast_buckets(pg, buckets)
         assert join(th, box)["results"][0]["buckets"] == len(buckets)
         server.call(b.build_flush_cache())

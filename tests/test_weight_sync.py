@@ -51,7 +51,13 @@ from tandemrl.inference.remote import RemoteVLLMEngine, ServerUnavailableError
 from tandemrl.inference.server import ServerProcess, launch_server
 from tandemrl.inference.types import HttpRequest, ModelRequest, ModelResponse, WeightUpdateMeta
 from tandemrl.inference.vllm import VLLMBackend
-from tandemrl.inference.weight_group import create_trainer_weight_group, destroy_weight_group, pack_bucket
+from tandemrl.inference.weight_group import (
+    broadcast_buckets,
+    create_trainer_weight_group,
+    destroy_weight_group,
+    pack_bucket,
+    split_buckets,
+)
 from tandemrl.workflows.api import GenerationEngine, RolloutWorkflow
 
 WORKER = Path(__file__).resolve().parent / "workers" / "sync_checks.py"
@@ -210,6 +216,34 @@ def test_disk_update_from_fsdp_engine(vllm_server: VLLMTestServer, tiny_model_di
 
 
 @pytest.mark.slow
+def test_collective_update_from_megatron_tensor_parallel(
+    vllm_server: VLLMTestServer, tiny_model_dir: str, tmp_path: Path
+) -> None:
+    """MegatronEngine at TP=2: full HF-named tensors gathered from its TP shards reach the server."""
+    label = weight_label(vllm_server)
+    prompts = random_prompts(int(load_hf(tiny_model_dir).config.vocab_size), seed=13, n=256)
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    try:
+        run_worker(
+            "update",
+            tiny_model_dir,
+            vllm_server,
+            tmp_path,
+            "--sync",
+            "collective",
+            "--allocation",
+            "megatron:t2",
+            "--prompts",
+            str(tmp_path / "prompts.json"),
+            "--lr",
+            "1e-3",
+        )
+        check_update_record(tmp_path, prompts, "collective", fp32_server=False)
+    finally:
+        restore_session_server(vllm_server, label)
+
+
+@pytest.mark.slow
 def test_collective_update_25m_model_in_buckets(big_server: VLLMTestServer, tmp_path: Path) -> None:
     model = big_server.model_dir
     hf = load_hf(model)
@@ -236,6 +270,7 @@ def test_collective_update_25m_model_in_buckets(big_server: VLLMTestServer, tmp_
     sizes = record["bucket_sizes"]
     print(f"collective: {n_params / 1e6:.1f}M fp32 parameters in {len(sizes)} buckets of {sizes} tensors")
     assert len(sizes) > 1 and sum(sizes) == record["n_params"]
+    assert record["recv_rpcs"] == 1  # all buckets' specs in one RPC; the trainer streamed the broadcasts
 
 
 @pytest.mark.slow
@@ -247,16 +282,18 @@ def test_failed_update_is_clear_and_server_stays_updatable(vllm_server: VLLMTest
     meta = WeightUpdateMeta(type="collective", group_port=port, world_size=2, comm_backend="gloo")
     original = load_hf(tiny_model_dir)
     ref = decisive_prompt(original, 12, seed=0)
-    # The whole model in one bucket, one MLP weight renamed: the server receives it all, then rejects it.
+    # Several buckets in ONE receive RPC, an early MLP weight renamed: the server rejects it, still takes
+    # every later broadcast (so the trainer is not left blocked), then fails the RPC naming the weight.
     state = {k.replace("layers.1.mlp.up_proj", "layers.1.mlp.bogus"): v for k, v in original.state_dict().items()}
-    flat, specs = pack_bucket(list(state.items()))
+    buckets = list(split_buckets(state.items(), bucket_bytes=150_000))
+    assert len(buckets) >= 3 and not any("bogus" in name for name, _ in buckets[-1])
     th, box = server.call_in_thread(b.build_init_weight_group(meta, rank_offset=1))
     pg = create_trainer_weight_group(meta.group_addr, port, meta.world_size, meta.comm_backend, timeout_s=120)
     try:
         join(th, box)
         server.call(b.build_pause())
-        th, box = server.call_in_thread(b.build_update_from_collective(meta, specs))
-        pg.broadcast(flat, 0).wait()
+        th, box = server.call_in_thread(b.build_update_from_collective(meta, [pack_bucket(bk)[1] for bk in buckets]))
+        broadcast_buckets(pg, buckets)
         with pytest.raises(RuntimeError, match="HTTP 500.*layers.1.mlp.bogus"):
             join(th, box)
         restore_session_server(server, label)  # failed here before vllm_ext finalized failed reloads

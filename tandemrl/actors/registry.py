@@ -16,6 +16,10 @@ _CLASSES: dict[tuple[str, str], str] = {
     ("ppo_actor", "deepspeed"): "tandemrl.actors.deepspeed:DeepSpeedPPOActor",
     ("ppo_critic", "deepspeed"): "tandemrl.actors.deepspeed:DeepSpeedPPOCritic",
     ("reinforce", "deepspeed"): "tandemrl.actors.deepspeed:DeepSpeedReinforceActor",
+    ("lm", "megatron"): "tandemrl.actors.megatron:MegatronLMEngine",
+    ("ppo_actor", "megatron"): "tandemrl.actors.megatron:MegatronPPOActor",
+    ("ppo_critic", "megatron"): "tandemrl.actors.megatron:MegatronPPOCritic",
+    ("reinforce", "megatron"): "tandemrl.actors.megatron:MegatronReinforceActor",
 }
 
 

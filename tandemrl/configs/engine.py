@@ -75,6 +75,20 @@ class DeepSpeedEngineConfig:
 
 
 @dataclass
+class MegatronEngineConfig:
+    """Megatron-core options, used when allocation_mode picks ``megatron``.
+
+    Parallel sizes come from allocation_mode; optimizer, LR schedule, clipping and dtype from
+    the fields of TrainEngineConfig.
+    """
+
+    use_distributed_optimizer: bool = field(
+        default=True,
+        metadata={"help": "Shard optimizer states (and fp32 main weights) over data-parallel ranks (ZeRO-1 style)."},
+    )
+
+
+@dataclass
 class TrainEngineConfig:
     """One model trained by one engine (actor, critic, reference, or SFT model)."""
 
@@ -112,4 +126,7 @@ class TrainEngineConfig:
     )
     deepspeed: DeepSpeedEngineConfig = field(
         default_factory=DeepSpeedEngineConfig, metadata={"help": "Options of the DeepSpeed backend."}
+    )
+    megatron: MegatronEngineConfig = field(
+        default_factory=MegatronEngineConfig, metadata={"help": "Options of the Megatron backend."}
     )

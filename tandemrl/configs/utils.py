@@ -29,7 +29,11 @@ class RecoverConfig(FreqConfig):
 
     mode: str = field(
         default="disabled",
-        metadata={"help": "disabled: never; auto: resume if a checkpoint exists.", "choices": ["disabled", "auto"]},
+        metadata={
+            "help": "disabled: never save or resume; auto: save every freq_*, resume if a checkpoint exists; "
+            "resume: like auto, but a missing checkpoint is an error.",
+            "choices": ["disabled", "auto", "resume"],
+        },
     )
     experiment_name: str = field(default="${experiment_name}", metadata={"help": "Filled from the root config."})
     trial_name: str = field(default="${trial_name}", metadata={"help": "Filled from the root config."})

@@ -34,7 +34,9 @@ class RolloutClient(Protocol):
 
     def init_weights_update_group(self, meta: WeightUpdateMeta) -> Any: ...
 
-    def update_weights_from_distributed(self, meta: WeightUpdateMeta, param_specs: list[list[ParamSpec]]) -> Any: ...
+    def update_weights_from_distributed(self, meta: WeightUpdateMeta, param_specs: list[list[ParamSpec]]) -> Any:
+        """Start the servers' receive of every bucket (one request per server where the backend allows)."""
+        ...
 
 
 def split_groups(batch: TensorDict, granularity: int) -> list[TensorDict]:
@@ -130,6 +132,12 @@ class RolloutLink:
             self.rollout.update_weights_from_disk(meta).result()
 
     def _update_collective(self, meta: WeightUpdateMeta) -> None:
+        """Plan the buckets, start the servers' receive of the WHOLE plan, then broadcast bucket by bucket.
+
+        The servers learn every bucket's specs up front (vLLM: in one RPC per server) and
+        receive the broadcasts in plan order inside that call, so the trainer streams the
+        buckets without a round trip between them.
+        """
         from tandemrl.inference.weight_group import create_trainer_weight_group, pack_bucket, split_buckets
 
         specs = self.engine.hf_param_specs()
@@ -163,8 +171,11 @@ class RolloutLink:
     def _broadcast(self, flat: torch.Tensor, servers: Future[None] | None) -> None:
         """Broadcast one bucket; fail at once (not after the group timeout) if the servers gave up.
 
-        A server whose receive RPC failed (e.g. a weight name its model rejects) never joins
-        the next broadcast, so waiting on it would block until the group's timeout.
+        A server that rejects a weight (vLLM: a name its model lacks) still takes the rest of
+        the update's broadcasts before its receive request fails, so ``future.result()`` reports
+        it right after the last bucket. A request that fails before receiving everything (the
+        server died or refused the call; or a per-bucket backend that stops sending requests)
+        never joins the next broadcast: waiting on it would block until the group's timeout.
         """
         work = self._weight_group.broadcast(flat, 0)
         while not work.is_completed():

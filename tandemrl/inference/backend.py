@@ -23,6 +23,10 @@ class InferenceBackend(Protocol):
     """Request builder / response parser of one inference-server kind."""
 
     name: str
+    # True: one ``build_update_from_collective`` request may carry every bucket of an update
+    # (the server receives them all inside that call). False: the server API takes one
+    # bucket per request, so the client sends one request per bucket, in order.
+    multi_bucket_collective: bool
 
     def build_generate(self, req: ModelRequest, output_so_far: list[int], remaining: int, version: int) -> HttpRequest:
         """Continue ``req.input_ids + output_so_far`` for at most ``remaining`` new tokens."""
@@ -54,8 +58,11 @@ class InferenceBackend(Protocol):
         """Join the server's ranks to the update group; its first rank is ``rank_offset``."""
         ...
 
-    def build_update_from_collective(self, meta: WeightUpdateMeta, param_specs: list[ParamSpec]) -> HttpRequest:
-        """Receive one bucket of broadcast tensors (rank 0 broadcasts them in this order)."""
+    def build_update_from_collective(self, meta: WeightUpdateMeta, buckets: list[list[ParamSpec]]) -> HttpRequest:
+        """Receive ``buckets`` of broadcast tensors (rank 0 broadcasts one flat tensor per bucket, in order).
+
+        Called with a single bucket unless ``multi_bucket_collective`` is True.
+        """
         ...
 
     def build_flush_cache(self) -> HttpRequest:
@@ -125,6 +132,17 @@ def check_collective(meta: WeightUpdateMeta, rank_offset: int, backend: str) -> 
     if not 1 <= rank_offset < meta.world_size:
         raise ValueError(
             f"{backend}: rank_offset {rank_offset} must be in 1..{meta.world_size - 1} (rank 0 is the trainer head)"
+        )
+
+
+def check_buckets(buckets: list[list[ParamSpec]], backend: str, max_buckets: int | None = None) -> None:
+    """A non-empty list of non-empty buckets (at most ``max_buckets``); one-line errors."""
+    if not buckets or not all(buckets):
+        raise ValueError(f"{backend}: build_update_from_collective needs non-empty buckets of param_specs")
+    if max_buckets is not None and len(buckets) > max_buckets:
+        raise ValueError(
+            f"{backend}: build_update_from_collective takes at most {max_buckets} bucket(s) per request, "
+            f"got {len(buckets)}"
         )
 
 

@@ -433,14 +433,18 @@ class RemoteInfEngine:
     ) -> concurrent.futures.Future[None]:
         """Receive the trainer's broadcast buckets on every server, in the background.
 
-        The trainer broadcasts the buckets in this order while the future runs. The
-        servers are paused, receive, drop stale KV cache, get relabelled (``meta.version``)
-        and are resumed, as in ``update_weights_from_disk``.
+        The trainer broadcasts the buckets in this order while the future runs. A backend
+        with ``multi_bucket_collective`` gets ONE request per server listing every bucket;
+        otherwise one request per bucket, sent in order. The servers are paused, receive,
+        drop stale KV cache, get relabelled (``meta.version``) and are resumed, as in
+        ``update_weights_from_disk``.
         """
         addrs = self._all_servers_for_collective("update_weights_from_distributed", meta)
-        if not param_specs_per_bucket or not all(param_specs_per_bucket):
+        buckets = list(param_specs_per_bucket)
+        if not buckets or not all(buckets):
             raise ValueError("update_weights_from_distributed: param_specs_per_bucket must hold non-empty buckets")
-        steps = [self.backend.build_update_from_collective(meta, bucket) for bucket in param_specs_per_bucket]
+        per_request = [buckets] if self.backend.multi_bucket_collective else [[b] for b in buckets]
+        steps = [self.backend.build_update_from_collective(meta, group) for group in per_request]
         steps.append(self.backend.build_flush_cache())
         if meta.version is not None:
             steps.append(self.backend.build_set_version(meta.version))

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from tandemrl.inference.backend import (
     BadServerPayload,
     TimeoutsMixin,
+    check_buckets,
     check_budget,
     check_collective,
     cli_flags,
@@ -48,6 +49,8 @@ class SGLangBackend(TimeoutsMixin):
     """Builds and parses SGLang HTTP calls."""
 
     name = "sglang"
+    # /update_weights_from_distributed describes one bucket per request.
+    multi_bucket_collective = False
 
     # ---- generation ----------------------------------------------------------------------
 
@@ -151,11 +154,12 @@ class SGLangBackend(TimeoutsMixin):
         }
         return HttpRequest("POST", "/init_weights_update_group", body, self.update_timeout)
 
-    def build_update_from_collective(self, meta: WeightUpdateMeta, param_specs: list[ParamSpec]) -> HttpRequest:
+    def build_update_from_collective(self, meta: WeightUpdateMeta, buckets: list[list[ParamSpec]]) -> HttpRequest:
+        """One bucket: SGLang's ``/update_weights_from_distributed`` takes names/dtypes/shapes per call."""
         if meta.type != "collective":
             raise ValueError(f"{self.name}: build_update_from_collective needs a 'collective' WeightUpdateMeta")
-        if not param_specs:
-            raise ValueError(f"{self.name}: build_update_from_collective got no param_specs")
+        check_buckets(buckets, self.name, max_buckets=1)
+        (param_specs,) = buckets
         body: dict[str, Any] = {
             "names": [p.name for p in param_specs],
             "dtypes": [p.dtype for p in param_specs],

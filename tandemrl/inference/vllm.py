@@ -4,7 +4,8 @@ Server side this needs ``--enable-scale-out`` (the generate route), ``VLLM_SERVE
 (pause/resume, versions, ``/collective_rpc``) and the tandemrl worker extension, whose
 methods ``tandemrl_update_from_disk(path)``, ``tandemrl_init_weight_group(host, port,
 world_size, rank, backend, timeout)`` and ``tandemrl_recv_weights(meta_json)`` the RPC
-calls below name.
+calls below name. A collective update is one ``tandemrl_recv_weights`` call per server
+listing all buckets; the trainer broadcasts them in order while that call runs.
 ``/collective_rpc`` forwards only JSON strings, so every kwarg is sent as a string.
 
 Interruption: ``POST /pause?mode=abort`` makes in-flight requests return their partial
@@ -14,13 +15,13 @@ Request metadata ``seed`` (int) and ``ignore_eos`` (bool) are forwarded when pre
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import TYPE_CHECKING, Any
 
 from tandemrl.inference.backend import (
     BadServerPayload,
     TimeoutsMixin,
+    check_buckets,
     check_budget,
     check_collective,
     cli_flags,
@@ -40,6 +41,7 @@ from tandemrl.inference.types import (
     VersionSpan,
     WeightUpdateMeta,
 )
+from tandemrl.inference.weight_group import buckets_to_json
 
 if TYPE_CHECKING:
     from tandemrl.engines.types import ParallelStrategy
@@ -63,6 +65,8 @@ class VLLMBackend(TimeoutsMixin):
     """Builds and parses vLLM HTTP calls."""
 
     name = "vllm"
+    # tandemrl_recv_weights takes every bucket's metadata in one call.
+    multi_bucket_collective = True
 
     # ---- generation ----------------------------------------------------------------------
 
@@ -158,14 +162,17 @@ class VLLMBackend(TimeoutsMixin):
         }
         return self._rpc("tandemrl_init_weight_group", kwargs)
 
-    def build_update_from_collective(self, meta: WeightUpdateMeta, param_specs: list[ParamSpec]) -> HttpRequest:
-        """One bucket, as the single-bucket ``[[name, dtype, shape], ...]`` JSON the extension reads."""
+    def build_update_from_collective(self, meta: WeightUpdateMeta, buckets: list[list[ParamSpec]]) -> HttpRequest:
+        """ONE RPC receiving every bucket: the extension reads the broadcasts in order inside the call.
+
+        The metadata is the multi-bucket ``[[[name, dtype, shape], ...], ...]`` JSON of
+        ``tandemrl.inference.weight_group``, so one update costs one HTTP round trip per server
+        however many buckets it has.
+        """
         if meta.type != "collective":
             raise ValueError(f"{self.name}: build_update_from_collective needs a 'collective' WeightUpdateMeta")
-        if not param_specs:
-            raise ValueError(f"{self.name}: build_update_from_collective got no param_specs")
-        specs = [[p.name, p.dtype, [int(d) for d in p.shape]] for p in param_specs]
-        return self._rpc("tandemrl_recv_weights", {"meta_json": json.dumps(specs)})
+        check_buckets(buckets, self.name)
+        return self._rpc("tandemrl_recv_weights", {"meta_json": buckets_to_json(buckets)})
 
     def _rpc(self, method: str, kwargs: dict[str, str]) -> HttpRequest:
         body = {"method": method, "kwargs": kwargs, "timeout": self.update_timeout}

@@ -13,13 +13,15 @@ Steps provided here: :func:`ppo_train_step` (PPO family, optionally with referen
 critic) and :func:`reinforce_train_step` (ReMax). Each step of the loop: rollout
 (``prepare_batch`` when ``async_training`` else ``rollout_batch``) ->
 ``train_step(batch, global_step)`` -> pause / update_weights / set_version / resume ->
-save -> evaluate -> log.
+save -> evaluate -> log -> recoverable checkpoint (``recover.mode`` auto/resume, every
+``recover.freq_*``). A run restarted with a checkpoint present restores the engines, the
+dataloader position and the counters, pushes the restored weights to the servers (labelled
+with the restored version) and continues at the next step; see ``tandemrl.utils.recover``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,9 +46,11 @@ from tandemrl.rewards.runner import RewardFn
 from tandemrl.utils import stats_tracker
 from tandemrl.utils.allocation import AllocationMode
 from tandemrl.utils.evaluator import Evaluator
+from tandemrl.utils.recover import RecoverHandler
 from tandemrl.utils.saver import Saver
 from tandemrl.utils.stats_logger import StatsLogger
 from tandemrl.workflows.api import RolloutWorkflow
+from tandemrl.workflows.executor import cycle_batches
 from tandemrl.workflows.rlvr import RLVRWorkflow
 
 # train_step(batch, global_step): compute whatever the algorithm needs and update the engines.
@@ -164,6 +168,8 @@ class RLTrainer:
 
         self.saver = Saver(config.saver, self.ft_spec)
         self.evaluator = Evaluator(config.evaluator, self.ft_spec)
+        self.recover = RecoverHandler(config.recover, self.ft_spec)
+        self._named_engines: dict[str, Any] = {"actor": self.actor}
         self.logger = StatsLogger(config.stats_logger, self.ft_spec)
         if dist.get_rank() == 0:
             save_config(config, f"{self.logger.log_dir}/config.yaml")
@@ -177,6 +183,7 @@ class RLTrainer:
         engine.create_process_group(self.alloc.train.strategy)
         engine.initialize(None, self.ft_spec)
         self._extra_engines.append(engine)
+        self._named_engines[field_name] = engine
         return engine
 
     def reference(self) -> Any:
@@ -219,6 +226,22 @@ class RLTrainer:
         self.summary.evals.append((step, accuracy))
         return accuracy
 
+    # ------------------------------------------------------------------ recovery
+    def _recoverable_engines(self) -> dict[str, Any]:
+        """Engines with training state (actor, critic); a frozen reference is rebuilt from its path."""
+        return {n: e for n, e in self._named_engines.items() if getattr(e, "optimizer", None) is not None}
+
+    def _maybe_resume(self) -> int:
+        """Restore a recoverable checkpoint if ``recover.mode`` asks for it; the first step to run."""
+        state = self.recover.load(self._recoverable_engines(), self.actor, self.train_dl, self.saver, self.evaluator)
+        if state is None:
+            return 0
+        # The servers started from the initial model: give them the restored weights, labelled with
+        # the restored version, before any rollout; rollout capacity counts from that version.
+        self._sync_weights(state.version)
+        self.rollout.executor.staleness.set_base_version(state.version)
+        return state.global_step + 1
+
     # ------------------------------------------------------------------ loop
     def _sync_weights(self, version: int) -> None:
         self.rollout.pause()
@@ -244,12 +267,13 @@ class RLTrainer:
         config, actor, summary = self.config, self.actor, self.summary
         group = config.actor.group_size
         world = actor.data_parallel_world_size
-        data_iter = itertools.cycle(self.train_dl)
+        first_step = self._maybe_resume()
+        data_iter = cycle_batches(self.train_dl, "rollout_batch")
         total_steps = self.ft_spec.total_train_steps
         spe = self.ft_spec.steps_per_epoch
-        bar = tqdm(total=total_steps, desc=self.name, disable=dist.get_rank() != 0)
+        bar = tqdm(total=total_steps, initial=first_step, desc=self.name, disable=dist.get_rank() != 0)
         start = time.monotonic()
-        for global_step in range(total_steps):
+        for global_step in range(first_step, total_steps):
             epoch, step = divmod(global_step, spe)
             with stats_tracker.record_timing("rollout"):
                 if config.async_training:
@@ -276,12 +300,21 @@ class RLTrainer:
                         lambda gs=global_step + 1: self.evaluate(eval_workflow, gs), epoch, step, global_step
                     )
             self._commit(epoch, step, global_step)
+            self.recover.dump(
+                self._recoverable_engines(),
+                actor,
+                self.train_dl,
+                step,
+                global_step,
+                self.saver,
+                self.evaluator,
+            )
             bar.update(1)
             reward = summary.rewards[-1] if summary.rewards else None
             if reward is not None:
                 bar.set_postfix(reward=f"{reward:.3f}")
         bar.close()
-        summary.steps += total_steps
+        summary.steps += max(0, total_steps - first_step)
         summary.seconds += time.monotonic() - start
         self._print_summary()
         return summary

@@ -164,15 +164,19 @@ def _check_trajectory(traj: Any, workflow: RolloutWorkflow) -> None:
         )
 
 
-def _cycle_batches(dataloader: Iterable[Any]) -> Iterator[Any]:
-    """Endless batches; re-iterating the dataloader each epoch (so it reshuffles)."""
-    while True:
-        empty = True
+def cycle_batches(dataloader: Iterable[Any], what: str = "prepare_batch") -> Iterator[Any]:
+    """Endless batches; re-iterating the dataloader each epoch (so it reshuffles).
+
+    One empty pass is allowed: a stateful dataloader restored at the end of an epoch yields
+    nothing until its next pass.
+    """
+    empty_passes = 0
+    while empty_passes < 2:
+        empty_passes += 1
         for batch in dataloader:
-            empty = False
+            empty_passes = 0
             yield batch
-        if empty:
-            raise ValueError("prepare_batch: the dataloader yielded no batches")
+    raise ValueError(f"{what}: the dataloader yielded no batches")
 
 
 class WorkflowExecutor:
@@ -559,7 +563,7 @@ class WorkflowExecutor:
                 f"dataloader batch size {batch_size}"
             )
         if self._data_iter is None or self._data_source is not dataloader:
-            self._data_iter, self._data_source = _cycle_batches(dataloader), dataloader
+            self._data_iter, self._data_source = cycle_batches(dataloader), dataloader
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._cond:

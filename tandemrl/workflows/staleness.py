@@ -40,6 +40,7 @@ class StalenessManager:
         self.max_staleness = max_staleness
         self._lock = threading.Lock()
         self._stat = RolloutStat()
+        self._base_version = 0  # version the counts start from (a resumed run starts above 0)
 
     def get_capacity(self, current_version: int) -> int:
         """Rollouts that may start now (may be negative: then none may start).
@@ -49,8 +50,20 @@ class StalenessManager:
         with self._lock:
             s = self._stat
             concurrency = self.max_concurrent_rollouts - s.running
-            staleness = (self.max_staleness + current_version + 1) * self.consumer_batch_size - (s.accepted + s.running)
+            versions = self.max_staleness + current_version - self._base_version + 1
+            staleness = versions * self.consumer_batch_size - (s.accepted + s.running)
             return min(concurrency, staleness)
+
+    def set_base_version(self, version: int) -> None:
+        """Count from ``version``: a run resumed there consumed every batch of earlier versions.
+
+        Without it a fresh manager at version v would grant ``v * B`` extra rollouts that the
+        trainer only consumes up to v versions later, breaking the staleness bound.
+        """
+        if not isinstance(version, int) or version < 0:
+            raise ValueError(f"StalenessManager.set_base_version: version must be an integer >= 0, got {version!r}")
+        with self._lock:
+            self._base_version = version
 
     def on_submit(self) -> None:
         """A rollout started running."""

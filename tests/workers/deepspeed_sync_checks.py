@@ -30,6 +30,7 @@ from tandemrl.configs.engine import DeepSpeedEngineConfig, OptimizerConfig, Trai
 from tandemrl.engines.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.inference.remote import RemoteVLLMEngine
 from tandemrl.inference.types import WeightUpdateMeta
+from tandemrl.inference.weight_group import parse_buckets_json
 from tandemrl.utils.allocation import AllocationMode
 
 
@@ -115,9 +116,10 @@ def main(args: argparse.Namespace) -> None:
         restored = disk_record.get("restored")  # rank 0 only; the other ranks do not generate
         coll_record = {"losses": losses, **push(engine, rollout, box[0], prompts, restored)}  # labelled 2
         if rank == 0:
-            # Tensors per received bucket, as the server was told in each tandemrl_recv_weights call.
+            # Tensors per bucket, as the server was told in its tandemrl_recv_weights call(s).
             recv = [r for r in client.rpcs[n_rpcs:] if r["method"] == "tandemrl_recv_weights"]
-            coll_record["bucket_sizes"] = [len(json.loads(r["kwargs"]["meta_json"])) for r in recv]
+            coll_record["recv_rpcs"] = len(recv)  # one per update: every bucket's specs in one call
+            coll_record["bucket_sizes"] = [len(b) for r in recv for b in parse_buckets_json(r["kwargs"]["meta_json"])]
             coll_record["n_params"] = len(engine.hf_param_specs())
 
         # disconnect_engine closes the weight-update group, so rank 0's store frees the group port:

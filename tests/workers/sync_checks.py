@@ -8,6 +8,7 @@ Modes (results go to ``--out``, written by rank 0):
 * ``update``: train a few SFT steps on a fixed batch, export the weights (HF),
   push them with ``update_weights`` (``--sync disk`` or ``collective``) and record the
   server's greedy continuations of ``--prompts`` before and after -> ``update.pt``.
+  ``--allocation`` picks the trainer's backend and layout (default ``fsdp:d2``).
 """
 
 from __future__ import annotations
@@ -23,22 +24,26 @@ import torch
 import torch.distributed as dist
 
 from tandemrl.actors.fsdp import FSDPLMEngine
+from tandemrl.actors.registry import engine_class
 from tandemrl.configs.engine import OptimizerConfig, TrainEngineConfig
 from tandemrl.configs.rollout import InferenceEngineConfig
 from tandemrl.engines.types import FinetuneSpec, SaveLoadMeta, TensorDict
 from tandemrl.inference.http import HttpClient
 from tandemrl.inference.remote import RemoteVLLMEngine
 from tandemrl.inference.types import HttpRequest, ModelRequest, ModelResponse, WeightUpdateMeta
+from tandemrl.inference.weight_group import parse_buckets_json
 from tandemrl.utils.allocation import AllocationMode
 from tandemrl.utils.functional import gather_logprobs, next_token_labels
 
 GREEDY_TOKENS = 12  # greedy continuation length compared with transformers
 
 
-def make_engine(model: str, lr: float) -> FSDPLMEngine:
+def make_engine(model: str, lr: float, allocation: str = "fsdp:d2") -> FSDPLMEngine:
+    """An SFT engine of the backend and layout ``allocation`` names (the actor registry picks the class)."""
     cfg = TrainEngineConfig(path=model, optimizer=OptimizerConfig(lr=lr, gradient_clipping=0.0))
-    engine = FSDPLMEngine(cfg)
-    engine.create_process_group()
+    component = AllocationMode.from_str(allocation).train
+    engine = engine_class("lm", component.backend)(cfg)
+    engine.create_process_group(component.strategy)
     engine.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=8, train_batch_size=1))
     return engine
 
@@ -165,7 +170,7 @@ def version_label(rollout: RemoteVLLMEngine) -> str:
 
 def update(args: argparse.Namespace) -> None:
     """Train, export, update the server by ``args.sync``; record greedy outputs around the update."""
-    engine = make_engine(args.model, lr=args.lr)
+    engine = make_engine(args.model, lr=args.lr, allocation=args.allocation)
     client = RecordingClient()
     rollout = make_rollout(args.addr, client)
     rank = dist.get_rank()
@@ -184,7 +189,8 @@ def update(args: argparse.Namespace) -> None:
     record: dict[str, object] = {"meta": {"type": meta.type, "bucket_size_mb": meta.bucket_size_mb}}
     try:
         batch = memorize_batch(int(engine.model_config.vocab_size), seed=7)
-        shard = {k: v[rank :: dist.get_world_size()] for k, v in batch.items()}
+        dp_rank, dp_size = engine.data_parallel_rank, engine.data_parallel_world_size  # TP peers share rows
+        shard = {k: v[dp_rank::dp_size] for k, v in batch.items()}
         record["losses"] = [engine.train_lm(shard)["loss"] for _ in range(args.steps)]
         engine.save(SaveLoadMeta(path=os.path.join(args.out, "exported"), weight_format="hf"))
         if rank == 0:
@@ -201,9 +207,10 @@ def update(args: argparse.Namespace) -> None:
             record["after"] = greedy_outputs(rollout, prompts)
             record["label_after"] = version_label(rollout)
             record["client_version"] = rollout.get_version()
-            # Tensors per received bucket, as the server was told in each tandemrl_recv_weights call.
+            # Tensors per bucket, as the server was told in its tandemrl_recv_weights call(s).
             recv = [r for r in client.rpcs if r["method"] == "tandemrl_recv_weights"]
-            record["bucket_sizes"] = [len(json.loads(r["kwargs"]["meta_json"])) for r in recv]
+            record["recv_rpcs"] = len(recv)  # one per update: every bucket's specs in one call
+            record["bucket_sizes"] = [len(b) for r in recv for b in parse_buckets_json(r["kwargs"]["meta_json"])]
             record["n_params"] = len(engine.hf_param_specs())
         dist.barrier()
     finally:
@@ -228,6 +235,7 @@ if __name__ == "__main__":
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--bucket-mb", type=int, default=8)
+    p.add_argument("--allocation", default="fsdp:d2", help="training allocation of the update mode's engine")
     a = p.parse_args()
     {"logprobs": logprobs, "update": update}[a.mode](a)
     dist.destroy_process_group()

@@ -1,0 +1,1 @@
+"""Megatron-core training backend (imported only by the Megatron engine; never by `import tandemrl`)."""

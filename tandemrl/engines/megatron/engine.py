@@ -1,0 +1,490 @@
+"""Megatron-core backend: GPTModel with tensor, pipeline, data and expert parallelism.
+
+Only what differs from the shared base lives here: parallel groups from the allocation's
+ParallelStrategy, the GPTModel built from the HF config (model.py) and loaded from HF safetensors
+(hf_convert.py), Megatron DDP + ``get_megatron_optimizer`` stepped with the base's LR schedule,
+the packed forward (one row, block-diagonal causal mask), a pipeline schedule for PP > 1, and
+checkpoints. The loss contract is the base's: ``loss_fn(logits [T, V], mb)`` on full-vocab logits.
+
+Recoverable ("dcp") checkpoints are one file per rank (weights plus each optimizer's state, the
+distributed optimizer's in its bucket layout) and resume only on the same parallel layout; HF
+exports are layout-free.
+
+Gradient scale: Megatron DDP averages gradients over the data-parallel group (expert gradients
+too: their expert-DP reduction is scaled to the same ``1/dp``), exactly what the base's
+``dp_world_size / total`` loss weight undoes, as under FSDP.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tandemrl.configs.engine import TrainEngineConfig
+from tandemrl.engines.api import LossFn
+from tandemrl.engines.base import DTYPES, BaseTrainEngine, _filler_guard, default_device, init_default_process_group
+from tandemrl.engines.engine_state import load_engine_state, read_engine_meta, save_engine_state
+from tandemrl.engines.hf_io import save_hf_dir
+from tandemrl.engines.hf_model import load_model_config
+from tandemrl.engines.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta, TensorDict
+from tandemrl.inference.types import ParamSpec
+from tandemrl.utils.packing import MicroBatches
+
+BACKEND = "megatron"
+_LIVE_ENGINES = 0  # megatron's parallel_state is process-global: engines of one process share it
+
+
+def _init_parallel_state(s: ParallelStrategy, timeout_minutes: int) -> None:
+    """(Re)build megatron's process-global groups for ``s``; refuse to change them under a live engine."""
+    from megatron.core import parallel_state as ps
+
+    want = (s.tp, s.pp, s.ep, s.etp)
+    if ps.model_parallel_is_initialized():
+        have = (
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size(),
+            ps.get_expert_model_parallel_world_size(),
+            ps.get_expert_tensor_parallel_world_size(),
+        )
+        if have == want:
+            return
+        if _LIVE_ENGINES:
+            raise ValueError(f"megatron engines in one process must share a layout: have (t,p,e,etp)={have}, got {s}")
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=s.tp,
+        pipeline_model_parallel_size=s.pp,
+        expert_model_parallel_size=s.ep,
+        expert_tensor_parallel_size=s.etp,
+        distributed_timeout_minutes=timeout_minutes,
+    )
+
+
+class MegatronEngine(BaseTrainEngine):
+    """An HF-architecture causal LM trained as a megatron-core GPTModel."""
+
+    def __init__(self, config: TrainEngineConfig):
+        super().__init__(config)
+        self._device = default_device()
+        self.parallel_strategy = ParallelStrategy()
+        self.model_config: Any = None  # the HF config (as on the other backends)
+        self.tf_config: Any = None
+        self._groups_ready = False
+        self._lr_holder: torch.optim.Optimizer | None = None
+
+    # ------------------------------------------------------------ groups/ids
+    def create_process_group(self, parallel_strategy: ParallelStrategy | None = None) -> None:
+        from tandemrl.engines.megatron.cpu_shims import apply_cpu_shims
+
+        init_default_process_group()
+        apply_cpu_shims()  # no-op with CUDA
+        world = dist.get_world_size()
+        s = parallel_strategy or ParallelStrategy(dp=world)
+        if s.cp != 1:
+            raise ValueError(f"allocation_mode: the megatron engine does not support context parallelism yet, got {s}")
+        if s.world_size != world:
+            raise ValueError(f"allocation gives megatron {s} ({s.world_size} ranks) but the torchrun world is {world}")
+        _init_parallel_state(s, int(os.environ.get("TANDEMRL_DIST_TIMEOUT", "1800")) // 60 or 1)
+        self.parallel_strategy = s
+        self._groups_ready = True
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup | None:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_group() if self._groups_ready else None
+
+    @property
+    def data_parallel_rank(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_rank() if self._groups_ready else 0
+
+    @property
+    def data_parallel_world_size(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_world_size() if self._groups_ready else 1
+
+    def _model_parallel_group(self) -> dist.ProcessGroup:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_model_parallel_group()  # tp x pp ranks of one DP replica
+
+    def _is_model_parallel_head(self) -> bool:
+        return dist.get_rank(self._model_parallel_group()) == 0
+
+    def broadcast_in_model_parallel_group(self, batch: TensorDict | None) -> TensorDict:
+        """The replica head's batch to its TP/PP peers (they produced none)."""
+        group = self._model_parallel_group()
+        if dist.get_world_size(group) == 1:
+            assert batch is not None
+            return batch
+        box = [batch]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        return box[0]
+
+    @property
+    def _pp(self) -> int:
+        return self.parallel_strategy.pp
+
+    # ------------------------------------------------------------------ build
+    def initialize(self, addr: str | None, ft_spec: FinetuneSpec | None) -> None:
+        global _LIVE_ENGINES
+        from megatron.core import tensor_parallel
+
+        from tandemrl.engines.megatron.hf_convert import load_hf_weights
+        from tandemrl.engines.megatron.model import build_gpt_model, transformer_config_from_hf
+
+        if not self._groups_ready:
+            self.create_process_group()
+        cfg = self.config
+        if cfg.is_critic:
+            raise ValueError("TrainEngineConfig.is_critic: the megatron engine has no value-head model yet")
+        if cfg.mixed_precision:
+            raise ValueError("TrainEngineConfig.mixed_precision: not supported by the megatron engine; set dtype")
+        if cfg.gradient_checkpointing:
+            raise ValueError("TrainEngineConfig.gradient_checkpointing: not supported by the megatron engine yet")
+        s = self.parallel_strategy
+        self.model_config = load_model_config(cfg)
+        dtype = DTYPES[cfg.dtype]
+        self.tf_config = transformer_config_from_hf(self.model_config, tp=s.tp, pp=s.pp, ep=s.ep, params_dtype=dtype)
+        # The allocation's expert TP (1 unless the hybrid attn|ffn form says otherwise); megatron's
+        # config would default it to the attention TP, disagreeing with the groups built above.
+        self.tf_config.expert_tensor_parallel_size = s.etp
+        torch.manual_seed(cfg.seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
+        model = build_gpt_model(self.model_config, self.tf_config)
+        _emulate_padding_idx(model, getattr(self.model_config, "pad_token_id", None))
+        if not cfg.init_from_scratch:
+            load_hf_weights(model, cfg.path, self.model_config)
+        self.ft_spec = ft_spec
+        if cfg.optimizer is not None:
+            model = self._wrap_and_build_optimizer(model, ft_spec)
+        self.model = model
+        _LIVE_ENGINES += 1
+        self._initialized = True
+        self.model.train()
+
+    def _wrap_and_build_optimizer(self, model: torch.nn.Module, ft_spec: FinetuneSpec | None) -> torch.nn.Module:
+        """Megatron DDP + (distributed) Adam with our AdamW settings; LR comes from our schedule each step."""
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        from tandemrl.engines.base import lr_lambda
+
+        cfg, opt = self.config, self.config.optimizer
+        assert opt is not None
+        if opt.type != "adamw":
+            raise ValueError(f"optimizer.type: unknown optimizer '{opt.type}' (expected 'adamw')")
+        dist_opt = self.config.megatron.use_distributed_optimizer
+        ddp = DistributedDataParallel(
+            self.tf_config,
+            DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=dist_opt
+            ),
+            model,
+        )
+        mopt = McoreOptimizerConfig(
+            optimizer="adam",
+            decoupled_weight_decay=True,  # AdamW
+            lr=opt.lr,
+            min_lr=opt.lr * opt.min_lr_ratio,
+            weight_decay=opt.weight_decay,
+            adam_beta1=opt.beta1,
+            adam_beta2=opt.beta2,
+            adam_eps=opt.eps,
+            clip_grad=0.0,  # we clip ourselves after measuring the pre-clip norm (see _optimizer_step)
+            bf16=cfg.dtype == "bfloat16",
+            fp16=cfg.dtype == "float16",
+            params_dtype=DTYPES[cfg.dtype],
+            use_distributed_optimizer=dist_opt,
+        )
+        # config_overrides={}: weight decay on every parameter, like torch AdamW on the other backends
+        # (megatron's default exempts biases and norms).
+        self.optimizer = get_megatron_optimizer(mopt, [ddp], config_overrides={})
+        # Our LambdaLR drives a one-parameter holder; its lr is copied into megatron's groups before
+        # each step, so the schedule (and its checkpointed state) is the base's, shared with FSDP.
+        self._lr_holder = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=opt.lr)
+        total = ft_spec.total_train_steps if ft_spec is not None else 1
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self._lr_holder, lr_lambda(opt, total))
+        self._apply_lr()
+        return ddp
+
+    def _apply_lr(self) -> None:
+        assert self._lr_holder is not None and self.optimizer is not None
+        lr = self._lr_holder.param_groups[0]["lr"]
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The GPTModel of this rank's pipeline stage (under the DDP wrapper when training)."""
+        assert self.model is not None
+        return getattr(self.model, "module", self.model)
+
+    def destroy(self) -> None:
+        global _LIVE_ENGINES
+        self.disconnect_engine()
+        if self._initialized:
+            _LIVE_ENGINES -= 1
+        self.model = None
+        self.optimizer = None
+        self.lr_scheduler = None
+        self._lr_holder = None
+        self._initialized = False
+
+    # ---------------------------------------------------------------- compute
+    def _model_inputs(self, mb: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input_ids [1, T], position_ids [1, T], block-diagonal causal mask [1, 1, T, T]) of a packed row."""
+        from tandemrl.engines.megatron.forward import packed_causal_mask
+
+        ids = mb["input_ids"].reshape(1, -1)
+        mask = packed_causal_mask(mb["cu_seqlens"], ids.shape[1], ids.device)
+        return ids, mb["position_ids"].reshape(1, -1), mask
+
+    def _full_logits(self, output: torch.Tensor) -> torch.Tensor:
+        """[T, V] logits from the last stage's vocab-parallel [1, T, V/tp] output."""
+        from tandemrl.engines.megatron.forward import gather_vocab_logits
+
+        return gather_vocab_logits(output, self.model_config.vocab_size)[0]
+
+    def _forward_logits(self, mb: TensorDict) -> torch.Tensor:
+        return self._full_logits(self.model(*self._model_inputs(mb)))
+
+    def _run_schedule(
+        self,
+        mbs: MicroBatches,
+        on_logits: Callable[[int, torch.Tensor, TensorDict], torch.Tensor | None],
+        forward_only: bool,
+    ) -> None:
+        """Megatron's pipeline schedule over the micro-batches; ``on_logits(i, logits, mb)`` runs on the last
+        stage and returns the (already weighted) loss to backpropagate, or None when forward-only."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        device_mbs = [self._to_device(mb) for mb in mbs.mbs]
+        n = len(device_mbs)
+        order = iter(range(n))
+
+        def forward_step(data_iterator: Iterator[int], model: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
+            i = next(data_iterator)
+            output = model(*self._model_inputs(device_mbs[i]))
+
+            def loss_func(out: torch.Tensor) -> tuple[torch.Tensor, dict]:
+                loss = on_logits(i, self._full_logits(out), device_mbs[i])
+                if loss is None:
+                    return out.sum() * 0.0, {}
+                # The schedule divides the returned loss by n in place: pre-multiply to keep our weights.
+                return loss * n, {}
+
+            return output, loss_func
+
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=order,
+            model=[self.model],
+            num_microbatches=n,
+            seq_length=max(int(mb["input_ids"].numel()) for mb in device_mbs),
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+
+    def _from_last_stage(self, obj: Any) -> Any:
+        """The last pipeline stage's ``obj`` on every stage of this replica."""
+        from megatron.core import parallel_state as ps
+
+        box = [obj]
+        dist.broadcast_object_list(
+            box, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+        )
+        return box[0]
+
+    def _train_micro_batches(self, mbs: MicroBatches, weights: list[float], scale: float, loss_fn: LossFn) -> float:
+        if self._pp == 1:
+            return super()._train_micro_batches(mbs, weights, scale, loss_fn)
+        loss_sum = [0.0]
+
+        def on_logits(i: int, logits: torch.Tensor, mb: TensorDict) -> torch.Tensor:
+            with _filler_guard(mbs.groups[i]):
+                loss = loss_fn(logits, mb)
+            loss_sum[0] += float(loss.detach()) * weights[i]
+            return loss * (weights[i] * scale)
+
+        self._run_schedule(mbs, on_logits, forward_only=False)
+        return float(self._from_last_stage(loss_sum[0]))
+
+    def _forward_micro_batches(
+        self, mbs: MicroBatches, fn: Callable[[torch.Tensor, TensorDict], torch.Tensor]
+    ) -> list[torch.Tensor]:
+        if self._pp == 1:
+            return super()._forward_micro_batches(mbs, fn)
+        outs: list[torch.Tensor | None] = [None] * len(mbs.mbs)
+
+        def on_logits(i: int, logits: torch.Tensor, mb: TensorDict) -> None:
+            with _filler_guard(mbs.groups[i]):
+                outs[i] = fn(logits, mb).detach().cpu()
+            return None
+
+        self._run_schedule(mbs, on_logits, forward_only=True)
+        return [t.to(self.device) for t in self._from_last_stage(outs)]
+
+    def export_stats(self) -> dict[str, float]:
+        """With PP, loss functions (and the stats they record) run on the last stage only: every stage
+        reports the last stage's DP-reduced stats."""
+        stats = super().export_stats()
+        return self._from_last_stage(stats) if self._pp > 1 else stats
+
+    def _optimizer_step(self) -> tuple[float, bool]:
+        """Reduce grads over DP (and tied embeddings over PP), measure the pre-clip norm, clip, step."""
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        assert self.optimizer is not None
+        finalize_model_grads([self.model])
+        self._apply_lr()
+        self.optimizer.prepare_grads()
+        norm = float(self.optimizer.get_grad_norm())
+        stepped = math.isfinite(norm)
+        if stepped:
+            clip = self.config.optimizer.gradient_clipping
+            if clip > 0:
+                for opt in self.optimizer.chained_optimizers:
+                    params = opt.get_parameters()
+                    if params:
+                        clip_grad_by_total_norm_fp32(params, clip, norm)
+            self.optimizer.step_with_ready_grads()
+            self._lr_holder.step()  # no-op (no grad); tells LambdaLR an optimizer step happened
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        return norm, stepped
+
+    # ---------------------------------------------------------- weight export
+    def hf_param_specs(self) -> list[ParamSpec]:
+        from tandemrl.engines.megatron.hf_convert import hf_param_specs
+
+        return hf_param_specs(self.model_config, DTYPES[self.config.dtype])
+
+    def iter_hf_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from tandemrl.engines.megatron.hf_convert import iter_hf_weights
+
+        yield from iter_hf_weights(self.module, self.model_config)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: full HF-named CPU weights on rank 0 (tied lm_head included), empty elsewhere."""
+        keep = dist.get_rank() == 0
+        sd = {name: t.detach().cpu().clone() for name, t in self.iter_hf_params() if keep}  # all ranks iterate
+        if not keep:
+            return {}
+        if "lm_head.weight" not in sd and getattr(self.model_config, "tie_word_embeddings", False):
+            sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+        return sd
+
+    # ----------------------------------------------------------- checkpoints
+    def _save_hf(self, meta: SaveLoadMeta) -> None:
+        sd = self.full_state_dict()
+        if dist.get_rank() == 0:
+            save_hf_dir(sd, self.model_config, self.config, meta)
+
+    def _load_hf(self, meta: SaveLoadMeta) -> None:
+        from tandemrl.engines.megatron.hf_convert import load_hf_weights
+
+        load_hf_weights(self.module, meta.path, self.model_config)
+        if self.optimizer is not None:  # fp32 main copies of 16-bit weights follow the new weights
+            self.optimizer.reload_model_params()
+
+    def _rank_file(self, path: str) -> str:
+        return os.path.join(path, f"rank{dist.get_rank():05d}.pt")
+
+    def _layout(self) -> dict[str, int]:
+        s = self.parallel_strategy
+        return {"world": dist.get_world_size(), "dp": s.dp, "tp": s.tp, "pp": s.pp, "ep": s.ep, "etp": s.etp}
+
+    def _save_recoverable(self, meta: SaveLoadMeta) -> None:
+        """Every rank writes its own shard: weights, and per chained optimizer its state (distributed: its
+        bucket-space parameter state). Resuming needs the same parallel layout."""
+        os.makedirs(meta.path, exist_ok=True)
+        with_optim = self.optimizer is not None and meta.with_optim
+        state: dict[str, Any] = {"layout": self._layout(), "model": self.module.state_dict()}
+        if with_optim:
+            state["optim"] = [
+                {"common": o.state_dict(), "params": _param_state(o)} for o in self.optimizer.chained_optimizers
+            ]
+        torch.save(state, self._rank_file(meta.path))
+        dist.barrier()
+        if dist.get_rank() == 0:
+            save_engine_state(meta.path, BACKEND, self._version, self.lr_scheduler, with_optim=with_optim)
+
+    def _load_recoverable(self, meta: SaveLoadMeta) -> None:
+        info = read_engine_meta(meta.path, BACKEND)
+        f = self._rank_file(meta.path)
+        if not os.path.isfile(f):
+            raise FileNotFoundError(f"{f} not found: checkpoint {meta.path} has no shard for this rank")
+        state = torch.load(f, map_location=self.device, weights_only=False)
+        if state["layout"] != self._layout():
+            raise ValueError(f"checkpoint {meta.path} was saved with layout {state['layout']}, now {self._layout()}")
+        self.module.load_state_dict(state["model"])
+        with_optim = bool(info["with_optim"]) and meta.with_optim and self.optimizer is not None
+        if with_optim:
+            for o, saved in zip(self.optimizer.chained_optimizers, state["optim"], strict=True):
+                o.load_state_dict(saved["common"])
+                _load_param_state(o, saved["params"])
+        elif self.optimizer is not None:
+            self.optimizer.reload_model_params()
+        self._version = load_engine_state(meta.path, self.lr_scheduler)
+        if self.optimizer is not None:
+            self._apply_lr()
+
+
+def _emulate_padding_idx(model: torch.nn.Module, pad_token_id: int | None) -> None:
+    """HF's ``nn.Embedding(padding_idx=pad_token_id)``: lookups of the pad token give its row no gradient.
+
+    Megatron's embedding has no padding_idx. Without this, a pad token inside a sequence trains
+    its (usually zero) row, whose RMSNorm gradient is ~1/sqrt(eps): updates diverge from HF's.
+    Only the lookup's gradient is cut, so a tied output layer still trains that row, as in HF.
+    """
+    emb = getattr(getattr(model, "embedding", None), "word_embeddings", None)
+    if emb is None or pad_token_id is None:
+        return
+
+    def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
+        is_pad = (args[0] == pad_token_id).unsqueeze(-1)
+        return torch.where(is_pad, out.detach(), out)
+
+    emb.register_forward_hook(hook)
+
+
+def _param_state(opt: Any) -> Any:
+    """A distributed optimizer keeps Adam moments (and fp32 mains) outside ``state_dict()``."""
+    if not hasattr(opt, "get_parameter_state_dp_reshardable"):
+        return None
+    state = opt.get_parameter_state_dp_reshardable()
+    # mcore 0.16.1's loader filters entries on a 'padding' key its own getter does not write.
+    for gbuf_idx, per_dtype in state.items():
+        if isinstance(gbuf_idx, int):
+            for buckets in per_dtype.values():
+                for bucket in buckets:
+                    for entry in bucket:
+                        entry.setdefault("padding", False)
+    return state
+
+
+def _load_param_state(opt: Any, saved: Any) -> None:
+    # mcore 0.16.1's DistributedOptimizer.load_state_dict gives every parameter the same 'step'
+    # tensor; torch's AdamW increments it in place once per parameter. Give each its own copy.
+    inner = getattr(opt, "optimizer", None)
+    for st in getattr(inner, "state", {}).values():
+        if torch.is_tensor(st.get("step")):
+            st["step"] = st["step"].clone()
+    if saved is not None:
+        with torch.no_grad():  # fp32 main params are views of the (leaf) model params
+            opt.load_parameter_state_from_dp_reshardable(saved)

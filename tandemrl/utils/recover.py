@@ -1,0 +1,294 @@
+"""Recoverable checkpoints of a training run: engines (DCP) + loop state, saved periodically, loaded on restart.
+
+``recover.mode``: ``disabled`` never saves nor loads; ``auto`` saves every ``recover.freq_*``
+and, on start, resumes from a checkpoint if one exists (else starts fresh); ``resume`` is
+``auto`` that refuses to start without a checkpoint.
+
+Layout under ``<fileroot>/checkpoints/<experiment>/<trial>/recover``:
+
+* ``engines/<name>/``: each trainable engine's ``save(SaveLoadMeta(weight_format="dcp", with_optim=True))``
+  (weights, optimizer, LR schedule, version);
+* ``dataloader_rank<r>.pt``: trainer rank r's dataloader position;
+* ``loop_state.json``: the last finished global step, the weight version, the saver's and
+  evaluator's counters, the trainer world size and a fingerprint of the pushed weights.
+
+A save is written to ``recover.tmp`` and replaces ``recover`` only once complete, so a crash
+mid-save leaves the previous checkpoint usable. Loading re-computes the weight fingerprint
+and refuses a checkpoint whose restored weights differ from the saved ones.
+
+Rollouts that were queued or running when the checkpoint was written are not saved: their
+dataloader rows count as consumed, as after any restart of an asynchronous run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from tandemrl.configs.utils import RecoverConfig
+from tandemrl.engines.types import FinetuneSpec, SaveLoadMeta
+from tandemrl.utils.freq import FreqControl, agree_with_rank0, epochs_finished
+from tandemrl.utils.saver import Saver
+
+RECOVER_MODES = ("disabled", "auto", "resume")
+LOOP_STATE_FILE = "loop_state.json"
+
+
+class CorruptCheckpointError(ValueError):
+    """The recoverable checkpoint exists but cannot be used; a ValueError so ``run_main`` prints one line."""
+
+
+class RecoverableEngine(Protocol):
+    """A training engine: ``save``/``load`` are collective over its ranks."""
+
+    def save(self, meta: SaveLoadMeta) -> None: ...
+
+    def load(self, meta: SaveLoadMeta) -> None: ...
+
+    def get_version(self) -> int: ...
+
+
+class StatefulLoader(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class LoopState:
+    """What the training loop needs, besides the engines, to continue where it stopped."""
+
+    global_step: int  # the last finished step (0-based); the resumed run starts at global_step + 1
+    version: int  # weight version of the engines (and of the servers once re-pushed)
+    world_size: int  # trainer ranks that wrote it; each has its own dataloader position
+    weights_fingerprint: str
+    saver: dict[str, Any] = field(default_factory=dict)
+    evaluator: dict[str, Any] = field(default_factory=dict)
+    recover: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, raw: Any, where: str) -> LoopState:
+        if not isinstance(raw, dict):
+            raise ValueError(f"recover: {where} must hold a JSON object")
+        missing = [k for k in ("global_step", "version", "world_size", "weights_fingerprint") if k not in raw]
+        if missing:
+            raise ValueError(f"recover: {where} lacks {missing}")
+        known = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
+        return cls(**known)
+
+
+def weights_fingerprint(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """Short digest of float32 values and names, independent of order and of sharding (full tensors)."""
+    digests = {}
+    for name, t in named_tensors:
+        data = t.detach().to("cpu", torch.float32).contiguous().reshape(-1)
+        digests[name] = hashlib.sha256(data.numpy().tobytes()).hexdigest()
+    h = hashlib.sha256()
+    for name in sorted(digests):
+        h.update(f"{name}:{digests[name]};".encode())
+    return h.hexdigest()[:16]
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rank0_value(value: Any) -> Any:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:300]}" if text else type(e).__name__
+
+
+class RecoverHandler:
+    """Decides when to write a recoverable checkpoint, writes it, and loads it on restart."""
+
+    def __init__(self, config: RecoverConfig, ft_spec: FinetuneSpec | None) -> None:
+        if config.mode not in RECOVER_MODES:
+            raise ValueError(f"recover.mode must be one of {', '.join(RECOVER_MODES)}; got {config.mode!r}")
+        self.config = config
+        self.ft_spec = ft_spec
+        self.freq_ctl = FreqControl.from_config(config)
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.mode != "disabled"
+
+    @property
+    def path(self) -> str:
+        root = Saver.get_save_root(self.config.fileroot, self.config.experiment_name, self.config.trial_name)
+        return os.path.join(root, "recover")
+
+    # ------------------------------------------------------------------ save
+    def dump(
+        self,
+        engines: Mapping[str, RecoverableEngine],
+        pushed: Any,
+        dataloader: StatefulLoader,
+        step: int,
+        global_step: int,
+        saver: Any,
+        evaluator: Any,
+    ) -> bool:
+        """Collective: write a checkpoint after ``global_step`` if due; returns whether one was written.
+
+        ``pushed`` is the engine whose weights the servers get (its ``iter_hf_params`` is fingerprinted).
+        """
+        if not self.enabled:
+            return False
+        due = self.freq_ctl.check(epochs=epochs_finished(step, self.ft_spec), steps=1)
+        if self.freq_ctl.freq_secs is not None:
+            due = agree_with_rank0(due)
+        if not due:
+            return False
+        final, tmp = self.path, self.path + ".tmp"
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        _barrier()
+        for name, engine in engines.items():
+            engine.save(SaveLoadMeta(path=os.path.join(tmp, "engines", name), weight_format="dcp", with_optim=True))
+        torch.save(dataloader.state_dict(), os.path.join(tmp, f"dataloader_rank{_rank()}.pt"))
+        fingerprint = self._fingerprint(pushed)
+        _barrier()
+        if _rank() == 0:
+            state = LoopState(
+                global_step=global_step,
+                version=int(pushed.get_version()),
+                world_size=_world(),
+                weights_fingerprint=fingerprint,
+                saver=saver.state_dict(),
+                evaluator=evaluator.state_dict(),
+                recover={"freq_ctl": self.freq_ctl.state_dict()},
+            )
+            with open(os.path.join(tmp, LOOP_STATE_FILE), "w") as f:
+                json.dump(asdict(state), f, indent=1)
+            old = final + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            if os.path.exists(final):
+                os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+            print(
+                f"recover: saved global step {global_step + 1} (version {state.version}, "
+                f"weights {fingerprint}) to {final}",
+                flush=True,
+            )
+        _barrier()
+        return True
+
+    def _fingerprint(self, pushed: Any) -> str:
+        """Every rank takes part in gathering the full weights; rank 0's digest is returned everywhere."""
+        params = pushed.iter_hf_params()
+        if _rank() == 0:
+            return _rank0_value(weights_fingerprint(params))
+        for _ in params:
+            pass
+        return _rank0_value(None)
+
+    # ------------------------------------------------------------------ load
+    def find(self) -> str | None:
+        """The checkpoint directory to resume from, None if there is none (a crash between the final
+        renames leaves the previous one as ``recover.old``)."""
+        for candidate in (self.path, self.path + ".old"):
+            if os.path.isdir(candidate):
+                return candidate
+        return None
+
+    def load(
+        self,
+        engines: Mapping[str, RecoverableEngine],
+        pushed: Any,
+        dataloader: StatefulLoader,
+        saver: Any,
+        evaluator: Any,
+    ) -> LoopState | None:
+        """Collective: restore everything from the checkpoint (None: nothing to resume in mode auto/disabled).
+
+        Raises a one-line error when mode is ``resume`` and there is no checkpoint, or when the
+        checkpoint is corrupt or was written by a different number of trainer ranks.
+        """
+        if not self.enabled:
+            return None
+        path = _rank0_value(self.find())
+        if path is None:
+            if self.config.mode == "resume":
+                raise FileNotFoundError(
+                    f"recover.mode=resume: no recoverable checkpoint at {self.path} "
+                    f"(set recover.mode=auto to start fresh when there is none)"
+                )
+            return None
+        state = self._read_state(path)
+        if state.world_size != _world():
+            raise CorruptCheckpointError(
+                f"recover: checkpoint {path} was written by {state.world_size} trainer ranks, this run has {_world()}"
+            )
+        for name, engine in engines.items():
+            engine_dir = os.path.join(path, "engines", name)
+            try:
+                engine.load(SaveLoadMeta(path=engine_dir, weight_format="dcp", with_optim=True))
+            except Exception as e:
+                raise CorruptCheckpointError(
+                    f"recover: checkpoint {path} is corrupt: cannot load engine '{name}' ({_first_line(e)})"
+                ) from e
+        loader_file = os.path.join(path, f"dataloader_rank{_rank()}.pt")
+        try:
+            dataloader.load_state_dict(torch.load(loader_file, weights_only=False))
+        except Exception as e:
+            raise CorruptCheckpointError(
+                f"recover: checkpoint {path} is corrupt: {loader_file}: {_first_line(e)}"
+            ) from e
+        fingerprint = self._fingerprint(pushed)
+        if fingerprint != state.weights_fingerprint:
+            raise CorruptCheckpointError(
+                f"recover: checkpoint {path} is corrupt: restored weights have fingerprint {fingerprint}, "
+                f"the saved ones {state.weights_fingerprint}"
+            )
+        if int(pushed.get_version()) != state.version:
+            raise CorruptCheckpointError(
+                f"recover: checkpoint {path} is corrupt: engine version {pushed.get_version()} != {state.version}"
+            )
+        saver.load_state_dict(state.saver)
+        evaluator.load_state_dict(state.evaluator)
+        if state.recover:
+            self.freq_ctl.load_state_dict(state.recover["freq_ctl"])
+        if _rank() == 0:
+            print(
+                f"recover: resumed from {path} after global step {state.global_step + 1} "
+                f"(version {state.version}, weights {fingerprint})",
+                flush=True,
+            )
+        return state
+
+    @staticmethod
+    def _read_state(path: str) -> LoopState:
+        file = os.path.join(path, LOOP_STATE_FILE)
+        try:
+            with open(file) as f:
+                raw = json.load(f)
+            return LoopState.from_json(raw, file)
+        except (OSError, json.JSONDecodeError, TypeError, ValueError) as e:
+            raise CorruptCheckpointError(f"recover: checkpoint {path} is corrupt: {_first_line(e)}") from None

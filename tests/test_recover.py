@@ -1,0 +1,166 @@
+"""Auto-resume of RL runs (``recover.mode``): a real 2-step GRPO run through the launcher, then the
+same command with one more step resumes at step 3 on the restored weights; plus the one-line
+errors for a missing or corrupt checkpoint and the staleness/dataloader pieces resuming relies on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from utils import REPO_ROOT
+
+from tandemrl.configs.utils import RecoverConfig
+from tandemrl.utils.recover import LOOP_STATE_FILE, CorruptCheckpointError, RecoverHandler, weights_fingerprint
+from tandemrl.workflows.executor import cycle_batches
+from tandemrl.workflows.staleness import StalenessManager
+
+LAUNCH = [sys.executable, "-m", "tandemrl.launchers.local"]
+ENV = {**os.environ, "WANDB_SILENT": "true", "TANDEMRL_DIST_TIMEOUT": "300", "PYTHONPATH": str(REPO_ROOT)}
+
+
+def _step_scalars(tb_dir: Path, tag: str) -> dict[int, float]:
+    """step -> value of ``tag`` over every event file in ``tb_dir`` (both runs write there)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir))
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars(tag)}
+
+
+def _grpo(tiny_model_dir: str, gsm8k_dir: str, root: Path, steps: int, *extra: str) -> subprocess.CompletedProcess[str]:
+    args = [
+        "examples/gsm8k_grpo.py",
+        "--config",
+        "examples/gsm8k_grpo.yaml",
+        f"actor.path={tiny_model_dir}",
+        f"train_dataset.path={gsm8k_dir}",
+        f"cluster.fileroot={root}",
+        f"total_train_steps={steps}",
+        "recover.mode=auto",
+        "recover.freq_steps=2",
+        "saver.freq_steps=2",
+        "evaluator.freq_steps=100",
+        "valid_dataset.max_samples=4",
+        "gconfig.max_new_tokens=24",
+        "stats_logger.wandb.mode=disabled",
+        *extra,
+    ]
+    return subprocess.run(LAUNCH + args, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=1200)
+
+
+@pytest.mark.slow
+def test_grpo_run_resumes_at_the_next_step_with_restored_weights(
+    tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    log = tmp_path / "logs" / "gsm8k-grpo" / "trial0" / "trainer.log"
+    tb = tmp_path / "tensorboard" / "gsm8k-grpo" / "trial0"
+    first = _grpo(tiny_model_dir, gsm8k_dir, tmp_path, steps=2)
+    assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
+    first_log = log.read_text()
+    saved = re.findall(r"recover: saved global step (\d+) \(version (\d+), weights (\w+)\)", first_log)
+    assert [(s, v) for s, v, _ in saved] == [("2", "2")], saved
+    fingerprint = saved[0][2]
+    recover_dir = tmp_path / "checkpoints" / "gsm8k-grpo" / "trial0" / "recover"
+    assert (recover_dir / LOOP_STATE_FILE).is_file() and not (recover_dir.parent / "recover.tmp").exists()
+    # The recover checkpoint holds exactly the weights the saver exported after step 2.
+    export = tmp_path / "checkpoints" / "gsm8k-grpo" / "trial0" / "epoch0epochstep1globalstep1"
+    exported = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    assert weights_fingerprint(exported.state_dict().items()) == fingerprint
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    assert weights_fingerprint(original.state_dict().items()) != fingerprint  # training changed them
+
+    second = _grpo(tiny_model_dir, gsm8k_dir, tmp_path, steps=3)  # the same command, one more step
+    assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]
+    text = log.read_text()[len(first_log) :]  # the launcher appends: only the second run's output
+    resumed = re.findall(r"recover: resumed from \S+ after global step (\d+) \(version (\d+), weights (\w+)\)", text)
+    # The engine starts on the saved weights (re-fingerprinted after loading), at version 2.
+    assert resumed == [("2", "2", fingerprint)], text[-3000:]
+    assert "grpo done: 1 steps" in text, text[-3000:]
+    # Steps 1-2 come from the first run, step 3 (index 2) from the second; none was redone.
+    losses = _step_scalars(tb, "actor/ppo_actor/update/loss")
+    assert sorted(losses) == [0, 1, 2], losses
+    versions = _step_scalars(tb, "rollout_version_min")
+    # Step 3's rollouts were sampled by the servers at the restored version 2 (pushed before the rollout).
+    assert versions[2] == 2 and _step_scalars(tb, "rollout_version_max")[2] == 2, versions
+
+
+# ------------------------------------------------------------------------------ fast checks
+
+
+def _handler(tmp_path: Path, mode: str) -> RecoverHandler:
+    cfg = RecoverConfig(mode=mode, freq_steps=1, experiment_name="e", trial_name="t", fileroot=str(tmp_path))
+    return RecoverHandler(cfg, None)
+
+
+def test_recover_modes_and_missing_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="recover.mode must be one of disabled, auto, resume; got 'always'"):
+        _handler(tmp_path, "always")
+    assert _handler(tmp_path, "auto").load({}, None, None, None, None) is None  # nothing yet: start fresh
+    assert _handler(tmp_path, "disabled").load({}, None, None, None, None) is None
+    with pytest.raises(FileNotFoundError) as exc:
+        _handler(tmp_path, "resume").load({}, None, None, None, None)
+    msg = str(exc.value)
+    assert "\n" not in msg and "recover.mode=resume: no recoverable checkpoint at" in msg
+    assert str(tmp_path / "checkpoints" / "e" / "t" / "recover") in msg
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [(None, "No such file"), ("{not json", "JSONDecodeError"), (json.dumps({"global_step": 1}), "lacks")],
+)
+def test_corrupt_checkpoint_is_a_one_line_error(tmp_path: Path, content: str | None, needle: str) -> None:
+    handler = _handler(tmp_path, "auto")
+    os.makedirs(handler.path)
+    if content is not None:
+        Path(handler.path, LOOP_STATE_FILE).write_text(content)
+    with pytest.raises(CorruptCheckpointError) as exc:  # a ValueError: run_main prints it as one line
+        handler.load({}, None, None, None, None)
+    msg = str(exc.value)
+    assert "\n" not in msg and f"recover: checkpoint {handler.path} is corrupt" in msg and needle in msg, msg
+
+
+def test_weights_fingerprint_is_exact_and_order_free() -> None:
+    a, b = torch.arange(6.0).reshape(2, 3), torch.ones(4)
+    fp = weights_fingerprint([("a", a), ("b", b)])
+    assert fp == weights_fingerprint([("b", b.clone()), ("a", a.clone())])
+    a2 = a.clone()
+    a2[1, 2] += 1e-6
+    assert fp != weights_fingerprint([("a", a2), ("b", b)])
+    assert fp != weights_fingerprint([("a", a), ("c", b)])
+
+
+def test_staleness_capacity_counts_from_the_resumed_version() -> None:
+    fresh, resumed = StalenessManager(100, 4, 1), StalenessManager(100, 4, 1)
+    resumed.set_base_version(5)
+    # At version 5 a resumed run may run ahead as far as a fresh run at version 0, not 5 versions more.
+    assert resumed.get_capacity(5) == fresh.get_capacity(0) == 8
+    assert resumed.get_capacity(6) == fresh.get_capacity(1) == 12
+    with pytest.raises(ValueError, match="version must be an integer >= 0"):
+        resumed.set_base_version(-1)
+
+
+def test_cycle_batches_survives_a_loader_restored_at_an_epoch_end() -> None:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def loader() -> StatefulDataLoader:
+        return StatefulDataLoader(list(range(6)), batch_size=2, collate_fn=list)
+
+    done = loader()
+    it = iter(done)
+    assert [next(it) for _ in range(3)] == [[0, 1], [2, 3], [4, 5]]  # saved after the last batch of the epoch
+    restored = loader()
+    restored.load_state_dict(done.state_dict())
+    assert list(restored) == []  # the restored epoch has nothing left ...
+    batches = cycle_batches(restored)
+    assert [next(batches) for _ in range(4)] == [[0, 1], [2, 3], [4, 5], [0, 1]]  # ... the next pass starts
+    with pytest.raises(ValueError, match="rollout_batch: the dataloader yielded no batches"):
+        next(cycle_batches([], "rollout_batch"))
