@@ -191,28 +191,27 @@ def test_trainer_recomputes_server_logprobs(vllm_server: VLLMTestServer, tiny_mo
 # ---------------------------------------------------------------- 2. weight updates
 
 
-@pytest.mark.slow
-def test_disk_update_from_fsdp_engine(vllm_server: VLLMTestServer, tiny_model_dir: str, tmp_path: Path) -> None:
-    label = weight_label(vllm_server)
+def _update_session_server(
+    server: VLLMTestServer, model: str, tmp_path: Path, sync: str, seed: int, extra: list[str]
+) -> None:
+    """Train a step, push the weights to the session server by ``sync``, check greedy output, restore."""
+    label = weight_label(server)
     # Many candidates: on the bf16 server only the widest-gap ones are compared.
-    prompts = random_prompts(int(load_hf(tiny_model_dir).config.vocab_size), seed=11, n=256)
+    prompts = random_prompts(int(load_hf(model).config.vocab_size), seed=seed, n=256)
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))
     try:
         run_worker(
-            "update",
-            tiny_model_dir,
-            vllm_server,
-            tmp_path,
-            "--sync",
-            "disk",
-            "--prompts",
-            str(tmp_path / "prompts.json"),
-            "--lr",
-            "1e-3",
-        )
-        check_update_record(tmp_path, prompts, "disk", fp32_server=False)
+            "update", model, server, tmp_path, "--sync", sync, *extra,
+            "--prompts", str(tmp_path / "prompts.json"), "--lr", "1e-3",
+        )  # fmt: skip
+        check_update_record(tmp_path, prompts, sync, fp32_server=False)
     finally:
-        restore_session_server(vllm_server, label)
+        restore_session_server(server, label)
+
+
+@pytest.mark.slow
+def test_disk_update_from_fsdp_engine(vllm_server: VLLMTestServer, tiny_model_dir: str, tmp_path: Path) -> None:
+    _update_session_server(vllm_server, tiny_model_dir, tmp_path, "disk", seed=11, extra=[])
 
 
 @pytest.mark.slow
@@ -220,27 +219,9 @@ def test_collective_update_from_megatron_tensor_parallel(
     vllm_server: VLLMTestServer, tiny_model_dir: str, tmp_path: Path
 ) -> None:
     """MegatronEngine at TP=2: full HF-named tensors gathered from its TP shards reach the server."""
-    label = weight_label(vllm_server)
-    prompts = random_prompts(int(load_hf(tiny_model_dir).config.vocab_size), seed=13, n=256)
-    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
-    try:
-        run_worker(
-            "update",
-            tiny_model_dir,
-            vllm_server,
-            tmp_path,
-            "--sync",
-            "collective",
-            "--allocation",
-            "megatron:t2",
-            "--prompts",
-            str(tmp_path / "prompts.json"),
-            "--lr",
-            "1e-3",
-        )
-        check_update_record(tmp_path, prompts, "collective", fp32_server=False)
-    finally:
-        restore_session_server(vllm_server, label)
+    _update_session_server(
+        vllm_server, tiny_model_dir, tmp_path, "collective", seed=13, extra=["--allocation", "megatron:t2"]
+    )
 
 
 @pytest.mark.slow
