@@ -164,7 +164,6 @@ class MegatronEngine(BaseTrainEngine):
         torch.manual_seed(cfg.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
         model = build_gpt_model(self.model_config, self.tf_config)
-        _emulate_padding_idx(model, getattr(self.model_config, "pad_token_id", None))
         if not cfg.init_from_scratch:
             load_hf_weights(model, cfg.path, self.model_config)
         self.ft_spec = ft_spec
@@ -443,24 +442,6 @@ class MegatronEngine(BaseTrainEngine):
         self._version = load_engine_state(meta.path, self.lr_scheduler)
         if self.optimizer is not None:
             self._apply_lr()
-
-
-def _emulate_padding_idx(model: torch.nn.Module, pad_token_id: int | None) -> None:
-    """HF's ``nn.Embedding(padding_idx=pad_token_id)``: lookups of the pad token give its row no gradient.
-
-    Megatron's embedding has no padding_idx. Without this, a pad token inside a sequence trains
-    its (usually zero) row, whose RMSNorm gradient is ~1/sqrt(eps): updates diverge from HF's.
-    Only the lookup's gradient is cut, so a tied output layer still trains that row, as in HF.
-    """
-    emb = getattr(getattr(model, "embedding", None), "word_embeddings", None)
-    if emb is None or pad_token_id is None:
-        return
-
-    def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
-        is_pad = (args[0] == pad_token_id).unsqueeze(-1)
-        return torch.where(is_pad, out.detach(), out)
-
-    emb.register_forward_hook(hook)
 
 
 def _param_state(opt: Any) -> Any:

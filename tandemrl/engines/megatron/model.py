@@ -203,6 +203,25 @@ def build_gpt_model(hf_config: Any, tf_config: TransformerConfig) -> GPTModel:
         rotary_base=rope_theta(hf_config),
         parallel_output=True,
     )
+    _emulate_padding_idx(model, getattr(hf_config, "pad_token_id", None))
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def _emulate_padding_idx(model: torch.nn.Module, pad_token_id: int | None) -> None:
+    """HF's ``nn.Embedding(padding_idx=pad_token_id)``: lookups of the pad token give its row no gradient.
+
+    Megatron's embedding has no padding_idx. Without this, a pad token inside a sequence trains
+    its (usually zero) row, whose RMSNorm gradient is ~1/sqrt(eps): updates diverge from HF's.
+    Only the lookup's gradient is cut, so a tied output layer still trains that row, as in HF.
+    """
+    emb = getattr(getattr(model, "embedding", None), "word_embeddings", None)
+    if emb is None or pad_token_id is None:
+        return
+
+    def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
+        is_pad = (args[0] == pad_token_id).unsqueeze(-1)
+        return torch.where(is_pad, out.detach(), out)
+
+    emb.register_forward_hook(hook)
