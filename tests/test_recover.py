@@ -50,6 +50,9 @@ def _grpo(tiny_model_dir: str, gsm8k_dir: str, root: Path, steps: int, *extra: s
         "valid_dataset.max_samples=4",
         "gconfig.max_new_tokens=24",
         "stats_logger.wandb.mode=disabled",
+        # The tiny model's GSM8K rewards are often all 0 (zero advantages, zero gradient); decoupled
+        # weight decay still moves every weight, so "training changed them" holds on any sample.
+        "actor.optimizer.weight_decay=0.1",
         *extra,
     ]
     return subprocess.run(LAUNCH + args, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=1200)
