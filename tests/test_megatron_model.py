@@ -168,6 +168,17 @@ def test_packed_causal_mask_blocks_and_padding() -> None:
         packed_causal_mask(torch.tensor([0, 9]), 4, "cpu")
 
 
+def test_thd_packed_seq_params_match_the_mask_blocks() -> None:
+    """The TransformerEngine path (GPU) sees the same sequence blocks as the local spec's mask."""
+    from tandemrl.engines.megatron.forward import packed_seq_params
+
+    p = packed_seq_params(torch.tensor([0, 2, 5]), 6, "cpu")
+    assert p.qkv_format == "thd"
+    assert p.cu_seqlens_q.tolist() == [0, 2, 5, 6] and p.cu_seqlens_q.dtype == torch.int32  # pad: own block
+    assert p.max_seqlen_q == 3 and p.max_seqlen_kv == 3
+    assert packed_seq_params(torch.tensor([0, 4]), 4, "cpu").cu_seqlens_kv.tolist() == [0, 4]
+
+
 def test_padded_vocab_size() -> None:
     from tandemrl.engines.megatron.model import padded_vocab_size
 
@@ -210,15 +221,17 @@ def test_unsupported_configs_fail_clearly(tiny_model_dir: str, change: dict, fie
         transformer_config_from_hf(cfg, tp=1, pp=1, ep=1, params_dtype=torch.float32)
 
 
-def test_moe_with_tensor_parallelism_needs_transformer_engine(tiny_moe_dir: str) -> None:
+def test_moe_with_tensor_parallelism_turns_on_sequence_parallelism(tiny_moe_dir: str, tiny_model_dir: str) -> None:
+    """megatron-core trains MoE layers under TP only with sequence parallelism (dense models keep it off)."""
     from transformers import AutoConfig
 
     from tandemrl.engines.megatron.model import transformer_config_from_hf
 
-    with pytest.raises(ValueError, match="tp=2 with an MoE model"):
-        transformer_config_from_hf(
-            AutoConfig.from_pretrained(tiny_moe_dir), tp=2, pp=1, ep=1, params_dtype=torch.float32
-        )
+    def sp(path: str) -> bool:
+        cfg = AutoConfig.from_pretrained(path)
+        return transformer_config_from_hf(cfg, tp=2, pp=1, ep=1, params_dtype=torch.float32).sequence_parallel
+
+    assert sp(tiny_moe_dir) and not sp(tiny_model_dir)
 
 
 def test_dense_model_rejects_expert_parallelism(tiny_model_dir: str) -> None:

@@ -131,3 +131,31 @@ def apply_cpu_shims() -> None:
 
     moe_utils.maybe_move_tensor_to_cpu = _move
     token_dispatcher.maybe_move_tensor_to_cpu = _move
+
+    # Expert-TP (and TP + sequence parallel) gathers/reduce-scatters routed tokens with per-rank split sizes;
+    # gloo's all_gather needs equal sizes and it has no list reduce_scatter.
+    from megatron.core.tensor_parallel import mappings
+
+    orig_gather, orig_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def _gather(input_: torch.Tensor, group: Any, output_split_sizes: Any = None, use_global_buffer: bool = False):
+        if output_split_sizes is None or group.size() == 1:
+            return orig_gather(input_, group, output_split_sizes, use_global_buffer)
+        # Pad every rank's rows to the longest, gather equal blocks, keep each rank's real rows.
+        longest = max(output_split_sizes)
+        padded = input_.new_zeros(longest, *input_.shape[1:])
+        padded[: input_.shape[0]] = input_
+        blocks = [torch.empty_like(padded) for _ in output_split_sizes]
+        torch.distributed.all_gather(blocks, padded.contiguous(), group=group)
+        return torch.cat([b[:n] for b, n in zip(blocks, output_split_sizes, strict=True)])
+
+    def _scatter(input_: torch.Tensor, group: Any, input_split_sizes: Any = None, use_global_buffer: bool = False):
+        if input_split_sizes is None or group.size() == 1:
+            return orig_scatter(input_, group, input_split_sizes, use_global_buffer)
+        # Sum the whole tensor over the group, keep this rank's rows.
+        total = input_.contiguous().clone()
+        torch.distributed.all_reduce(total, group=group)
+        return torch.split(total, list(input_split_sizes), dim=0)[group.rank()].contiguous()
+
+    mappings._gather_along_first_dim = _gather
+    mappings._reduce_scatter_along_first_dim = _scatter

@@ -244,13 +244,21 @@ class MegatronEngine(BaseTrainEngine):
         self._initialized = False
 
     # ---------------------------------------------------------------- compute
-    def _model_inputs(self, mb: TensorDict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(input_ids [1, T], position_ids [1, T], block-diagonal causal mask [1, 1, T, T]) of a packed row."""
-        from tandemrl.engines.megatron.forward import packed_causal_mask
+    def _model_inputs(self, mb: TensorDict) -> dict[str, Any]:
+        """GPTModel kwargs for a packed row [1, T]: with TransformerEngine, thd ``packed_seq_params`` (its
+        causal attention ignores masks); on the local spec, a block-diagonal causal mask [1, 1, T, T]."""
+        from tandemrl.engines.megatron.forward import packed_causal_mask, packed_seq_params
+        from tandemrl.engines.megatron.model import have_transformer_engine
 
         ids = mb["input_ids"].reshape(1, -1)
-        mask = packed_causal_mask(mb["cu_seqlens"], ids.shape[1], ids.device)
-        return ids, mb["position_ids"].reshape(1, -1), mask
+        kw: dict[str, Any] = {"input_ids": ids, "position_ids": mb["position_ids"].reshape(1, -1)}
+        if have_transformer_engine():
+            kw.update(
+                attention_mask=None, packed_seq_params=packed_seq_params(mb["cu_seqlens"], ids.shape[1], ids.device)
+            )
+        else:
+            kw["attention_mask"] = packed_causal_mask(mb["cu_seqlens"], ids.shape[1], ids.device)
+        return kw
 
     def _full_logits(self, output: torch.Tensor) -> torch.Tensor:
         """[T, V] logits from the last stage's vocab-parallel [1, T, V/tp] output."""
@@ -259,16 +267,18 @@ class MegatronEngine(BaseTrainEngine):
         return gather_vocab_logits(output, self.model_config.vocab_size)[0]
 
     def _forward_logits(self, mb: TensorDict) -> torch.Tensor:
-        return self._full_logits(self.model(*self._model_inputs(mb)))
+        return self._full_logits(self.model(**self._model_inputs(mb)))
 
     def _run_schedule(
         self,
         mbs: MicroBatches,
         on_logits: Callable[[int, torch.Tensor, TensorDict], torch.Tensor | None],
         forward_only: bool,
+        on_forward: Callable[[int, torch.Tensor], None] | None = None,
     ) -> None:
         """Megatron's pipeline schedule over the micro-batches; ``on_logits(i, logits, mb)`` runs on the last
-        stage and returns the (already weighted) loss to backpropagate, or None when forward-only."""
+        stage and returns the (already weighted) loss to backpropagate, or None when forward-only.
+        ``on_forward(i, output)`` runs on every stage right after micro-batch ``i``'s forward."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         device_mbs = [self._to_device(mb) for mb in mbs.mbs]
@@ -277,7 +287,9 @@ class MegatronEngine(BaseTrainEngine):
 
         def forward_step(data_iterator: Iterator[int], model: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
             i = next(data_iterator)
-            output = model(*self._model_inputs(device_mbs[i]))
+            output = model(**self._model_inputs(device_mbs[i]))
+            if on_forward is not None:
+                on_forward(i, output)
 
             def loss_func(out: torch.Tensor) -> tuple[torch.Tensor, dict]:
                 loss = on_logits(i, self._full_logits(out), device_mbs[i])
@@ -309,18 +321,66 @@ class MegatronEngine(BaseTrainEngine):
         return box[0]
 
     def _train_micro_batches(self, mbs: MicroBatches, weights: list[float], scale: float, loss_fn: LossFn) -> float:
+        """The base's weighting, extended to MoE load-balancing losses.
+
+        Megatron's routers backpropagate their aux loss with a process-global gradient scale: without a
+        pipeline schedule nothing sets it (1: the aux term grew with the number of micro-batches), inside
+        one it is ``1/num_microbatches`` (each micro-batch the same share, whatever its tokens). Both
+        disagree with the main loss, weighted ``weights[i] * scale`` (its share of the global loss weight,
+        times the DP size that DDP's averaging divides out). Each micro-batch's aux loss gets that same
+        weight, set just before its backward: the objective is then the same weighted mean of
+        per-micro-batch terms with or without PP. The aux loss is nonlinear in its micro-batch's routing
+        statistics, so a different split still changes its value (not its weighting).
+        """
+        from tandemrl.engines.megatron.model import aux_loss_enabled, pop_aux_loss, set_aux_loss_weight
+
+        aux = aux_loss_enabled(self.tf_config)
+        aux_sum = 0.0
+        if aux:
+            pop_aux_loss(self.tf_config)  # drop what earlier forwards recorded
         if self._pp == 1:
-            return super()._train_micro_batches(mbs, weights, scale, loss_fn)
-        loss_sum = [0.0]
+            order = iter(weights)
 
-        def on_logits(i: int, logits: torch.Tensor, mb: TensorDict) -> torch.Tensor:
-            with _filler_guard(mbs.groups[i]):
-                loss = loss_fn(logits, mb)
-            loss_sum[0] += float(loss.detach()) * weights[i]
-            return loss * (weights[i] * scale)
+            def loss_then_aux_weight(logits: torch.Tensor, mb: TensorDict) -> torch.Tensor:
+                # Runs after micro-batch i's forward, right before its backward: set its aux weight.
+                nonlocal aux_sum
+                loss, w = loss_fn(logits, mb), next(order)
+                aux_sum += pop_aux_loss(self.tf_config) * w
+                set_aux_loss_weight(w * scale)
+                return loss
 
-        self._run_schedule(mbs, on_logits, forward_only=False)
-        return float(self._from_last_stage(loss_sum[0]))
+            loss_sum = super()._train_micro_batches(mbs, weights, scale, loss_then_aux_weight if aux else loss_fn)
+        else:
+            sums = [0.0, 0.0]  # main loss (last stage), aux loss (this stage's layers)
+
+            def on_forward(i: int, output: torch.Tensor) -> None:
+                if not aux or not output.requires_grad:
+                    return
+                sums[1] += pop_aux_loss(self.tf_config) * weights[i]
+                # With PP, backwards interleave with later forwards (which also reset the scale): set the
+                # weight when micro-batch i's backward reaches this stage's output, before its routers.
+                w = weights[i] * scale
+                output.register_hook(lambda grad: set_aux_loss_weight(w))
+
+            def on_logits(i: int, logits: torch.Tensor, mb: TensorDict) -> torch.Tensor:
+                with _filler_guard(mbs.groups[i]):
+                    loss = loss_fn(logits, mb)
+                sums[0] += float(loss.detach()) * weights[i]
+                return loss * (weights[i] * scale)
+
+            self._run_schedule(mbs, on_logits, forward_only=False, on_forward=on_forward)
+            loss_sum = float(self._from_last_stage(sums[0]))
+            aux_sum = sums[1]
+        if aux:  # logged as moe/aux_loss: what the term adds to the objective (comparable to `loss`)
+            from megatron.core import parallel_state as ps
+
+            from tandemrl.utils import stats_tracker
+
+            t = torch.tensor(aux_sum, dtype=torch.float64, device=self._reduce_device())
+            dist.all_reduce(t, group=ps.get_model_parallel_group())  # PP stages' layers, SP ranks' token shares
+            total = self.data_parallel_world_size / scale
+            stats_tracker.scalar(**{"moe/aux_loss": self._all_reduce_sum(float(t)) / total})
+        return loss_sum
 
     def _forward_micro_batches(
         self, mbs: MicroBatches, fn: Callable[[torch.Tensor, TensorDict], torch.Tensor]

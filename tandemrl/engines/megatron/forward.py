@@ -33,14 +33,18 @@ def packed_position_ids(cu_seqlens: torch.Tensor, total_len: int, device: Any) -
     return (torch.arange(total_len) - starts).to(device)[None]
 
 
-def packed_seq_params(cu_seqlens: torch.Tensor, device: Any) -> Any:
+def packed_seq_params(cu_seqlens: torch.Tensor, total_len: int, device: Any) -> Any:
     """thd PackedSeqParams for the TransformerEngine spec (GPU only: the local spec asserts on thd).
 
     Needed there because TE's causal attention ignores ``attention_mask``; pass ``attention_mask=None``.
+    Trailing padding past cu_seqlens[-1] becomes one more sequence, as in ``packed_causal_mask``.
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    cu = cu_seqlens.to(device=device, dtype=torch.int32)
+    cu = cu_seqlens.to(device="cpu", dtype=torch.int32)
+    if int(cu[-1]) < total_len:
+        cu = torch.cat([cu, torch.tensor([total_len], dtype=torch.int32)])
+    cu = cu.to(device)
     longest = int(torch.diff(cu).max()) if cu.numel() > 1 else 0
     return PackedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest

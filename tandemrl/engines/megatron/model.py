@@ -6,6 +6,8 @@ every flag an HF config may set that we cannot reproduce exactly raises instead 
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -103,14 +105,9 @@ def transformer_config_from_hf(
         raise ValueError(f"num_hidden_layers={hf_config.num_hidden_layers} must be divisible by pp={pp}")
     if not is_moe(hf_config) and ep != 1:
         raise ValueError(f"ep={ep} needs an MoE model, but hf config model_type={hf_config.model_type!r} is dense")
-    # megatron-core refuses to train an MoE layer under TP without sequence parallelism, and the local
-    # (non-TE) spec's norms cannot do sequence parallelism: MoE + TP needs TransformerEngine.
+    # megatron-core refuses to train an MoE layer under TP without sequence parallelism. The local (non-TE)
+    # spec's norms refuse it too; build_gpt_model swaps in SequenceParallelRMSNorm and pads the sequence.
     moe_sequence_parallel = is_moe(hf_config) and tp > 1
-    if moe_sequence_parallel and not have_transformer_engine():
-        raise ValueError(
-            f"tp={tp} with an MoE model needs sequence parallelism, which needs TransformerEngine (CUDA); "
-            "use ep (expert parallelism) instead of tp for MoE here"
-        )
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -149,8 +146,7 @@ def transformer_config_from_hf(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
-        # Off where possible (the local spec's WrappedTorchNorm asserts it is off); with it on (MoE + TP, TE only)
-        # the packed sequence length must be a multiple of tp.
+        # Off where possible (dense TP needs none of it); on for MoE + TP, see build_gpt_model.
         sequence_parallel=moe_sequence_parallel,
         variable_seq_lengths=True,  # packed micro-batches differ in length (PP p2p shapes)
         moe_token_dispatcher_type="alltoall",  # the default (allgather) rejects variable_seq_lengths, even dense
@@ -191,6 +187,10 @@ def build_gpt_model(hf_config: Any, tf_config: TransformerConfig) -> GPTModel:
     spec = get_gpt_decoder_block_spec(
         tf_config, use_transformer_engine=have_transformer_engine(), normalization="RMSNorm"
     )
+    if tf_config.sequence_parallel and not have_transformer_engine():
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        spec = _swap_module(copy.deepcopy(spec), WrappedTorchNorm, SequenceParallelRMSNorm)
     model = GPTModel(
         tf_config,
         spec,
@@ -204,9 +204,109 @@ def build_gpt_model(hf_config: Any, tf_config: TransformerConfig) -> GPTModel:
         parallel_output=True,
     )
     _emulate_padding_idx(model, getattr(hf_config, "pad_token_id", None))
+    _mark_expert_tp_params(model, tf_config)
+    if tf_config.sequence_parallel:
+        _pad_sequence_to_tp_multiple(
+            model, tf_config.tensor_model_parallel_size, getattr(hf_config, "pad_token_id", None)
+        )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
+
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm (what the local spec's WrappedTorchNorm builds) for a sequence-parallel model.
+
+    Under sequence parallelism each TP rank normalises its own slice of the tokens, so each holds part of
+    the weight's gradient: ``sequence_parallel=True`` on the weight makes ``finalize_model_grads`` sum it
+    over TP (as TE's norms mark theirs). Same constructor keywords as megatron's norm classes.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        if config.normalization != "RMSNorm" or config.layernorm_zero_centered_gamma:
+            raise ValueError("SequenceParallelRMSNorm: only plain RMSNorm (no zero-centered gamma) is supported")
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+
+def _swap_module(spec: Any, old: type, new: type) -> Any:
+    """``spec`` (a ModuleSpec / submodules dataclass tree) with every ``old`` module class replaced by ``new``."""
+    if spec is old:
+        return new
+    if isinstance(spec, list):
+        return [_swap_module(s, old, new) for s in spec]
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        for f in dataclasses.fields(spec):
+            setattr(spec, f.name, _swap_module(getattr(spec, f.name), old, new))
+    return spec
+
+
+def _pad_sequence_to_tp_multiple(model: torch.nn.Module, tp: int, pad_token_id: int | None) -> None:
+    """Sequence parallelism splits the packed row over TP ranks: pad it to a multiple of ``tp`` inside the model.
+
+    The padding is its own causal block (attends only to itself, as trailing padding does in forward.py), so
+    real tokens see exactly what they see unpadded (MoE routes per token, without capacity); the last stage
+    slices the logits back to the real length. Pads use ``pad_token_id``, whose embedding gets no gradient.
+    Load-balancing statistics (aux loss) do count the few pad tokens.
+    """
+    real_len: list[int] = []
+
+    def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        names = ("input_ids", "position_ids", "attention_mask")
+        if len(args) > len(names):
+            raise TypeError(f"sequence-parallel GPTModel: pass arguments after {names} by keyword")
+        kwargs = {**dict(zip(names, args, strict=False)), **kwargs}
+        ids = kwargs["input_ids"]
+        n = ids.shape[1]
+        real_len.append(n)
+        extra = -n % tp
+        if extra:
+            fill = pad_token_id if pad_token_id is not None else 0
+            kwargs["input_ids"] = torch.cat([ids, ids.new_full((ids.shape[0], extra), fill)], 1)
+            pos = kwargs["position_ids"]
+            kwargs["position_ids"] = torch.cat(
+                [pos, torch.arange(extra, device=pos.device).expand(pos.shape[0], -1)], 1
+            )
+            mask = kwargs.get("attention_mask")
+            if mask is not None:  # [b, 1, n, n], True = masked: padding is one more causal block
+                full = mask.new_ones(*mask.shape[:-2], n + extra, n + extra)
+                full[..., :n, :n] = mask
+                full[..., n:, n:] = ~torch.ones(extra, extra, dtype=torch.bool, device=mask.device).tril()
+                kwargs["attention_mask"] = full
+            psp = kwargs.get("packed_seq_params")
+            if psp is not None:
+                from tandemrl.engines.megatron.forward import packed_seq_params
+
+                kwargs["packed_seq_params"] = packed_seq_params(psp.cu_seqlens_q, n + extra, ids.device)
+        return (), kwargs
+
+    def post_hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
+        n = real_len.pop()
+        if getattr(module, "post_process", False) and isinstance(output, torch.Tensor):
+            return output[:, :n]  # logits [b, s, v]; earlier stages hand on padded hidden states
+        return output
+
+    model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    model.register_forward_hook(post_hook, with_kwargs=True)
+
+
+def _mark_expert_tp_params(model: torch.nn.Module, tf_config: TransformerConfig) -> None:
+    """With an expert TP other than the attention TP, reduce expert weights over the expert groups.
+
+    megatron-core marks expert weights ``allreduce=False`` (gradients reduced over the expert-DP group, own
+    optimizer whose grad norm sums over the expert TP x PP group) only when EP > 1. With EP = 1 they count as
+    dense params of the attention layout, wrong whenever ETP != TP: under ``(attn:d2|ffn:t2)`` DDP averages
+    the *different* expert shards of the two DP ranks (and the norm misses one shard); under ``t2`` (ETP 1,
+    sequence parallel) the TP ranks' expert replicas saw different tokens and are never summed. Marked as
+    under EP, both follow the expert groups; with ETP == TP (or EP > 1) nothing changes.
+    """
+    etp = tf_config.expert_tensor_parallel_size or tf_config.tensor_model_parallel_size
+    if tf_config.expert_model_parallel_size > 1 or etp == tf_config.tensor_model_parallel_size:
+        return
+    for module in model.modules():
+        if getattr(module, "is_expert", False):
+            for param in module.parameters(recurse=False):
+                param.allreduce = False
 
 
 def _emulate_padding_idx(model: torch.nn.Module, pad_token_id: int | None) -> None:
@@ -221,7 +321,53 @@ def _emulate_padding_idx(model: torch.nn.Module, pad_token_id: int | None) -> No
         return
 
     def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
-        is_pad = (args[0] == pad_token_id).unsqueeze(-1)
+        is_pad = (args[0] == pad_token_id).unsqueeze(-1)  # [b, s, 1]
+        if getattr(module, "reduce_scatter_embeddings", False):  # sequence parallel: out is [s / tp, b, h]
+            from megatron.core import parallel_state as ps
+
+            is_pad = is_pad.transpose(0, 1).chunk(ps.get_tensor_model_parallel_world_size())[
+                ps.get_tensor_model_parallel_rank()
+            ]
         return torch.where(is_pad, out.detach(), out)
 
     emb.register_forward_hook(hook)
+
+
+# ----------------------------------------------------------------------------- MoE load-balancing loss
+
+
+def aux_loss_enabled(tf_config: Any) -> bool:
+    """Whether the routers add megatron's load-balancing ("aux_loss") term to the objective."""
+    return bool(
+        getattr(tf_config, "num_moe_experts", None)
+        and tf_config.moe_router_load_balancing_type == "aux_loss"
+        and tf_config.moe_aux_loss_coeff
+    )
+
+
+def set_aux_loss_weight(weight: float) -> None:
+    """Gradient weight of the aux losses of the next backward (megatron's ``MoEAuxLossAutoScaler``).
+
+    The router attaches its aux loss to the activations and, in backward, gives it the gradient
+    ``main_loss_backward_scale``: a process-global read when that backward runs. A fresh [1]-shaped tensor
+    (megatron's schedules ``copy_`` a [1]-shaped scale into it; a scale first created by a backward is [] and
+    would make that copy fail when a pipeline engine follows a non-pipeline one in the same process).
+    """
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    MoEAuxLossAutoScaler.main_loss_backward_scale = torch.tensor([float(weight)], device=device)
+
+
+def pop_aux_loss(tf_config: Any) -> float:
+    """Sum over this rank's MoE layers of the load-balancing losses (coefficient included) recorded by the
+    training forwards since the last call; resets megatron's layer-wise tracker. Under sequence parallelism
+    each TP rank holds its share of the sum."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    entry = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+    if entry is None:
+        return 0.0
+    value = float(entry["values"].sum()) * tf_config.moe_aux_loss_coeff  # the tracker holds aux_loss / coeff
+    entry["values"].zero_()
+    return value
