@@ -115,6 +115,7 @@ def test_bf16_export_is_the_checkpoint_in_bf16(results: dict) -> None:
     r = results["bf16_export"]
     assert r["n"] > 0 and r["not_equal"] == [], r
     assert r["dtypes"] == ["torch.bfloat16"] and r["specs_match"], r
+    assert r["param_dtypes"] == ["torch.bfloat16"], "every parameter (norms too) in the model dtype, as in HF"
 
 
 @pytest.mark.slow

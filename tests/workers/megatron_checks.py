@@ -3,9 +3,14 @@
 ``train``: a DP=2 engine (distributed optimizer) and a twin with another micro-batch split take the
 same first step; the first then steps once more, saves a recoverable checkpoint and continues 3
 steps. A TP=2 engine exports HF weights and its logits on a probe batch; a PP=2 engine reports its
-stats on every stage. With ``--moe``, the same
-3 SFT steps on the tiny MoE model at EP=1 and EP=2.
-``resume`` (a fresh process): load the checkpoint and replay the 3 continued steps.
+stats on every stage. A DP=2 engine with the plain (non-distributed) optimizer saves and continues
+like the first. With ``--moe``, the same 3 SFT steps on the tiny MoE model at EP=1 and EP=2 (EP=2
+saves after its first).
+``resume`` (a fresh process): load the checkpoint and replay the 3 continued steps at DP=2, then
+reshard it: load it at TP=2 and at PP=2 (one engine after the other) and replay them again; the
+plain-optimizer checkpoint is loaded at PP=2 with the plain optimizer too, the EP=2 MoE one at EP=1.
+Then the errors for a checkpoint without its dist checkpoint and for the other optimizer kind, and a
+checkpoint saved before any step (DP=2), loaded at TP=2 to replay the first DP=2 engine's two steps.
 Rank 0 writes ``<mode>.pt`` to ``--out``.
 """
 
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 from typing import Any
 
 import torch
@@ -23,20 +29,26 @@ from parity_checks import dp_slice
 from tandemrl.actors.megatron import MegatronLMEngine
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from tandemrl.engines.base import init_default_process_group
+from tandemrl.engines.megatron.checkpoint import CKPT_SUBDIR
 from tandemrl.engines.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.utils.allocation import AllocationMode
 
 FIRST_SEED = 100
 CONTINUED_SEEDS = (300, 301, 302)
+MOE_SEEDS = (200, 201, 202)
 TOTAL_STEPS = 10  # linear LR decay over these, so a resumed schedule shows in the losses
 
 
-def engine(allocation: str, model: str, n_mbs: int = 2) -> MegatronLMEngine:
+def engine(
+    allocation: str, model: str, n_mbs: int = 2, dist_opt: bool = True, dtype: str = "float32"
+) -> MegatronLMEngine:
     cfg = TrainEngineConfig(
         path=model,
+        dtype=dtype,
         mb_spec=MicroBatchSpec(n_mbs=n_mbs),
         optimizer=OptimizerConfig(lr=1e-3, gradient_clipping=1.0, lr_scheduler_type="linear"),
     )
+    cfg.megatron.use_distributed_optimizer = dist_opt
     e = MegatronLMEngine(cfg)
     e.create_process_group(AllocationMode.from_str(allocation).train.strategy)
     e.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=TOTAL_STEPS, train_batch_size=1))
@@ -56,11 +68,28 @@ def train() -> None:
     b = engine("megatron:d2", ARGS.model, n_mbs=3)
     out["split"] = [step(a, FIRST_SEED), step(b, FIRST_SEED)]
     b.destroy()
-    step(a, FIRST_SEED + 1)
+    out["second"] = step(a, FIRST_SEED + 1)
     a.set_version(2)
+    out["saved_weights"] = a.full_state_dict()  # HF-named, on rank 0: what a resharded load must restore
     a.save(SaveLoadMeta(path=os.path.join(ARGS.out, "ckpt"), weight_format="dcp", with_optim=True))
     out["continued"] = [step(a, seed) for seed in CONTINUED_SEEDS]
     a.destroy()
+
+    c = engine("megatron:d2", ARGS.model, n_mbs=1, dist_opt=False)
+    step(c, FIRST_SEED)
+    step(c, FIRST_SEED + 1)
+    c.set_version(2)
+    out["saved_weights_plain"] = c.full_state_dict()
+    c.save(SaveLoadMeta(path=os.path.join(ARGS.out, "ckpt_plain"), weight_format="dcp", with_optim=True))
+    out["continued_plain"] = [step(c, seed) for seed in CONTINUED_SEEDS]
+    c.destroy()
+
+    # bf16 weights (fp32 main params and Adam state in the optimizer): its state saves and comes back too.
+    h = engine("megatron:d2", ARGS.model, n_mbs=1, dtype="bfloat16")
+    step(h, FIRST_SEED)
+    h.save(SaveLoadMeta(path=os.path.join(ARGS.out, "ckpt_bf16"), weight_format="dcp", with_optim=True))
+    out["continued_bf16"] = [step(h, seed) for seed in CONTINUED_SEEDS]
+    h.destroy()
 
     t = engine("megatron:t2", ARGS.model)
     step(t, FIRST_SEED)
@@ -83,18 +112,63 @@ def train() -> None:
         out["moe"] = {}
         for alloc in ("megatron:d2", "megatron:d2e2"):
             m = engine(alloc, ARGS.moe)
-            out["moe"][alloc] = [step(m, seed) for seed in (200, 201, 202)]
+            out["moe"][alloc] = [step(m, MOE_SEEDS[0])]
+            if alloc == "megatron:d2e2":  # experts sharded, and in their own chained optimizer
+                m.set_version(1)
+                out["saved_weights_moe"] = m.full_state_dict()
+                m.save(SaveLoadMeta(path=os.path.join(ARGS.out, "ckpt_moe"), weight_format="dcp", with_optim=True))
+            out["moe"][alloc] += [step(m, seed) for seed in MOE_SEEDS[1:]]
             m.destroy()
     if dist.get_rank() == 0:
         torch.save(out, os.path.join(ARGS.out, "train.pt"))
 
 
+def resumed(
+    allocation: str,
+    ckpt: str,
+    dist_opt: bool = True,
+    model: str = "",
+    n_mbs: int = 1,
+    seeds: tuple = CONTINUED_SEEDS,
+    dtype: str = "float32",
+) -> dict[str, Any]:
+    """Load ``ckpt`` into a fresh engine at ``allocation`` and replay the continued steps."""
+    e = engine(allocation, model or ARGS.model, n_mbs=n_mbs, dist_opt=dist_opt, dtype=dtype)
+    e.load(SaveLoadMeta(path=os.path.join(ARGS.out, ckpt), weight_format="dcp", with_optim=True))
+    res = {"version": e.get_version(), "weights": e.full_state_dict()}
+    res["continued"] = [step(e, seed) for seed in seeds]
+    e.destroy()
+    return res
+
+
 def resume() -> None:
     init_default_process_group()
+    out = {alloc: resumed(alloc, "ckpt") for alloc in ("megatron:d2", "megatron:t2", "megatron:p2")}
+    out["plain"] = resumed("megatron:p2", "ckpt_plain", dist_opt=False)
+    out["bf16"] = resumed("megatron:d2", "ckpt_bf16", dtype="bfloat16")
+    if ARGS.moe:
+        out["moe"] = resumed("megatron:d2", "ckpt_moe", model=ARGS.moe, n_mbs=2, seeds=MOE_SEEDS[1:])
+    # A checkpoint whose engine files exist but whose dist checkpoint is gone: one clear error.
+    broken = os.path.join(ARGS.out, "broken")
+    if dist.get_rank() == 0:
+        shutil.copytree(
+            os.path.join(ARGS.out, "ckpt"), broken, ignore=shutil.ignore_patterns(CKPT_SUBDIR), dirs_exist_ok=True
+        )
+    dist.barrier()
     e = engine("megatron:d2", ARGS.model, n_mbs=1)
-    e.load(SaveLoadMeta(path=os.path.join(ARGS.out, "ckpt"), weight_format="dcp", with_optim=True))
-    out = {"version": e.get_version(), "continued": [step(e, seed) for seed in CONTINUED_SEEDS]}
+    try:
+        e.load(SaveLoadMeta(path=broken, weight_format="dcp", with_optim=True))
+    except FileNotFoundError as err:
+        out["broken_error"] = str(err)
+    try:  # optimizer state of the other kind: its structure differs, so it is refused up front
+        e.load(SaveLoadMeta(path=os.path.join(ARGS.out, "ckpt_plain"), weight_format="dcp", with_optim=True))
+    except ValueError as err:
+        out["optimizer_kind_error"] = str(err)
+    # Neither load touched the engine: a save before any step (empty Adam state) must work too.
+    out["fresh_weights"] = e.full_state_dict()
+    e.save(SaveLoadMeta(path=os.path.join(ARGS.out, "ckpt_fresh"), weight_format="dcp", with_optim=True))
     e.destroy()
+    out["fresh"] = resumed("megatron:t2", "ckpt_fresh", seeds=(FIRST_SEED, FIRST_SEED + 1))  # replays `a`
     if dist.get_rank() == 0:
         torch.save(out, os.path.join(ARGS.out, "resume.pt"))
 

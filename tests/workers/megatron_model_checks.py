@@ -143,7 +143,7 @@ def run_layout(tag: str, hf_dir: str, tp: int, pp: int, ep: int, out_dir: str) -
 
 
 def bf16_export(moe_dir: str) -> dict:
-    """bf16 params (norms stay fp32 in the local spec): EP=2 export is the checkpoint cast to bf16, all in bf16."""
+    """bf16 params (norms included, as in HF): EP=2 export is the checkpoint cast to bf16, all in bf16."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from safetensors.torch import load_file
@@ -163,6 +163,7 @@ def bf16_export(moe_dir: str) -> dict:
     res = {
         "not_equal": sorted(k for k, v in exported.items() if not torch.equal(original[k].bfloat16(), v)),
         "dtypes": sorted({str(v.dtype) for v in exported.values()}),
+        "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
         "specs_match": [(s.name, s.shape, s.dtype) for s in specs]
         == [(k, tuple(v.shape), "bfloat16") for k, v in exported.items()],
         "n": len(exported),

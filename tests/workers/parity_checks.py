@@ -1,9 +1,15 @@
-"""torchrun worker of the cross-backend parity test: the same SFT and PPO steps on each given backend row.
+"""torchrun worker of the cross-backend parity test: the same SFT, PPO and critic steps on each backend row.
 
 Every row (see ``CASES`` in tests/test_backend_parity.py) names an allocation_mode and
 dotted TrainEngineConfig overrides; the engine class comes from the actor registry, so
 this worker knows nothing backend-specific. Rank 0 writes ``<row>.pt`` with the losses and
-grad norms of 5 SFT steps then 3 PPO steps of one engine.
+grad norms of 5 SFT steps then 3 PPO steps of one engine, and the values, value losses and
+grad norms of 3 critic PPO steps (on the same rollouts) of a critic engine built from one
+shared critic checkpoint (``critic-init/``, saved by the first launch).
+
+A row with ``"critic_export": true`` also exports (HF format) its trained critic, with the
+values it computes on a probe batch, and a critic built from the causal-LM checkpoint (fresh
+value head): the test reloads both with ``AutoModelForTokenClassification``.
 """
 
 from __future__ import annotations
@@ -19,17 +25,23 @@ from fsdp_checks import make_batch
 from ppo_checks import CONFIGS, GROUP, make_rollout_batch
 
 from tandemrl.actors.lm import LMEngine
+from tandemrl.actors.ppo import PPOActor
 from tandemrl.actors.registry import engine_class
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig
 from tandemrl.configs.ppo import PPOActorConfig
 from tandemrl.engines.base import init_default_process_group
-from tandemrl.engines.types import FinetuneSpec
+from tandemrl.engines.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.utils.allocation import AllocationMode
 
 SFT_STEPS = 5
 PPO_STEPS = 3
 # A decaying schedule, so the backends must also agree on the LR of every step.
 OPTIM = dict(lr=2e-4, gradient_clipping=1.0, lr_scheduler_type="linear", min_lr_ratio=0.5)
+CRITIC_SEED = 1234  # the shared critic checkpoint's value head: HF's init after torch.manual_seed(CRITIC_SEED)
+CRITIC_DIR = "critic-init"
+# GAE of the critic steps (returns depend on the values), and value clipping.
+CRITIC = dict(discount=0.9, gae_lambda=0.95, eps_clip_value=0.5)
+PROBE_SEED = 99  # the probe rollout an exported critic is checked on
 
 
 def apply_overrides(cfg: Any, overrides: dict[str, Any]) -> None:
@@ -70,6 +82,70 @@ def build(algorithm: str, case: dict[str, Any], cfg: PPOActorConfig, steps: int)
     return engine
 
 
+def save_critic_checkpoint(model: str, path: str) -> None:
+    """Rank 0 (once for all launches): HF's critic of the tiny model, value head seeded, as an HF directory."""
+    if dist.get_rank() == 0 and not os.path.isfile(os.path.join(path, "config.json")):
+        from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer
+
+        config = AutoConfig.from_pretrained(model)
+        config.num_labels, config.classifier_dropout = 1, 0.0  # as load_model_config sets them for critics
+        torch.manual_seed(CRITIC_SEED)
+        critic = AutoModelForTokenClassification.from_pretrained(model, config=config, dtype=torch.float32)
+        critic.save_pretrained(path)
+        AutoTokenizer.from_pretrained(model).save_pretrained(path)
+    dist.barrier()
+
+
+def build_critic(case: dict[str, Any], path: str, model: str) -> Any:
+    cfg = PPOActorConfig(path=path, tokenizer_path=model, group_size=GROUP, is_critic=True)
+    apply_overrides(cfg, {"eps_clip_value": CRITIC["eps_clip_value"]})
+    return build("ppo_critic", case, cfg, PPO_STEPS)
+
+
+def run_critic(case: dict[str, Any], model: str, out_dir: str) -> dict[str, Any]:
+    """3 critic PPO steps (values, GAE returns from them, value-loss update) on the actor's PPO rollouts."""
+    e = build_critic(case, os.path.join(out_dir, CRITIC_DIR), model)
+    gae = PPOActor(
+        PPOActorConfig(path=model, group_size=GROUP, discount=CRITIC["discount"], gae_lambda=CRITIC["gae_lambda"]), e
+    )
+    out: dict[str, Any] = {k: [] for k in ("critic_values_sum", "critic_loss", "critic_grad_norm")}
+    for step in range(PPO_STEPS):
+        batch = dp_slice(e, make_rollout_batch(model, seed=40 + step))
+        batch["values"] = e.compute_values(batch)
+        gae.compute_advantages(batch)
+        (stats,) = e.ppo_update(batch)
+        e.step_lr_scheduler()
+        out["critic_values_sum"].append(dp_sum(e, batch["values"] * batch["attention_mask"]))
+        out["critic_loss"].append(stats["loss"])
+        out["critic_grad_norm"].append(stats["grad_norm"])
+    if case.get("critic_export"):
+        out["critic_export"] = export_trained_critic(e, case, model, out_dir)
+    e.destroy()
+    if case.get("critic_export"):  # after destroy: one engine at a time
+        out["critic_export"].update(export_fresh_critic(case, model, out_dir))
+    return out
+
+
+def export_trained_critic(e: Any, case: dict[str, Any], model: str, out_dir: str) -> dict[str, Any]:
+    """HF export of the trained critic ``e`` and its values on a probe batch (the test reloads and compares)."""
+    if e.data_parallel_world_size != 1:
+        raise ValueError(f"{case['name']}: critic_export needs a row without data parallelism (whole probe batch)")
+    path = os.path.join(out_dir, f"{case['name']}-critic-hf")
+    e.save(SaveLoadMeta(path=path, weight_format="hf"))
+    probe = make_rollout_batch(model, seed=PROBE_SEED)
+    return {"trained": path, "probe": probe, "probe_values": e.compute_values(probe).cpu()}
+
+
+def export_fresh_critic(case: dict[str, Any], model: str, out_dir: str) -> dict[str, Any]:
+    """HF export of a critic built from the causal LM ``model``: lm_head ignored, value head as HF initialises it."""
+    e = build_critic(case, model, model)
+    path = os.path.join(out_dir, f"{case['name']}-critic-from-lm")
+    e.save(SaveLoadMeta(path=path, weight_format="hf"))
+    seed = e.config.seed
+    e.destroy()
+    return {"from_lm": path, "seed": seed}
+
+
 def run_case(case: dict[str, Any], model: str) -> dict[str, list[float]]:
     """One engine per row: 5 SFT steps (through LMEngine), then 3 decoupled-PPO steps on fresh rollouts."""
     cfg = PPOActorConfig(path=model, group_size=GROUP)
@@ -99,8 +175,10 @@ def run_case(case: dict[str, Any], model: str) -> dict[str, list[float]]:
 
 def main(args: argparse.Namespace) -> None:
     init_default_process_group()
+    save_critic_checkpoint(args.model, os.path.join(args.out, CRITIC_DIR))
     for case in json.loads(args.cases):
         result = run_case(case, args.model)
+        result.update(run_critic(case, args.model, args.out))
         if dist.get_rank() == 0:
             torch.save(result, os.path.join(args.out, f"{case['name']}.pt"))
 

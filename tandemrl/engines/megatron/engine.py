@@ -5,10 +5,11 @@ ParallelStrategy, the GPTModel built from the HF config (model.py) and loaded fr
 (hf_convert.py), Megatron DDP + ``get_megatron_optimizer`` stepped with the base's LR schedule,
 the packed forward (one row, block-diagonal causal mask), a pipeline schedule for PP > 1, and
 checkpoints. The loss contract is the base's: ``loss_fn(logits [T, V], mb)`` on full-vocab logits.
+A critic (``is_critic``) is the same GPTModel with a value head in place of the LM head (value_head.py),
+HF's ``<Arch>ForTokenClassification`` with one label: its "logits" are the values [T, 1].
 
-Recoverable ("dcp") checkpoints are one file per rank (weights plus each optimizer's state, the
-distributed optimizer's in its bucket layout) and resume only on the same parallel layout; HF
-exports are layout-free.
+Recoverable ("dcp") checkpoints are megatron-core dist checkpoints (checkpoint.py: sharded weights and
+layout-free optimizer state), so they resume on another DP/TP/PP layout; HF exports are layout-free.
 
 Gradient scale: Megatron DDP averages gradients over the data-parallel group (expert gradients
 too: their expert-DP reduction is scaled to the same ``1/dp``), exactly what the base's
@@ -17,6 +18,7 @@ too: their expert-DP reduction is scaled to the same ``1/dp``), exactly what the
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -144,12 +146,11 @@ class MegatronEngine(BaseTrainEngine):
 
         from tandemrl.engines.megatron.hf_convert import load_hf_weights
         from tandemrl.engines.megatron.model import build_gpt_model, transformer_config_from_hf
+        from tandemrl.engines.megatron.value_head import install_value_head
 
         if not self._groups_ready:
             self.create_process_group()
         cfg = self.config
-        if cfg.is_critic:
-            raise ValueError("TrainEngineConfig.is_critic: the megatron engine has no value-head model yet")
         if cfg.mixed_precision:
             raise ValueError("TrainEngineConfig.mixed_precision: not supported by the megatron engine; set dtype")
         if cfg.gradient_checkpointing:
@@ -163,9 +164,15 @@ class MegatronEngine(BaseTrainEngine):
         self.tf_config.expert_tensor_parallel_size = s.etp
         torch.manual_seed(cfg.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
-        model = build_gpt_model(self.model_config, self.tf_config)
+        build_config = self.model_config
+        if cfg.is_critic:  # the value head replaces the output layer: it must not be the embedding
+            build_config = copy.copy(self.model_config)  # the exported config keeps the original flag
+            build_config.tie_word_embeddings = False
+        model = build_gpt_model(build_config, self.tf_config)
+        if cfg.is_critic:
+            install_value_head(model, self.model_config, self.tf_config, cfg.seed)
         if not cfg.init_from_scratch:
-            load_hf_weights(model, cfg.path, self.model_config)
+            load_hf_weights(model, cfg.path, self.model_config, critic=cfg.is_critic, seed=cfg.seed)
         self.ft_spec = ft_spec
         if cfg.optimizer is not None:
             model = self._wrap_and_build_optimizer(model, ft_spec)
@@ -261,10 +268,13 @@ class MegatronEngine(BaseTrainEngine):
         return kw
 
     def _full_logits(self, output: torch.Tensor) -> torch.Tensor:
-        """[T, V] logits from the last stage's vocab-parallel [1, T, V/tp] output."""
+        """[T, V] logits from the last stage's vocab-parallel [1, T, V/tp] output ([T, 1] values for a critic:
+        its head is laid out as a vocab of one, padded to TP)."""
         from tandemrl.engines.megatron.forward import gather_vocab_logits
+        from tandemrl.engines.megatron.value_head import NUM_LABELS
 
-        return gather_vocab_logits(output, self.model_config.vocab_size)[0]
+        n = NUM_LABELS if self.config.is_critic else self.model_config.vocab_size
+        return gather_vocab_logits(output, n)[0]
 
     def _forward_logits(self, mb: TensorDict) -> torch.Tensor:
         return self._full_logits(self.model(**self._model_inputs(mb)))
@@ -431,20 +441,22 @@ class MegatronEngine(BaseTrainEngine):
     def hf_param_specs(self) -> list[ParamSpec]:
         from tandemrl.engines.megatron.hf_convert import hf_param_specs
 
-        return hf_param_specs(self.model_config, DTYPES[self.config.dtype])
+        return hf_param_specs(self.model_config, DTYPES[self.config.dtype], critic=self.config.is_critic)
 
     def iter_hf_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         from tandemrl.engines.megatron.hf_convert import iter_hf_weights
 
-        yield from iter_hf_weights(self.module, self.model_config)
+        yield from iter_hf_weights(self.module, self.model_config, critic=self.config.is_critic)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: full HF-named CPU weights on rank 0 (tied lm_head included), empty elsewhere."""
+        """Collective: full HF-named CPU weights on rank 0 (tied lm_head included; a critic's score.* instead),
+        empty elsewhere."""
         keep = dist.get_rank() == 0
         sd = {name: t.detach().cpu().clone() for name, t in self.iter_hf_params() if keep}  # all ranks iterate
         if not keep:
             return {}
-        if "lm_head.weight" not in sd and getattr(self.model_config, "tie_word_embeddings", False):
+        tied = getattr(self.model_config, "tie_word_embeddings", False)
+        if "lm_head.weight" not in sd and tied and not self.config.is_critic:
             sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
         return sd
 
@@ -457,75 +469,26 @@ class MegatronEngine(BaseTrainEngine):
     def _load_hf(self, meta: SaveLoadMeta) -> None:
         from tandemrl.engines.megatron.hf_convert import load_hf_weights
 
-        load_hf_weights(self.module, meta.path, self.model_config)
+        load_hf_weights(self.module, meta.path, self.model_config, critic=self.config.is_critic, seed=self.config.seed)
         if self.optimizer is not None:  # fp32 main copies of 16-bit weights follow the new weights
             self.optimizer.reload_model_params()
 
-    def _rank_file(self, path: str) -> str:
-        return os.path.join(path, f"rank{dist.get_rank():05d}.pt")
-
-    def _layout(self) -> dict[str, int]:
-        s = self.parallel_strategy
-        return {"world": dist.get_world_size(), "dp": s.dp, "tp": s.tp, "pp": s.pp, "ep": s.ep, "etp": s.etp}
-
     def _save_recoverable(self, meta: SaveLoadMeta) -> None:
-        """Every rank writes its own shard: weights, and per chained optimizer its state (distributed: its
-        bucket-space parameter state). Resuming needs the same parallel layout."""
-        os.makedirs(meta.path, exist_ok=True)
+        """A megatron-core dist checkpoint (layout-free: resumes on another DP/TP/PP split) plus engine state."""
+        from tandemrl.engines.megatron.checkpoint import save_checkpoint
+
         with_optim = self.optimizer is not None and meta.with_optim
-        state: dict[str, Any] = {"layout": self._layout(), "model": self.module.state_dict()}
-        if with_optim:
-            state["optim"] = [
-                {"common": o.state_dict(), "params": _param_state(o)} for o in self.optimizer.chained_optimizers
-            ]
-        torch.save(state, self._rank_file(meta.path))
+        save_checkpoint(meta.path, self.module, self.optimizer, with_optim)
         dist.barrier()
         if dist.get_rank() == 0:
             save_engine_state(meta.path, BACKEND, self._version, self.lr_scheduler, with_optim=with_optim)
 
     def _load_recoverable(self, meta: SaveLoadMeta) -> None:
+        from tandemrl.engines.megatron.checkpoint import load_checkpoint
+
         info = read_engine_meta(meta.path, BACKEND)
-        f = self._rank_file(meta.path)
-        if not os.path.isfile(f):
-            raise FileNotFoundError(f"{f} not found: checkpoint {meta.path} has no shard for this rank")
-        state = torch.load(f, map_location=self.device, weights_only=False)
-        if state["layout"] != self._layout():
-            raise ValueError(f"checkpoint {meta.path} was saved with layout {state['layout']}, now {self._layout()}")
-        self.module.load_state_dict(state["model"])
         with_optim = bool(info["with_optim"]) and meta.with_optim and self.optimizer is not None
-        if with_optim:
-            for o, saved in zip(self.optimizer.chained_optimizers, state["optim"], strict=True):
-                o.load_state_dict(saved["common"])
-                _load_param_state(o, saved["params"])
-        elif self.optimizer is not None:
-            self.optimizer.reload_model_params()
+        load_checkpoint(meta.path, self.module, self.optimizer, with_optim)
         self._version = load_engine_state(meta.path, self.lr_scheduler)
         if self.optimizer is not None:
             self._apply_lr()
-
-
-def _param_state(opt: Any) -> Any:
-    """A distributed optimizer keeps Adam moments (and fp32 mains) outside ``state_dict()``."""
-    if not hasattr(opt, "get_parameter_state_dp_reshardable"):
-        return None
-    state = opt.get_parameter_state_dp_reshardable()
-    # mcore 0.16.1's loader filters entries on a 'padding' key its own getter does not write.
-    for gbuf_idx, per_dtype in state.items():
-        if isinstance(gbuf_idx, int):
-            for buckets in per_dtype.values():
-                for bucket in buckets:
-                    for entry in bucket:
-                        entry.setdefault("padding", False)
-    return state
-
-
-def _load_param_state(opt: Any, saved: Any) -> None:
-    # mcore 0.16.1's DistributedOptimizer.load_state_dict gives every parameter the same 'step'
-    # tensor; torch's AdamW increments it in place once per parameter. Give each its own copy.
-    inner = getattr(opt, "optimizer", None)
-    for st in getattr(inner, "state", {}).values():
-        if torch.is_tensor(st.get("step")):
-            st["step"] = st["step"].clone()
-    if saved is not None:
-        with torch.no_grad():  # fp32 main params are views of the (leaf) model params
-            opt.load_parameter_state_from_dp_reshardable(saved)

@@ -5,6 +5,11 @@ exporting and the ParamSpec list that inference servers allocate receive buffers
 - linear_qkv: per query group [q (heads_per_group * D), k (D), v (D)] rows; TP splits the groups;
 - linear_fc1: cat(gate_shard, up_shard) per TP rank; linear_proj / linear_fc2: split on dim 1;
 - embedding / output layer: rows padded to a multiple of TP, split on dim 0.
+
+Critics (``critic=True``, HF's ``<Arch>ForTokenClassification``): the same backbone, then ``score.weight``
+(1, H) and ``score.bias`` (if HF has one) in place of lm_head, on the value head of value_head.py, laid out
+as an output layer of vocab size 1 (padded to TP rows). A causal-LM checkpoint (no ``score.*``) gives a
+critic HF's fresh head (seeded) and its lm_head is ignored, as ``from_pretrained`` does.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tandemrl.engines.megatron.model import head_dim, moe_layer_pattern, padded_vocab_size, shared_expert_size
+from tandemrl.engines.megatron.value_head import NUM_LABELS, OUTPUT_LAYER, head_bias, initial_head_weights
 
 if TYPE_CHECKING:
     from tandemrl.inference.types import ParamSpec
@@ -38,8 +44,8 @@ class _Entry:
     load_only: bool = False  # the tied output layer on the last PP stage: loaded, never exported
 
 
-def _entries(hf_config: Any) -> list[_Entry]:
-    """All parameters of the model in HF export order."""
+def _entries(hf_config: Any, critic: bool = False) -> list[_Entry]:
+    """All parameters of the model (the critic's, with a value head instead of lm_head) in HF export order."""
     c = hf_config
     H, D, V = c.hidden_size, head_dim(c), c.vocab_size
     nq, nkv = c.num_attention_heads * D, c.num_key_value_heads * D
@@ -112,7 +118,11 @@ def _entries(hf_config: Any) -> list[_Entry]:
             e((x + "down_proj.weight",), ((H, S),), (mx + "linear_fc2.weight",), "row")
             e(("mlp.shared_expert_gate.weight",), ((1, H),), (mx + "gate_weight",), "rep")
     out.append(_Entry(("model.norm.weight",), ((H,),), ("decoder.final_layernorm.weight",), "rep", "last"))
-    if tied:
+    if critic:  # the value head: an untied output layer of NUM_LABELS rows (tie_word_embeddings is moot)
+        out.append(_Entry(("score.weight",), ((NUM_LABELS, H),), (f"{OUTPUT_LAYER}.weight",), "vocab", "last"))
+        if head_bias(c):
+            out.append(_Entry(("score.bias",), ((NUM_LABELS,),), (f"{OUTPUT_LAYER}.bias",), "vocab", "last"))
+    elif tied:
         out.append(
             _Entry(("model.embed_tokens.weight",), ((V, H),), ("output_layer.weight",), "vocab", "last", load_only=True)
         )
@@ -121,7 +131,7 @@ def _entries(hf_config: Any) -> list[_Entry]:
     return out
 
 
-def hf_param_specs(hf_config: Any, dtype: torch.dtype | None = None) -> list[ParamSpec]:
+def hf_param_specs(hf_config: Any, dtype: torch.dtype | None = None, *, critic: bool = False) -> list[ParamSpec]:
     """(name, shape, dtype) of every tensor iter_hf_weights yields, in its order (dtype: the model's params)."""
     from tandemrl.inference.types import ParamSpec
 
@@ -130,7 +140,7 @@ def hf_param_specs(hf_config: Any, dtype: torch.dtype | None = None) -> list[Par
     name = str(dtype).removeprefix("torch.")
     return [
         ParamSpec(n, tuple(s), name)
-        for en in _entries(hf_config)
+        for en in _entries(hf_config, critic)
         if not en.load_only
         for n, s in zip(en.hf, en.shapes, strict=True)
     ]
@@ -173,8 +183,8 @@ def _from_shards(en: _Entry, shards: list[torch.Tensor], hf_config: Any) -> list
     """Full HF tensors of an entry from all TP shards (in TP rank order)."""
     if en.kind == "rep":
         return [shards[0]]
-    if en.kind == "vocab":
-        return [torch.cat(shards, 0)[: hf_config.vocab_size]]
+    if en.kind == "vocab":  # drop the padding rows (vocab size, or NUM_LABELS for the value head)
+        return [torch.cat(shards, 0)[: en.shapes[0][0]]]
     if en.kind == "row":
         return [torch.cat(shards, 1)]
     if en.kind == "fc1":
@@ -282,17 +292,23 @@ def _index_checkpoint(hf_dir: str) -> dict[str, str]:
     return where
 
 
-def load_hf_weights(model: Any, hf_dir: str, hf_config: Any) -> None:
-    """Copy this rank's TP/PP/EP shard of the HF checkpoint into ``model``; every name must match both ways."""
+def load_hf_weights(model: Any, hf_dir: str, hf_config: Any, *, critic: bool = False, seed: int = 0) -> None:
+    """Copy this rank's TP/PP/EP shard of the HF checkpoint into ``model``; every name must match both ways.
+
+    ``critic``: ``model`` carries the value head. Loaded from a checkpoint without ``score.*`` (a causal LM),
+    the head gets HF's seeded initialisation (``seed``: the engine's, as HF's ``torch.manual_seed``).
+    """
     from safetensors import safe_open
 
-    entries = _entries(hf_config)
+    entries = _entries(hf_config, critic)
     where = _index_checkpoint(hf_dir)
     expected = {n for en in entries for n in en.hf}
-    missing = sorted(expected - set(where))
-    unexpected = sorted(
-        set(where) - expected - {"lm_head.weight"} if hf_config.tie_word_embeddings else set(where) - expected
-    )
+    fresh: dict[str, torch.Tensor] = {}
+    if critic and not any(n.startswith("score.") for n in where):
+        fresh = initial_head_weights(hf_config, seed)
+    missing = sorted(expected - set(where) - set(fresh))
+    ignored = {"lm_head.weight"} if critic or hf_config.tie_word_embeddings else set()
+    unexpected = sorted(set(where) - expected - ignored)
     if missing or unexpected:
         raise ValueError(
             f"{hf_dir}: checkpoint does not match the {hf_config.model_type} config: "
@@ -310,6 +326,9 @@ def load_hf_weights(model: Any, hf_dir: str, hf_config: Any) -> None:
                 continue
             hf = []
             for name, shape in zip(en.hf, en.shapes, strict=True):
+                if name in fresh:
+                    hf.append(fresh[name])
+                    continue
                 path = where[name]
                 if path not in handles:
                     handles[path] = safe_open(path, framework="pt")
@@ -358,7 +377,7 @@ def _rank_owns(info: dict[str, Any], en: _Entry) -> bool:
     return en.expert is None or en.expert // info["n_exp"] == info["ep"]
 
 
-def iter_hf_weights(model: Any, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_weights(model: Any, hf_config: Any, *, critic: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Full HF-named tensors (unsharded, real vocab rows), same order and contents on every rank.
 
     Collective: every rank must drain the iterator. TP shards are all-gathered inside the owning stage,
@@ -372,7 +391,7 @@ def iter_hf_weights(model: Any, hf_config: Any) -> Iterator[tuple[str, torch.Ten
     # the dtype hf_param_specs announces, so broadcast buffers and receivers agree.
     dtype = local.model.config.params_dtype
     device = next(iter(local.params.values())).device
-    for en in _entries(hf_config):
+    for en in _entries(hf_config, critic):
         if en.load_only:
             continue
         owners = [r for r, info in enumerate(table) if _rank_owns(info, en)]

@@ -209,6 +209,11 @@ def build_gpt_model(hf_config: Any, tf_config: TransformerConfig) -> GPTModel:
         _pad_sequence_to_tp_multiple(
             model, tf_config.tensor_model_parallel_size, getattr(hf_config, "pad_token_id", None)
         )
+    if tf_config.params_dtype != torch.float32:
+        # Every parameter in the model dtype, as HF loads it and as megatron's Float16Module makes it on GPU:
+        # the local spec builds its torch norms in fp32, and mcore's optimizers (and their checkpoints)
+        # mishandle a param group that mixes 16-bit and fp32 parameters.
+        model.to(tf_config.params_dtype)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
