@@ -36,7 +36,7 @@ setup(
         "sglang": ["sglang[srt]"],
         "megatron": ["megatron-core==0.16.1"],
         "deepspeed": ["deepspeed>=0.17"],
-        "ray": ["ray[default]"],
+        "ray": ["ray>=2.40"],  # plain ray: the launcher needs no dashboard
         "dev": ["pytest", "pytest-timeout", "ruff"],
     },
 )

@@ -15,7 +15,8 @@ import psutil
 import pytest
 from utils import REPO_ROOT
 
-LAUNCH = [sys.executable, "-m", "tandemrl.launchers.local"]
+LAUNCHER = "tandemrl.launchers.local"
+LAUNCH = [sys.executable, "-m", LAUNCHER]
 ENV = {**os.environ, "WANDB_SILENT": "true", "TANDEMRL_DIST_TIMEOUT": "300", "PYTHONPATH": str(REPO_ROOT)}
 
 
@@ -27,8 +28,9 @@ def _scalars(tb_dir: Path) -> dict[str, list[float]]:
     return {t: [e.value for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
 
 
-def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(LAUNCH + args, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+def _run(args: list[str], timeout: float, launcher: str = LAUNCHER) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", launcher, *args]
+    return subprocess.run(cmd, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.slow
@@ -72,11 +74,13 @@ def test_grpo_gsm8k_sync_and_async(tiny_model_dir: str, gsm8k_dir: str, tmp_path
         assert AutoModelForCausalLM.from_pretrained(ckpt).config.vocab_size > 0
 
 
-def _two_async_grpo_steps(backend_args: list[str], model: str, data: str, tmp_path: Path) -> str:
-    """2 async GRPO steps (staleness bound 1) on another training backend; returns the trainer log.
+def _two_async_grpo_steps(
+    backend_args: list[str], model: str, data: str, tmp_path: Path, launcher: str = LAUNCHER
+) -> str:
+    """2 async GRPO steps (staleness bound 1) on a training backend / launcher; returns the trainer log.
 
-    Checks what every backend must give: two updates and two weight pushes, the staleness
-    bound, an eval reward, and a step-1 checkpoint that transformers loads.
+    Checks what every backend and launcher must give: two updates and two weight pushes,
+    the staleness bound, an eval reward, and a step-1 checkpoint that transformers loads.
     """
     proc = _run(
         [
@@ -96,6 +100,7 @@ def _two_async_grpo_steps(backend_args: list[str], model: str, data: str, tmp_pa
             "evaluator.freq_steps=2",
         ],
         timeout=1200,
+        launcher=launcher,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     stats = _scalars(tmp_path / "tensorboard" / "gsm8k-grpo" / "trial0")

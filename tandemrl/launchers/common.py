@@ -1,0 +1,271 @@
+"""What every launcher shares: the CLI, sweep expansion, the trial loop and its summary.
+
+The launchers differ only in where one trial's processes run (``local``: this machine,
+``ray``: actors on a Ray cluster, ``slurm``: an sbatch job), so everything around that —
+reading and validating the config before any process starts, naming sweep trials,
+turning Ctrl-C/SIGTERM into a clean teardown, one-line errors — lives here once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from tandemrl.utils.launch_config import LaunchSpec, read_launch_spec
+
+
+class LaunchError(RuntimeError):
+    """The launcher itself cannot go on (no cluster, no ``sbatch``): one line, exit code 1."""
+
+
+@dataclass
+class TrialResult:
+    """Outcome of one trial of a (multi)run."""
+
+    trial_name: str
+    overrides: list[str]
+    returncode: int
+    seconds: float
+    run_dir: str
+    error: str = ""
+
+
+@dataclass
+class LaunchArgs:
+    """A launcher's command line: SCRIPT, ``--config``, overrides and launcher options."""
+
+    script: str
+    config_path: str | None
+    overrides: list[str]
+    multirun: bool = False
+    flags: set[str] = field(default_factory=set)  # boolean options given, e.g. {"--dry-run"}
+    options: dict[str, str] = field(default_factory=dict)  # valued options, e.g. {"--partition": "gpu"}
+
+
+def parse_args(
+    argv: Sequence[str],
+    prog: str,
+    flags: Sequence[str] = ("--multirun",),
+    options: Sequence[str] = (),
+) -> LaunchArgs:
+    """Split argv into SCRIPT, ``--config``, the launcher's own ``flags``/``options`` and overrides.
+
+    Anything that is not ours is a config override passed to the script unchanged.
+    """
+    usage_opts = " ".join(f"[{f}]" for f in flags) + "".join(f" [{o} X]" for o in options)
+    if not argv or argv[0].startswith("-"):
+        raise ValueError(f"usage: python -m {prog} SCRIPT --config YAML [overrides] {usage_opts}".rstrip())
+    script, rest = argv[0], list(argv[1:])
+    if not os.path.isfile(script):
+        raise FileNotFoundError(f"training script not found: {script}")
+    args = LaunchArgs(script, None, [])
+    valued = ("--config", *options)
+    i = 0
+    while i < len(rest):
+        a = rest[i]
+        name, eq, value = a.partition("=")
+        if a in flags or (a == "-m" and "--multirun" in flags):
+            args.flags.add("--multirun" if a == "-m" else a)
+        elif name in valued:
+            if not eq:
+                if i + 1 >= len(rest):
+                    raise ValueError(f"{name} needs a value")
+                value = rest[i + 1]
+                i += 1
+            if name == "--config":
+                args.config_path = value
+            else:
+                args.options[name] = value
+        else:
+            args.overrides.append(a)
+        i += 1
+    args.multirun = "--multirun" in args.flags
+    return args
+
+
+def expand_sweep(overrides: list[str]) -> list[list[str]]:
+    """Cartesian product of ``key=v1,v2`` overrides (values in brackets are kept whole)."""
+    axes: list[list[str]] = []
+    for o in overrides:
+        key, sep, value = o.partition("=")
+        if sep and "," in value and not value.startswith(("[", "{", "'", '"')):
+            axes.append([f"{key}={v}" for v in value.split(",")])
+        else:
+            axes.append([o])
+    return [list(combo) for combo in itertools.product(*axes)]
+
+
+def _trial_suffix(combo: list[str], sweep_keys: set[str]) -> str:
+    parts = []
+    for o in combo:
+        key, _, value = o.partition("=")
+        if key in sweep_keys:
+            parts.append(f"{key.split('.')[-1]}{value}")
+    return "_".join(parts).replace("/", "-")
+
+
+def plan_trials(args: LaunchArgs) -> list[tuple[list[str], LaunchSpec]]:
+    """Every trial's overrides and spec, validated before any process starts.
+
+    A bad allocation, config key or model path fails here, so a sweep never half-runs.
+    """
+    overrides = args.overrides
+    combos = expand_sweep(overrides) if args.multirun else [overrides]
+    sweep_keys = {o.partition("=")[0] for o in overrides if "," in o.partition("=")[2]} if args.multirun else set()
+    specs = []
+    for combo in combos:
+        spec = read_launch_spec(args.config_path, combo)
+        if args.multirun:
+            suffix = _trial_suffix(combo, sweep_keys)
+            trial = f"{spec.trial_name}_{suffix}" if suffix else spec.trial_name
+            combo = [*combo, f"trial_name={trial}"]
+            spec = read_launch_spec(args.config_path, combo)
+        specs.append((combo, spec))
+    for _, spec in specs:
+        spec.resolve_model()
+    return specs
+
+
+RunTrial = Callable[[str, "str | None", list[str], LaunchSpec], TrialResult]
+
+
+def run_trials(args: LaunchArgs, specs: list[tuple[list[str], LaunchSpec]], run_trial: RunTrial) -> int:
+    """Run the trials one after the other; Ctrl-C stops the sweep; 0 only if all succeeded."""
+    results = []
+    for n, (combo, spec) in enumerate(specs, 1):
+        if args.multirun:
+            print(f"[launcher] trial {n}/{len(specs)}: {spec.trial_name} ({' '.join(combo)})", flush=True)
+        result = run_trial(args.script, args.config_path, combo, spec)
+        results.append(result)
+        if result.returncode != 0:
+            print(f"[launcher] trial {spec.trial_name} failed: {result.error}", flush=True)
+            if result.error == "interrupted":
+                break
+    if args.multirun:
+        print(summary_table(results), flush=True)
+    return 0 if all(r.returncode == 0 for r in results) and len(results) == len(specs) else 1
+
+
+def summary_table(results: list[TrialResult]) -> str:
+    """A plain-text table of every trial's status, duration and run directory."""
+    rows = [("trial", "status", "seconds", "run dir")]
+    for r in results:
+        rows.append(
+            (r.trial_name, "ok" if r.returncode == 0 else f"FAILED ({r.returncode})", f"{r.seconds:.0f}", r.run_dir)
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
+
+
+def first_line(err: BaseException) -> str:
+    """The one line of an error a launcher reports (full detail stays in the logs)."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+@contextlib.contextmanager
+def signals_interrupt() -> Iterator[None]:
+    """SIGTERM/SIGHUP raise KeyboardInterrupt like Ctrl-C, so teardown runs on any of them."""
+
+    def on_signal(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    for s in previous:
+        signal.signal(s, on_signal)
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def guarded_trial(
+    spec: LaunchSpec,
+    overrides: list[str],
+    body: Callable[[Path], tuple[int, str]],
+    teardown: Callable[[], None],
+) -> TrialResult:
+    """Run ``body(run_dir) -> (returncode, error)``; ``teardown`` runs whatever happens.
+
+    Ctrl-C/SIGTERM give 130 "interrupted"; any other exception gives 1 and its first line.
+    """
+    run_dir = Path(spec.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    with signals_interrupt():
+        try:
+            rc, error = body(run_dir)
+        except KeyboardInterrupt:
+            rc, error = 130, "interrupted"
+        except Exception as err:  # a server that would not start, a lost actor, a bad address...
+            rc, error = 1, first_line(err)
+        finally:
+            teardown()
+    return TrialResult(spec.trial_name, overrides, rc, time.monotonic() - start, str(run_dir), error)
+
+
+def kill_group(proc: subprocess.Popen, grace: float = 15.0) -> None:
+    """SIGTERM the process group (torchrun and its workers), then SIGKILL."""
+    try:
+        pgid = os.getpgid(proc.pid)
+    except ProcessLookupError:
+        return
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            # torchrun's workers may outlive it briefly; make sure the group is gone.
+            os.killpg(pgid, signal.SIGKILL)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            continue
+        return
+
+
+def write_prefixed(line: bytes, prefix: str, log: IO[bytes] | None = None) -> None:
+    """One child line to our stdout as ``[prefix] line`` (and raw to its log file)."""
+    if log is not None:
+        log.write(line)
+        log.flush()
+    text = line.decode(errors="replace")
+    sys.stdout.write(f"[{prefix}] {text}" + ("" if text.endswith("\n") else "\n"))
+    sys.stdout.flush()
+
+
+def pump(stream: IO[bytes], prefix: str, log_path: Path) -> threading.Thread:
+    """Copy a child's output to our stdout (prefixed) and to its log file."""
+
+    def run() -> None:
+        with open(log_path, "ab") as log:
+            for line in iter(stream.readline, b""):
+                write_prefixed(line, prefix, log)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def cli(main: Callable[[list[str]], int]) -> None:
+    """Run ``main(argv)``; bad input is one ``error:`` line on stderr and exit code 2."""
+    try:
+        code = main(sys.argv[1:])
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {first_line(err)}", file=sys.stderr, flush=True)
+        code = 2
+    except LaunchError as err:
+        print(f"error: {first_line(err)}", file=sys.stderr, flush=True)
+        code = 1
+    raise SystemExit(code)

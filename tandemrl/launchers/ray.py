@@ -1,0 +1,479 @@
+"""Ray launcher: inference servers and trainer ranks as actors on a Ray cluster.
+
+    python -m tandemrl.launchers.ray SCRIPT --config YAML [key=value ...] [--multirun]
+
+Same contract as ``tandemrl.launchers.local`` (config read and checked before anything
+starts, ``TANDEMRL_LLM_SERVER_ADDRS`` exported, logs in the run directory, teardown on
+success, failure or Ctrl-C, ``--multirun`` sweeps), with Ray doing the placement:
+
+* Cluster: ``RAY_ADDRESS`` if set, else a single-node cluster started here and bound to
+  loopback, like the local launcher's servers (their weight-update routes have no auth).
+  A cluster from ``ray start`` uses token auth: join it with ``RAY_AUTH_MODE=token``.
+* Servers: one actor per inference data-parallel replica owns the server subprocess,
+  bound to its node's IP. It reserves tp*pp GPUs when the cluster has GPUs, else tp*pp CPUs.
+* Trainer: ``train_world_size`` actors in one placement group (STRICT_PACK when one node
+  can hold every rank, else PACK), each running SCRIPT in a subprocess with the variables
+  torchrun would set (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
+  MASTER_ADDR/MASTER_PORT of rank 0's node), which is all ``init_default_process_group``
+  reads. Ranks on one node see that node's GPUs in local-rank order, so
+  ``cuda:LOCAL_RANK`` is their own GPU.
+* The driver polls every actor, prints their output as ``[rank1] ...`` /
+  ``[vllm-server-0] ...`` and writes ``trainer.log``; the first rank or server to fail
+  stops everything, with a one-line error.
+
+Multi-node runs assume what torchrun/Slurm multi-node runs assume: the script, config,
+model and run directory on a shared filesystem and the same Python environment on every
+node. The tests run on a one-node CPU cluster; the GPU and multi-node paths are untested.
+Ray is imported only when this launcher runs (``import tandemrl`` stays Ray-free).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tandemrl.inference.remote import SERVER_ADDRS_ENV
+from tandemrl.launchers import common
+from tandemrl.launchers.common import LaunchError, TrialResult, first_line, guarded_trial, kill_group, write_prefixed
+from tandemrl.utils.launch_config import LaunchSpec
+
+# Driver variables every actor gets (a remote node's actor starts from its raylet's env).
+FORWARD_PREFIXES = (
+    "TANDEMRL_",
+    "WANDB_",
+    "HF_",
+    "TRANSFORMERS_",
+    "TOKENIZERS_",
+    "TORCH",
+    "NCCL_",
+    "GLOO_",
+    "VLLM_",
+    "SGLANG_",
+    "OMP_",
+    "MKL_",
+    "PYTHONPATH",
+)
+PLACEMENT_TIMEOUT = float(os.environ.get("TANDEMRL_RAY_PLACEMENT_TIMEOUT", "300"))
+POLL_INTERVAL = 0.5
+
+
+def forwarded_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(FORWARD_PREFIXES)}
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class ServerHost:
+    """Actor body: owns one inference server subprocess on its node."""
+
+    def __init__(self, env: dict[str, str]):
+        os.environ.update(env)
+        self._server: Any = None
+        self._offset = 0
+
+    def start(self, backend: str, model_path: str, tp: int, pp: int, extra: dict[str, Any], log_file: str) -> str:
+        import ray
+
+        from tandemrl.engines.types import ParallelStrategy
+        from tandemrl.inference.backend import get_backend
+        from tandemrl.inference.server import launch_server
+
+        self._server = launch_server(
+            get_backend(backend),
+            model_path,
+            host=ray.util.get_node_ip_address(),
+            strategy=ParallelStrategy(tp=tp, pp=pp),
+            extra=extra,
+            log_file=log_file,
+        )
+        return self._server.address
+
+    def wait_healthy(self, timeout: float) -> float:
+        return self._server.wait_healthy(timeout=timeout)
+
+    def poll(self) -> tuple[list[bytes], int | None, float]:
+        """New log lines since the last poll, the exit code once the server is gone, and now."""
+        if self._server is None:
+            return [], None, 0.0
+        rc = self._server.proc.poll()
+        try:
+            with open(self._server.log_file, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except OSError:
+            data = b""
+        end = data.rfind(b"\n") + 1 if rc is None else len(data)  # keep a partial line for later
+        self._offset += end
+        return data[:end].splitlines(keepends=True), rc, time.time()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+
+
+class RankHost:
+    """Actor body: runs one trainer rank as a subprocess and buffers its output."""
+
+    def __init__(self, env: dict[str, str]):
+        os.environ.update(env)
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._reader: threading.Thread | None = None
+        self._lines: collections.deque[bytes] = collections.deque()
+        self._ended = 0.0  # wall time the rank's output closed (it exited): first failure wins
+
+    def node(self) -> dict[str, Any]:
+        """Where this rank landed: node id and IP, its GPU ids, a free port for rendezvous."""
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ip,
+            "gpus": [str(g) for g in ray.get_gpu_ids()],
+            "port": _free_port(ip),
+        }
+
+    def start(self, args: list[str], env: dict[str, str], cwd: str) -> int:
+        child_env = {**os.environ, **env}
+        self._proc = subprocess.Popen(
+            [sys.executable, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=child_env,
+            cwd=cwd,
+            start_new_session=True,  # stop() signals the rank with anything it forked
+        )
+        self._reader = threading.Thread(target=self._read, args=(self._proc,), daemon=True)
+        self._reader.start()
+        return self._proc.pid
+
+    def _read(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        self._lines.extend(iter(proc.stdout.readline, b""))
+        self._ended = time.time()
+
+    def poll(self) -> tuple[list[bytes], int | None, float]:
+        """Output lines since the last poll, the exit code once the rank is done, and when."""
+        if self._proc is None:
+            return [], None, 0.0
+        rc = self._proc.poll()
+        if rc is not None and self._reader is not None:
+            self._reader.join(timeout=5)  # the last lines after exit
+        lines = []
+        while self._lines:
+            lines.append(self._lines.popleft())
+        return lines, rc, self._ended or time.time()
+
+    def stop(self, grace: float = 15.0) -> None:
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            kill_group(self._proc, grace=grace)
+        else:  # the rank is gone; anything it forked is still in its session's group
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+@dataclass
+class _Member:
+    """A launched actor the driver supervises."""
+
+    name: str  # the output prefix: "rank0", "vllm-server-1"
+    actor: Any
+    log: Any = None  # trainer.log for ranks; a server's actor writes its own log file
+    rc: int | None = None
+    ended: float = 0.0
+
+
+@dataclass
+class _Trial:
+    """Actors and placement group of one trial; ``stop`` tears them all down."""
+
+    servers: list[_Member] = field(default_factory=list)
+    ranks: list[_Member] = field(default_factory=list)
+    placement_group: Any = None
+    trainer_log: Any = None  # every rank's lines, like the local launcher's trainer.log
+
+    def stop(self) -> None:
+        import ray
+
+        for group in (self.ranks, self.servers):
+            refs = []
+            for m in group:
+                try:
+                    refs.append(m.actor.stop.remote())
+                except Exception:  # the actor is already gone
+                    pass
+            try:
+                ray.wait(refs, num_returns=len(refs), timeout=60)
+            except Exception:
+                pass
+            for m in group:
+                try:
+                    ray.kill(m.actor)
+                except Exception:
+                    pass
+            group.clear()
+        if self.trainer_log is not None:
+            self.trainer_log.close()
+            self.trainer_log = None
+        if self.placement_group is not None:
+            ray.util.remove_placement_group(self.placement_group)
+            self.placement_group = None
+
+
+def _unwrap(err: BaseException) -> BaseException:
+    """The user-facing error inside a RayTaskError (its own message starts with a header)."""
+    return getattr(err, "cause", None) or err
+
+
+def _has_gpus() -> bool:
+    import ray
+
+    return ray.cluster_resources().get("GPU", 0) > 0
+
+
+def _drain(members: list[_Member]) -> None:
+    """Print the members' new output; record exit codes."""
+    import ray
+
+    results = ray.get([m.actor.poll.remote() for m in members], timeout=120)
+    for m, (lines, rc, ended) in zip(members, results, strict=True):
+        for line in lines:
+            write_prefixed(line, m.name, m.log)
+        if rc is not None and m.rc is None:
+            m.rc, m.ended = rc, ended
+
+
+def _start_servers(spec: LaunchSpec, run_dir: Path, trial: _Trial, env: dict[str, str], gpus: bool) -> list[str]:
+    import ray
+
+    gen = spec.allocation.gen
+    if gen is None:
+        return []
+    per_server = gen.strategy.tp * gen.strategy.pp
+    host_cls = ray.remote(ServerHost)
+    opts = {"num_gpus": per_server, "num_cpus": 1} if gpus else {"num_gpus": 0, "num_cpus": per_server}
+    starts = []
+    for i in range(gen.strategy.dp):
+        actor = host_cls.options(max_concurrency=4, **opts).remote(env)
+        trial.servers.append(_Member(f"{gen.backend}-server-{i}", actor))
+        log_file = str(run_dir / f"{gen.backend}-server-{i}.log")
+        starts.append(
+            actor.start.remote(
+                gen.backend, spec.model_path, gen.strategy.tp, gen.strategy.pp, spec.server_extra, log_file
+            )
+        )
+    ready, _ = ray.wait(starts, num_returns=len(starts), timeout=PLACEMENT_TIMEOUT)
+    if len(ready) < len(starts):
+        raise RuntimeError(
+            f"{len(starts) - len(ready)} of {len(starts)} {gen.backend} servers ({opts}) could not be placed in "
+            f"{PLACEMENT_TIMEOUT:.0f}s; cluster resources: {ray.cluster_resources()}"
+        )
+    addrs = ray.get(starts)
+    pending = {m.actor.wait_healthy.remote(spec.server_timeout): m for m in trial.servers}
+    while pending:
+        done, _ = ray.wait(list(pending), timeout=POLL_INTERVAL)
+        _drain(trial.servers)
+        for ref in done:
+            pending.pop(ref)
+            ray.get(ref)  # raises the server's error (exited, not healthy in time)
+    return addrs
+
+
+def _rank_layout(infos: list[dict[str, Any]]) -> list[int]:
+    """Bundle index of each rank: ranks grouped by node (rank 0's node first), bundle order within."""
+    node_order = list(dict.fromkeys(info["node_id"] for info in infos))
+    return sorted(range(len(infos)), key=lambda b: (node_order.index(infos[b]["node_id"]), b))
+
+
+def _rank_envs(infos: list[dict[str, Any]], gpus: bool) -> list[dict[str, str]]:
+    """torchrun's per-rank variables for the ranks in ``_rank_layout`` order."""
+    order = _rank_layout(infos)
+    nodes = list(dict.fromkeys(infos[b]["node_id"] for b in order))
+    per_node = {n: [b for b in order if infos[b]["node_id"] == n] for n in nodes}
+    master = infos[order[0]]
+    envs = []
+    for rank, b in enumerate(order):
+        node = infos[b]["node_id"]
+        local = per_node[node]
+        env = {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(local.index(b)),
+            "WORLD_SIZE": str(len(order)),
+            "LOCAL_WORLD_SIZE": str(len(local)),
+            "GROUP_RANK": str(nodes.index(node)),
+            "NODE_RANK": str(nodes.index(node)),
+            "MASTER_ADDR": master["ip"],
+            "MASTER_PORT": str(master["port"]),
+        }
+        if gpus:  # the node's GPUs in local-rank order: cuda:LOCAL_RANK is this rank's own
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(g for x in local for g in infos[x]["gpus"])
+        envs.append(env)
+    return envs
+
+
+def _start_ranks(
+    spec: LaunchSpec, run_dir: Path, trial: _Trial, env: dict[str, str], gpus: bool, args: list[str]
+) -> None:
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    world = spec.allocation.train_world_size
+    bundle = {"CPU": 1, "GPU": 1} if gpus else {"CPU": 1}
+    unit = "GPU" if gpus else "CPU"
+    biggest = max((n["Resources"].get(unit, 0) for n in ray.nodes() if n.get("Alive")), default=0)
+    strategy = "STRICT_PACK" if biggest >= world else "PACK"
+    trial.placement_group = placement_group([bundle] * world, strategy=strategy)
+    try:
+        ray.get(trial.placement_group.ready(), timeout=PLACEMENT_TIMEOUT)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(
+            f"no room for {world} trainer ranks ({bundle} each, {strategy}) in {PLACEMENT_TIMEOUT:.0f}s; "
+            f"available: {ray.available_resources()}"
+        ) from None
+    host_cls = ray.remote(RankHost)
+    actors = [
+        host_cls.options(
+            num_cpus=1,
+            num_gpus=1 if gpus else 0,
+            max_concurrency=4,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(trial.placement_group, placement_group_bundle_index=b),
+        ).remote(env)
+        for b in range(world)
+    ]
+    infos = ray.get([a.node.remote() for a in actors], timeout=PLACEMENT_TIMEOUT)
+    trial.trainer_log = open(run_dir / "trainer.log", "ab")
+    trial.ranks = [_Member(f"rank{r}", actors[b], trial.trainer_log) for r, b in enumerate(_rank_layout(infos))]
+    rank_envs = [{**env, **renv, "PYTHONUNBUFFERED": "1"} for renv in _rank_envs(infos, gpus)]
+    ray.get([m.actor.start.remote(args, e, os.getcwd()) for m, e in zip(trial.ranks, rank_envs, strict=True)])
+    master = rank_envs[0]
+    print(
+        f"[launcher] trainer: {world} ranks on {len(set(i['node_id'] for i in infos))} node(s) ({strategy}), "
+        f"master {master['MASTER_ADDR']}:{master['MASTER_PORT']}: {' '.join(args)}",
+        flush=True,
+    )
+
+
+def _supervise(trial: _Trial, run_dir: Path) -> tuple[int, str]:
+    """Stream output until every rank exits 0, or the first rank/server failure."""
+    members = trial.ranks + trial.servers
+    while True:
+        _drain(members)
+        for m in trial.servers:
+            if m.rc is not None:
+                return 1, f"{m.name} exited with code {m.rc} during training (log: {run_dir / (m.name + '.log')})"
+        failed = [m for m in trial.ranks if m.rc not in (None, 0)]
+        if failed:  # the first to exit is the cause; the others died of its absence
+            m = min(failed, key=lambda m: m.ended)
+            return 1, f"{m.name} exited with code {m.rc} (log: {run_dir / 'trainer.log'})"
+        if all(m.rc == 0 for m in trial.ranks):
+            return 0, ""
+        time.sleep(POLL_INTERVAL)
+
+
+def run_trial(script: str, config_path: str | None, overrides: list[str], spec: LaunchSpec) -> TrialResult:
+    """Servers, then trainer ranks, as actors; supervise; tear all down whatever happens."""
+    import ray
+
+    trial = _Trial()
+
+    def body(run_dir: Path) -> tuple[int, str]:
+        gpus = _has_gpus()
+        env = forwarded_env()
+        env.setdefault("OMP_NUM_THREADS", "1")
+        addrs = _start_servers(spec, run_dir, trial, env, gpus)
+        if addrs:
+            env[SERVER_ADDRS_ENV] = ",".join(addrs)
+            print(f"[launcher] {spec.allocation.gen_backend} servers healthy at {env[SERVER_ADDRS_ENV]}", flush=True)
+        # Absolute paths: a rank runs in the driver's cwd, which may be another node's mount.
+        config = os.path.abspath(config_path) if config_path and os.path.isfile(config_path) else config_path
+        args = [os.path.abspath(script)] + (["--config", config] if config else []) + overrides
+        _start_ranks(spec, run_dir, trial, env, gpus, args)
+        return _supervise(trial, run_dir)
+
+    def body_unwrapped(run_dir: Path) -> tuple[int, str]:
+        try:
+            return body(run_dir)
+        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as err:
+            raise RuntimeError(first_line(_unwrap(err))) from None
+
+    return guarded_trial(spec, overrides, body_unwrapped, trial.stop)
+
+
+def connect(specs: list[tuple[list[str], LaunchSpec]]) -> bool:
+    """Join ``RAY_ADDRESS``'s cluster, or start a loopback one-node cluster; True if we own it."""
+    if not os.environ.get("RAY_ADDRESS"):
+        # A cluster started here is single-node: keep Ray (and the servers) on loopback.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        try:
+            ray.init(address=address, log_to_driver=False)
+        except Exception as err:  # Ray's own message is a traceback chain; its root cause says why
+            while err.__cause__ is not None:
+                err = err.__cause__
+            why = first_line(err).split(" Last connection error")[0][:300]
+            raise LaunchError(f"cannot join the Ray cluster at RAY_ADDRESS={address}: {why}") from None
+        return False
+    need = 0
+    for _, spec in specs:
+        gen = spec.allocation.gen
+        need = max(need, spec.allocation.train_world_size + (gen.world_size if gen else 0))
+    # Ray's CPUs are scheduling slots: give one per actor even on a 2-core machine.
+    ray.init(
+        num_cpus=max(os.cpu_count() or 1, need),
+        include_dashboard=False,
+        log_to_driver=False,
+        object_store_memory=256 * 1024**2,  # only small control messages travel through it
+    )
+    return True
+
+
+def main(argv: list[str]) -> int:
+    args = common.parse_args(argv, "tandemrl.launchers.ray")
+    specs = common.plan_trials(args)
+    for _, spec in specs:
+        alloc = spec.allocation
+        if alloc.gen is not None and alloc.train is not None and alloc.colocated(alloc.gen, alloc.train):
+            raise ValueError(f"allocation_mode '{alloc}': the ray launcher places servers and trainer apart; use '+'")
+    owned = connect(specs)
+    try:
+        return common.run_trials(args, specs, run_trial)
+    finally:
+        if owned:
+            import ray
+
+            ray.shutdown()
+
+
+def cli() -> None:
+    common.cli(main)
+
+
+if __name__ == "__main__":
+    # Run the importable module, so actor classes pickle by reference, not as __main__.
+    from tandemrl.launchers.ray import cli as _cli
+
+    _cli()

@@ -1,0 +1,299 @@
+"""Slurm launcher: write an sbatch script for one trial and submit it.
+
+    python -m tandemrl.launchers.slurm SCRIPT --config YAML [key=value ...] [--dry-run]
+        [--partition P] [--gpus-per-node N] [--time HH:MM:SS] [--account A]
+
+NOT EXERCISED AGAINST A REAL SLURM: tandemrl's tests run where there is no Slurm. They
+check the generated script's content and run its trainer part (``trainer.sh``) locally
+under torchrun with the SLURM_* variables of a one-node job; the ``srun``/``sbatch``/
+``scontrol`` lines themselves have never run on a cluster.
+
+Layout (from ``allocation_mode`` and ``gpus_per_node``): inference servers on the first
+nodes of the job, each server's tp*pp GPUs on one node, then the trainer nodes, with
+min(train world, gpus_per_node) ranks per node. The job script starts every server with
+``srun`` (``python -m tandemrl.launchers.serve``), waits until each has written its
+address into the run directory (which must be on a filesystem shared by the nodes),
+exports ``TANDEMRL_LLM_SERVER_ADDRS``, runs ``srun trainer.sh`` on the trainer nodes —
+``torchrun --nnodes T --rdzv_backend c10d --rdzv_endpoint <first trainer node>:port`` —
+and stops the servers when the trainer ends.
+
+Settings, first found wins: the CLI flags, then ``launcher.slurm.<key>`` in the config or
+overrides (``partition``, ``gpus_per_node``, ``time``, ``account``, ``server_port``,
+``rdzv_port``, ``sbatch_args``: extra ``#SBATCH`` arguments), then ``cluster.n_gpus_per_node``.
+The trainer sees the config without the ``launcher`` section (the script's schema does
+not know it) plus ``cluster.n_nodes``/``cluster.n_gpus_per_node`` of the job. Sweeps
+(``--multirun``) are not supported here: submit one job per value.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tandemrl.inference.remote import SERVER_ADDRS_ENV
+from tandemrl.launchers import common
+from tandemrl.launchers.common import LaunchError
+from tandemrl.utils.launch_config import LaunchSpec, _get, _load
+
+OPTIONS = ("--partition", "--gpus-per-node", "--time", "--account")
+# Launcher environment the job script re-exports (sbatch also copies the submitter's env).
+FORWARD_PREFIXES = ("TANDEMRL_", "WANDB_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "PYTHONPATH")
+
+
+@dataclass
+class SlurmSettings:
+    """Job resources and ports for one trial."""
+
+    gpus_per_node: int
+    partition: str | None = None
+    time: str | None = None
+    account: str | None = None
+    server_port: int = 8000  # first server port on a node; the next server there gets +1
+    rdzv_port: int = 29500
+    sbatch_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Layout:
+    """Where every process goes: server nodes first, then trainer nodes."""
+
+    server_nodes: int
+    servers_per_node: int
+    gpus_per_server: int
+    n_servers: int
+    trainer_nodes: int
+    procs_per_node: int
+
+    @property
+    def nodes(self) -> int:
+        return self.server_nodes + self.trainer_nodes
+
+
+def read_settings(config_path: str | None, overrides: list[str], options: dict[str, str]) -> SlurmSettings:
+    """CLI flags over ``launcher.slurm.*`` over ``cluster.n_gpus_per_node``; errors name the key."""
+    cfg = _load(config_path, overrides)
+
+    def pick(key: str, flag: str | None = None) -> Any:
+        if flag and flag in options:
+            return options[flag]
+        return _get(cfg, f"launcher.slurm.{key}")
+
+    def as_int(value: Any, name: str) -> int:
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+    gpus = pick("gpus_per_node", "--gpus-per-node")
+    gpus = as_int(gpus if gpus is not None else _get(cfg, "cluster.n_gpus_per_node", 8), "gpus_per_node")
+    if gpus < 1:
+        raise ValueError(f"gpus_per_node must be >= 1 for the slurm launcher, got {gpus}")
+    extra = _get(cfg, "launcher.slurm.sbatch_args", [])
+    if isinstance(extra, str) or not all(isinstance(a, str) for a in extra):
+        raise ValueError(f"launcher.slurm.sbatch_args must be a list of strings, got {extra!r}")
+    return SlurmSettings(
+        gpus_per_node=gpus,
+        partition=_opt_str(pick("partition", "--partition")),
+        time=_opt_str(pick("time", "--time")),
+        account=_opt_str(pick("account", "--account")),
+        server_port=as_int(pick("server_port") or 8000, "launcher.slurm.server_port"),
+        rdzv_port=as_int(pick("rdzv_port") or 29500, "launcher.slurm.rdzv_port"),
+        sbatch_args=list(extra),
+    )
+
+
+def _opt_str(value: Any) -> str | None:
+    return None if value in (None, "") else str(value)
+
+
+def plan_layout(spec: LaunchSpec, gpus_per_node: int) -> Layout:
+    """Node counts for ``spec``'s allocation; one-line errors for shapes that do not fit."""
+    alloc = spec.allocation
+    gen, world = alloc.gen, alloc.train_world_size
+    if gen is not None and alloc.train is not None and alloc.colocated(gen, alloc.train):
+        raise ValueError(f"allocation_mode '{alloc}': the slurm launcher places servers and trainer apart; use '+'")
+    per_server = gen.strategy.tp * gen.strategy.pp if gen else 0
+    n_servers = gen.strategy.dp if gen else 0
+    if per_server > gpus_per_node:
+        raise ValueError(f"one {gen.backend} server needs tp*pp={per_server} GPUs but gpus_per_node is {gpus_per_node}")
+    if world > gpus_per_node and world % gpus_per_node:
+        raise ValueError(f"train world size {world} is not a multiple of gpus_per_node {gpus_per_node}")
+    per_node = gpus_per_node // per_server if per_server else 0
+    return Layout(
+        server_nodes=math.ceil(n_servers / per_node) if n_servers else 0,
+        servers_per_node=per_node,
+        gpus_per_server=per_server,
+        n_servers=n_servers,
+        trainer_nodes=math.ceil(world / gpus_per_node),
+        procs_per_node=min(world, gpus_per_node),
+    )
+
+
+def _q(value: object) -> str:
+    return shlex.quote(str(value))
+
+
+def trainer_args(script: str, config: str | None, overrides: list[str], layout: Layout, gpus: int) -> list[str]:
+    """SCRIPT and its arguments: the config the script may read, user overrides, the job's shape."""
+    args = [os.path.abspath(script)] + (["--config", config] if config else [])
+    args += [o for o in overrides if not o.lstrip("+").startswith("launcher.")]
+    # The job's node count: n_nodes > 1 tells the trainer its weight-update peers are not on loopback.
+    return args + [f"cluster.n_nodes={layout.nodes}", f"cluster.n_gpus_per_node={gpus}"]
+
+
+def trainer_script(args: list[str], layout: Layout, settings: SlurmSettings) -> str:
+    """One trainer node's part; srun runs it once per trainer node (c10d joins them).
+
+    Needs SLURM_JOB_ID and TANDEMRL_RDZV_HOST (the first trainer node) in the environment.
+    """
+    torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={layout.trainer_nodes}"]
+    torchrun += [f"--nproc_per_node={layout.procs_per_node}", "--rdzv_backend=c10d", "--max_restarts=0"]
+    rdzv = f'--rdzv_endpoint="${{TANDEMRL_RDZV_HOST}}:{settings.rdzv_port}" --rdzv_id="${{SLURM_JOB_ID}}"'
+    cmd = " ".join(_q(a) for a in torchrun) + f" {rdzv} " + " ".join(_q(a) for a in args)
+    return (
+        "#!/bin/bash\n"
+        "# One trainer node: torchrun joins the others through c10d on the first trainer node.\n"
+        "set -euo pipefail\n"
+        f"cd {_q(os.getcwd())}\n"
+        'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"\n'
+        f"exec {cmd}\n"
+    )
+
+
+def job_script(spec: LaunchSpec, settings: SlurmSettings, layout: Layout, run_dir: Path) -> str:
+    """The sbatch script: header, servers via srun, wait for health, srun the trainer nodes."""
+    gen = spec.allocation.gen
+    header = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={_q(spec.experiment_name + '_' + spec.trial_name)}",
+        f"#SBATCH --nodes={layout.nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --gpus-per-node={settings.gpus_per_node}",
+        "#SBATCH --exclusive",
+        f"#SBATCH --output={_q(run_dir / 'slurm-%j.out')}",
+    ]
+    header += [f"#SBATCH --{k}={_q(v)}" for k, v in (("partition", settings.partition), ("time", settings.time)) if v]
+    header += [f"#SBATCH --account={_q(settings.account)}"] if settings.account else []
+    header += [f"#SBATCH {a}" for a in settings.sbatch_args]
+    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARD_PREFIXES)}
+    lines = [
+        *header,
+        "# Generated by tandemrl.launchers.slurm (never run against a real Slurm in tandemrl's tests).",
+        "set -euo pipefail",
+        f"cd {_q(os.getcwd())}",
+        *(f"export {k}={_q(v)}" for k, v in sorted(env.items())),
+        f"RUN_DIR={_q(run_dir)}",
+        'mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+        f'TRAINER_NODES=("${{NODES[@]:{layout.server_nodes}:{layout.trainer_nodes}}}")',
+        'export TANDEMRL_RDZV_HOST="${TRAINER_NODES[0]}"',
+        "SERVER_STEPS=()",
+        'stop_servers() { for p in "${SERVER_STEPS[@]}"; do kill "$p" 2>/dev/null || true; done; wait; }',
+        "trap stop_servers EXIT",
+    ]
+    if gen is not None:
+        serve = [sys.executable, "-m", "tandemrl.launchers.serve", "--backend", gen.backend, "--model", spec.model_path]
+        serve += ["--tp", str(gen.strategy.tp), "--pp", str(gen.strategy.pp), "--timeout", str(spec.server_timeout)]
+        lines += [
+            f'SERVER_NODES=("${{NODES[@]:0:{layout.server_nodes}}}")',
+            'rm -rf "$RUN_DIR/servers" && mkdir -p "$RUN_DIR/servers"',
+            f"for i in $(seq 0 {layout.n_servers - 1}); do",
+            f'  node="${{SERVER_NODES[$((i / {layout.servers_per_node}))]}}"',
+            f"  port=$(({settings.server_port} + i % {layout.servers_per_node}))",
+            f'  srun --nodes=1 --ntasks=1 --nodelist="$node" --gpus-per-task={layout.gpus_per_server} --exact \\',
+            f"    {' '.join(_q(a) for a in serve)} \\",
+            f'    --host "$node" --port "$port" --log "$RUN_DIR/{gen.backend}-server-$i.log" '
+            '--ready "$RUN_DIR/servers/$i.addr" &',
+            "  SERVER_STEPS+=($!)",
+            "done",
+            f"deadline=$((SECONDS + {int(spec.server_timeout) + 60}))",
+            f'until [ "$(ls "$RUN_DIR"/servers/*.addr 2>/dev/null | wc -l)" -ge {layout.n_servers} ]; do',
+            '  for p in "${SERVER_STEPS[@]}"; do',
+            '    kill -0 "$p" 2>/dev/null || { echo "error: a server step exited before it was healthy '
+            f'(logs: $RUN_DIR/{gen.backend}-server-*.log)" >&2; exit 1; }}',
+            "  done",
+            '  [ "$SECONDS" -lt "$deadline" ] || { echo "error: servers not healthy in time" >&2; exit 1; }',
+            "  sleep 5",
+            "done",
+            f'export {SERVER_ADDRS_ENV}="$(for i in $(seq 0 {layout.n_servers - 1}); do '
+            'cat "$RUN_DIR/servers/$i.addr"; done | paste -sd, -)"',
+            f'echo "[launcher] {gen.backend} servers healthy at ${SERVER_ADDRS_ENV}"',
+        ]
+    trainer_nodes = '"$(IFS=,; echo "${TRAINER_NODES[*]}")"'
+    lines += [
+        f"srun --nodes={layout.trainer_nodes} --ntasks-per-node=1 --nodelist={trainer_nodes} "
+        f"--gpus-per-task={layout.procs_per_node} --exact --kill-on-bad-exit=1 \\",
+        '  bash "$RUN_DIR/trainer.sh" 2>&1 | tee -a "$RUN_DIR/trainer.log"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_job(
+    script: str, config_path: str | None, overrides: list[str], spec: LaunchSpec, settings: SlurmSettings
+) -> Path:
+    """Write ``job.sbatch`` and ``trainer.sh`` (and a launcher-free config) into the run dir."""
+    layout = plan_layout(spec, settings.gpus_per_node)  # a shape that does not fit writes nothing
+    run_dir = Path(spec.run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config = _trainer_config(config_path, run_dir)
+    (run_dir / "trainer.sh").write_text(
+        trainer_script(trainer_args(script, config, overrides, layout, settings.gpus_per_node), layout, settings)
+    )
+    job = run_dir / "job.sbatch"
+    job.write_text(job_script(spec, settings, layout, run_dir))
+    return job
+
+
+def _trainer_config(config_path: str | None, run_dir: Path) -> str | None:
+    """The config the trainer reads: the user's file, or a copy without ``launcher`` if it has one."""
+    if not config_path:
+        return None
+    from omegaconf import OmegaConf
+
+    cfg = _load(config_path, [])
+    if "launcher" not in cfg:
+        return os.path.abspath(config_path) if os.path.isfile(config_path) else config_path
+    cfg.pop("launcher")
+    out = run_dir / "config.yaml"
+    OmegaConf.save(cfg, out, resolve=False)
+    return str(out)
+
+
+def submit(job: Path) -> str:
+    """``sbatch JOB``; returns sbatch's reply (``Submitted batch job N``)."""
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        raise LaunchError(f"sbatch not found on PATH: submit {job} on a Slurm login node, or use --dry-run")
+    proc = subprocess.run([sbatch, str(job)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise LaunchError(f"sbatch {job} failed ({proc.returncode}): {(proc.stderr or proc.stdout).strip()[:300]}")
+    return proc.stdout.strip()
+
+
+def main(argv: list[str]) -> int:
+    args = common.parse_args(argv, "tandemrl.launchers.slurm", flags=("--dry-run",), options=OPTIONS)
+    specs = common.plan_trials(args)
+    if any(o in ("--multirun", "-m") for o in args.overrides):
+        raise ValueError("the slurm launcher submits one trial: run one launcher call per sweep value")
+    overrides, spec = specs[0]
+    settings = read_settings(args.config_path, overrides, args.options)
+    job = write_job(args.script, args.config_path, overrides, spec, settings)
+    print(f"[launcher] wrote {job} ({plan_layout(spec, settings.gpus_per_node).nodes} nodes)", flush=True)
+    if "--dry-run" in args.flags:
+        return 0
+    print(f"[launcher] {submit(job)}", flush=True)
+    return 0
+
+
+def cli() -> None:
+    common.cli(main)
+
+
+if __name__ == "__main__":
+    cli()
