@@ -315,12 +315,18 @@ def test_pause_abort_resume_and_version(vllm_server: VLLMTestServer) -> None:
     old_label = server.call(b.build_version_get())["weight_version"]
     req = ModelRequest(input_ids=prompt, metadata={"ignore_eos": True})
     try:
-        th, box = server.call_in_thread(b.build_generate(req, [], long_budget, 0))
-        time.sleep(1.0)  # let it decode for a while
-        start = time.perf_counter()
-        server.call(b.build_pause())
-        print(f"\npause(abort): {time.perf_counter() - start:.3f}s")
-        partial = b.parse_generate(join(th, box, timeout=60))
+        # On an idle machine the tiny model can finish the whole budget before the pause lands: then
+        # resume and pause sooner. Some attempt must end in "abort" with a partial output.
+        for decode_s in (1.0, 0.3, 0.1):
+            th, box = server.call_in_thread(b.build_generate(req, [], long_budget, 0))
+            time.sleep(decode_s)  # let it decode for a while
+            start = time.perf_counter()
+            server.call(b.build_pause())
+            print(f"\npause(abort) after {decode_s}s of decoding: {time.perf_counter() - start:.3f}s")
+            partial = b.parse_generate(join(th, box, timeout=60))
+            if partial.stop_reason != "length":
+                break
+            server.call(b.build_resume())
         assert partial.stop_reason == "abort"
         assert 0 < len(partial.output_tokens) < long_budget
         assert len(partial.output_logprobs) == len(partial.output_tokens)
