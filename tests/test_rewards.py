@@ -172,5 +172,26 @@ def test_gsm8k_reward_runs_in_the_runner_thread_pool() -> None:
     assert runner.n_errors == 0 and runner.n_timeouts == 0
 
 
+def test_no_timeout_warning_from_reward_threads(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Threads call math-verify without a timeout on purpose; its once-per-process warning is dropped."""
+    import math_verify.grader
+    import math_verify.parser
+
+    monkeypatch.setattr(math_verify.parser, "TIMEOUT_WARNING_SHOWN", False)
+    monkeypatch.setattr(math_verify.grader, "TIMEOUT_WARNING_SHOWN", False)
+    runner = RewardRunner(gsm8k_reward_fn, timeout=10)
+    with caplog.at_level("WARNING"):
+        assert (
+            asyncio.run(
+                runner(prompt="p", prompt_ids=[1], completion_ids=[2], completions="\\boxed{3/4}", answer="#### 0.75")
+            )
+            == 1.0
+        )
+    assert math_verify.parser.TIMEOUT_WARNING_SHOWN and math_verify.grader.TIMEOUT_WARNING_SHOWN  # it did warn
+    assert not [r for r in caplog.records if "Timeout is disabled" in r.getMessage()]
+
+
 async def _gather(runner: RewardRunner, n: int) -> list[float]:
     return list(await asyncio.gather(*[runner(prompt="p", completions=str(i)) for i in range(n)]))

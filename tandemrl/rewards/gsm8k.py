@@ -13,6 +13,7 @@ which calls ``eval``.
 from __future__ import annotations
 
 import functools
+import logging
 import re
 import threading
 from typing import Any
@@ -86,6 +87,18 @@ def extract_final_answer(completion: str) -> str | None:
             return snippet
         return _last_number(snippet)
     return _last_number(tail)
+
+
+class _DropTimeoutDisabled(logging.Filter):
+    """math-verify warns once per process when called without a timeout, which _timeout() does on purpose
+    in worker threads: every reward worker would print the same two lines into the trainer log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_DropTimeoutDisabled())
 
 
 def _timeout() -> int | None:
