@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from tandemrl.actors.fsdp import FSDPLMEngine
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
+from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.engines.types import FinetuneSpec, TensorDict
 from tandemrl.utils.functional import gather_logprobs
 
@@ -253,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
         run(a)
     finally:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            destroy_process_groups()
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from tandemrl.actors.registry import engine_class
 from tandemrl.configs import SFTConfig
 from tandemrl.configs.loader import load_config_or_exit, save_config
 from tandemrl.data.loader import create_dataloader, dataset_from_config, pad_sequences_to_tensors
+from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.engines.types import FinetuneSpec
 from tandemrl.models.hf import load_hf_tokenizer
 from tandemrl.models.resolve import resolve_model_path
@@ -91,7 +92,7 @@ def main(argv: list[str]) -> None:
             f"sft done: {global_step} steps; logs in {logger.log_dir}; checkpoints under {saver.get_save_root(config.saver.fileroot, config.saver.experiment_name, config.saver.trial_name)}"
         )
     engine.destroy()
-    dist.destroy_process_group()
+    destroy_process_groups()
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandemrl.engines.teardown import destroy_process_groups
+
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
@@ -205,7 +207,7 @@ def main() -> None:
         }
         print("RESULT " + json.dumps(result), flush=True)
     ps.destroy_model_parallel()
-    dist.destroy_process_group()
+    destroy_process_groups()
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from tandemrl.engines.base import (
 from tandemrl.engines.engine_state import load_engine_state, read_engine_meta, save_engine_state
 from tandemrl.engines.hf_io import read_hf_state_dict, save_hf_dir
 from tandemrl.engines.hf_model import build_hf_model, packed_logits
+from tandemrl.engines.teardown import drop_module_groups, register_group_releaser
 from tandemrl.engines.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta, TensorDict
 from tandemrl.inference.types import ParamSpec
 
@@ -150,6 +151,7 @@ class DeepSpeedEngine(BaseTrainEngine):
         self.parallel_strategy = data_parallel_only(parallel_strategy, "deepspeed")
         _skip_cpu_op_builds()
         deepspeed.init_distributed(dist_backend=dist.get_backend())  # wraps the existing default group
+        register_group_releaser(_drop_deepspeed_groups)
         self._ds_ready = True
 
     @property
@@ -192,7 +194,8 @@ class DeepSpeedEngine(BaseTrainEngine):
 
     def destroy(self) -> None:
         self.disconnect_engine()
-        if self.model is not None and hasattr(self.model, "destroy"):
+        if self.model is not None:
+            _forget_zero3_module(self.model.module)
             self.model.destroy()
         self.model = None
         self.optimizer = None
@@ -303,6 +306,25 @@ class DeepSpeedEngine(BaseTrainEngine):
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint (tag '{CKPT_TAG}') under {meta.path}")
         self._version = load_engine_state(meta.path, self.lr_scheduler)
+
+
+def _forget_zero3_module(module: torch.nn.Module) -> None:
+    """ZeRO-3 pushes each model on a module-level stack at init and never pops it: without this the
+    engine, its parameters and its process groups stay alive for the rest of the process."""
+    from deepspeed.runtime.zero import parameter_offload
+
+    stack = parameter_offload.FWD_MODULE_STACK
+    stack[:] = [m for m in stack if m is not module]
+
+
+def _drop_deepspeed_groups() -> None:
+    """DeepSpeed keeps a clone of the world group (and expert groups) in module globals, and its
+    communication backend object holds the world group."""
+    from deepspeed import comm
+    from deepspeed.utils import groups
+
+    drop_module_groups(groups)
+    comm.comm.cdb = None  # rebuilt by the next deepspeed.init_distributed()
 
 
 def _full_shape(t: torch.Tensor) -> tuple[int, ...]:

@@ -27,6 +27,7 @@ from tandemrl.engines.base import DTYPES, BaseTrainEngine, data_parallel_only, d
 from tandemrl.engines.engine_state import load_engine_state, read_engine_meta, save_engine_state
 from tandemrl.engines.hf_io import read_hf_state_dict, save_hf_dir
 from tandemrl.engines.hf_model import build_hf_model, packed_logits
+from tandemrl.engines.teardown import register_group_releaser
 from tandemrl.engines.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta, TensorDict
 from tandemrl.inference.types import ParamSpec
 
@@ -55,6 +56,13 @@ def clip_grad_norm_by_mesh(params: list[torch.nn.Parameter], max_norm: float) ->
     return total
 
 
+def _clear_dtensor_caches() -> None:
+    """DTensor's sharding-propagation caches keep specs, hence device meshes and their process groups."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+
+
 class FSDPEngine(BaseTrainEngine):
     """An HF causal LM sharded with FSDP2 over a 1-D data-parallel mesh."""
 
@@ -70,6 +78,7 @@ class FSDPEngine(BaseTrainEngine):
         self.parallel_strategy = data_parallel_only(parallel_strategy, "fsdp")
         world = dist.get_world_size()
         self.mesh = init_device_mesh(self._device.type, (world,), mesh_dim_names=("dp",))
+        register_group_releaser(_clear_dtensor_caches)
 
     @property
     def device(self) -> torch.device:

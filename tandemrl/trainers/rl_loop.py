@@ -37,6 +37,7 @@ from tandemrl.configs.engine import TrainEngineConfig
 from tandemrl.configs.loader import save_config
 from tandemrl.configs.ppo import PPOActorConfig
 from tandemrl.data.loader import create_dataloader, dataset_from_config
+from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.engines.types import FinetuneSpec, TensorDict
 from tandemrl.inference.remote import remote_engine_for
 from tandemrl.inference.types import WeightUpdateMeta
@@ -355,4 +356,4 @@ class RLTrainer:
         for engine in self._extra_engines:
             engine.destroy()
         self.actor.destroy()
-        dist.destroy_process_group()
+        destroy_process_groups()

@@ -23,6 +23,7 @@ from tandemrl.actors.ppo import PPOActor
 from tandemrl.configs.engine import DeepSpeedEngineConfig, MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from tandemrl.configs.ppo import PPOActorConfig
 from tandemrl.engines.base import init_default_process_group
+from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.engines.types import FinetuneSpec, SaveLoadMeta
 
 STAGES = (1, 2, 3)
@@ -169,4 +170,4 @@ if __name__ == "__main__":
     # Deterministic mode NaN-fills every torch.empty; DeepSpeed's reduce buckets hold 5e8 elements.
     torch.utils.deterministic.fill_uninitialized_memory = False
     {"train": train, "resume": resume}[ARGS.mode]()
-    dist.destroy_process_group()
+    destroy_process_groups()

@@ -27,6 +27,7 @@ from sync_checks import RecordingClient, greedy_outputs, make_rollout, memorize_
 
 from tandemrl.actors.deepspeed import DeepSpeedLMEngine
 from tandemrl.configs.engine import DeepSpeedEngineConfig, OptimizerConfig, TrainEngineConfig
+from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.engines.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.inference.remote import RemoteVLLMEngine
 from tandemrl.inference.types import WeightUpdateMeta
@@ -152,4 +153,4 @@ if __name__ == "__main__":
     p.add_argument("--lr", type=float, default=1e-3)
     a = p.parse_args()
     main(a)
-    dist.destroy_process_group()
+    destroy_process_groups()

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from tandemrl.actors.fsdp import FSDPLMEngine
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from tandemrl.engines.base import init_default_process_group
+from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.engines.types import FinetuneSpec, SaveLoadMeta
 
 VOCAB = 200
@@ -137,4 +138,4 @@ if __name__ == "__main__":
     a = p.parse_args()
     torch.use_deterministic_algorithms(True)
     {"invariance": invariance, "checkpoint": checkpoint, "resume": resume, "variants": variants}[a.mode](a)
-    dist.destroy_process_group()
+    destroy_process_groups()

@@ -30,6 +30,7 @@ from tandemrl.actors.megatron import MegatronLMEngine
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from tandemrl.engines.base import init_default_process_group
 from tandemrl.engines.megatron.checkpoint import CKPT_SUBDIR
+from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.engines.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.utils.allocation import AllocationMode
 
@@ -183,4 +184,4 @@ if __name__ == "__main__":
     torch.use_deterministic_algorithms(True)
     torch.utils.deterministic.fill_uninitialized_memory = False
     {"train": train, "resume": resume}[ARGS.mode]()
-    dist.destroy_process_group()
+    destroy_process_groups()

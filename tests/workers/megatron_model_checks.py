@@ -15,6 +15,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from tandemrl.engines.teardown import destroy_process_groups
+
 LENGTHS = (7, 13, 10)
 
 
@@ -229,7 +231,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(os.path.join(a.out, "results.json"), "w") as f:
             json.dump(results, f, indent=1)
-    dist.destroy_process_group()
+    destroy_process_groups()
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from megatron_checks import engine
 from parity_checks import dp_slice
 
 from tandemrl.engines.base import init_default_process_group
+from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.utils.packing import plan_padded_batch
 
 SEEDS = (200, 201, 202)
@@ -126,4 +127,4 @@ if __name__ == "__main__":
     torch.use_deterministic_algorithms(True)
     torch.utils.deterministic.fill_uninitialized_memory = False
     main()
-    dist.destroy_process_group()
+    destroy_process_groups()

@@ -30,6 +30,7 @@ from tandemrl.actors.registry import engine_class
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig
 from tandemrl.configs.ppo import PPOActorConfig
 from tandemrl.engines.base import init_default_process_group
+from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.engines.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.utils.allocation import AllocationMode
 
@@ -193,4 +194,4 @@ if __name__ == "__main__":
     # Deterministic mode NaN-fills every torch.empty; DeepSpeed's reduce buckets hold 5e8 elements.
     torch.utils.deterministic.fill_uninitialized_memory = False
     main(a)
-    dist.destroy_process_group()
+    destroy_process_groups()

@@ -17,6 +17,7 @@ from tandemrl.actors.ppo import PPOActor
 from tandemrl.configs.engine import OptimizerConfig
 from tandemrl.configs.ppo import NormConfig, PPOActorConfig
 from tandemrl.engines.base import init_default_process_group
+from tandemrl.engines.teardown import destroy_process_groups
 
 VOCAB = 1024
 GROUP = 2
@@ -161,4 +162,4 @@ if __name__ == "__main__":
     a = p.parse_args()
     torch.use_deterministic_algorithms(True)
     main(a)
-    dist.destroy_process_group()
+    destroy_process_groups()

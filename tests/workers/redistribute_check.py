@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from tandemrl.engines.base import init_default_process_group
 from tandemrl.engines.rollout_link import redistribute
+from tandemrl.engines.teardown import destroy_process_groups
 
 
 def main(out: str) -> None:
@@ -32,7 +33,7 @@ def main(out: str) -> None:
     dist.all_gather_object(gathered, mine)
     if rank == 0:
         torch.save(gathered, out)
-    dist.destroy_process_group()
+    destroy_process_groups()
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from tandemrl.actors.fsdp import FSDPLMEngine
 from tandemrl.actors.registry import engine_class
 from tandemrl.configs.engine import OptimizerConfig, TrainEngineConfig
 from tandemrl.configs.rollout import InferenceEngineConfig
+from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.engines.types import FinetuneSpec, SaveLoadMeta, TensorDict
 from tandemrl.inference.http import HttpClient
 from tandemrl.inference.remote import RemoteVLLMEngine
@@ -238,4 +239,4 @@ if __name__ == "__main__":
     p.add_argument("--allocation", default="fsdp:d2", help="training allocation of the update mode's engine")
     a = p.parse_args()
     {"logprobs": logprobs, "update": update}[a.mode](a)
-    dist.destroy_process_group()
+    destroy_process_groups()

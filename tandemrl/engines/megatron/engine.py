@@ -33,6 +33,7 @@ from tandemrl.engines.base import DTYPES, BaseTrainEngine, _filler_guard, defaul
 from tandemrl.engines.engine_state import load_engine_state, read_engine_meta, save_engine_state
 from tandemrl.engines.hf_io import save_hf_dir
 from tandemrl.engines.hf_model import load_model_config
+from tandemrl.engines.teardown import register_group_releaser
 from tandemrl.engines.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta, TensorDict
 from tandemrl.inference.types import ParamSpec
 from tandemrl.utils.packing import MicroBatches
@@ -58,6 +59,7 @@ def _init_parallel_state(s: ParallelStrategy, timeout_minutes: int) -> None:
         if _LIVE_ENGINES:
             raise ValueError(f"megatron engines in one process must share a layout: have (t,p,e,etp)={have}, got {s}")
         ps.destroy_model_parallel()
+    register_group_releaser(ps.destroy_model_parallel)
     ps.initialize_model_parallel(
         tensor_model_parallel_size=s.tp,
         pipeline_model_parallel_size=s.pp,
