@@ -62,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cpu", action="store_true", help="dry run on the CPU (GPUs hidden, gloo)")
     ap.add_argument("--model", default=None, help="tiny HF model dir; default: build/reuse the cached tiny Qwen2")
     ap.add_argument("--out", default=None, help="dir for logs and per-check JSON (default: a new temp dir)")
+    ap.add_argument("--max-devices", type=int, default=None, help="use at most this many devices (world size)")
     ap.add_argument("--only", default="", help="comma-separated name prefixes: run only the matching checks")
     ap.add_argument("--launch-timeout", type=float, default=480.0, help="seconds per torchrun launch")
     ap.add_argument(
@@ -372,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check: no CUDA device visible; run with --cpu for the CPU dry run", file=sys.stderr)
         return 2
     n_dev = torch.cuda.device_count() if cuda else min(2, os.cpu_count() or 1)
+    n_dev = min(n_dev, args.max_devices) if args.max_devices else n_dev
     out = Path(args.out or tempfile.mkdtemp(prefix="gpu_check-"))
     out.mkdir(parents=True, exist_ok=True)
     print("\n".join(header(cuda, n_dev)), flush=True)
