@@ -121,7 +121,7 @@ def tiny_model(arg: str | None) -> str:
     if arg:
         if not os.path.isfile(os.path.join(arg, "config.json")):
             raise SystemExit(f"--model: no config.json in {arg}")
-        return arg
+        return os.path.abspath(arg)
     from tandemrl.models.make_tiny import ensure_tiny_model
 
     gsm8k = Path(os.environ.get("TANDEMRL_GSM8K") or DEFAULT_GSM8K)
