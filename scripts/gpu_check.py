@@ -279,6 +279,8 @@ def sft_line(name: str, r: dict[str, Any]) -> str:
 
 def parity_lines(checks: list[Check], results: dict[str, dict[str, Any]]) -> list[str]:
     """Each fitted row against the first (reference) row, as the parity test compares them."""
+    if not checks:
+        return []
     _, rtol, keys = parity_table()
     ref_check = checks[0]
     ref = results.get(ref_check.name, {})
