@@ -1,7 +1,8 @@
 """scripts/gpu_check.sh --cpu: the GPU check's dry run on the CPU (gloo, world sizes 1 and 2).
 
 Every check prints one line; what can run on the CPU must report ok, and only what needs CUDA (or
-a second device) may skip. About 1.5 minutes on 2 cores: six torchrun launches, the parity table among them.
+a second device) may skip. About 50 s on 2 idle cores (minutes on a loaded machine): five torchrun launches,
+the whole parity table among them.
 """
 
 from __future__ import annotations
