@@ -82,7 +82,7 @@ class TrainEngine(ABC):
         post_hook: PostHook | None = None,
         aggregate_fn: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Per-token outputs of the model (``post_hook`` applied) in the padded layout."""
+        """Per-token outputs of the model (``post_hook`` applied) in the padded layout, on the batch's device."""
 
     @abstractmethod
     def step_lr_scheduler(self) -> None: ...

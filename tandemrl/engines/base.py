@@ -264,8 +264,11 @@ class BaseTrainEngine(TrainEngine):
         post_hook: PostHook | None = None,
         aggregate_fn: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Per-token outputs in the input's padded [B, L, ...] layout.
+        """Per-token outputs in the input's padded [B, L, ...] layout, on the input's device.
 
+        The device follows ``batch`` (not the engine), so outputs sit next to the batch's other
+        fields: on GPU, ``compute_advantages`` combines a CPU rollout batch's masks and rewards
+        with ``values`` and ``ref_logp`` from ``forward``, which would otherwise be on CUDA.
         ``post_hook(logits, mb)`` maps each micro-batch's logits to what is kept (e.g.
         next-token logprobs) so full logits never accumulate. With ``output_seqlens``
         the result is packed instead: sequences concatenated in input order.
@@ -277,7 +280,7 @@ class BaseTrainEngine(TrainEngine):
         outs = self._forward_micro_batches(mbs, post_hook if post_hook is not None else lambda logits, mb: logits)
         if aggregate_fn is not None:
             return aggregate_fn([o for o, g in zip(outs, mbs.groups, strict=True) if g])
-        padded = unpack_to_padded(outs, mbs, batch["attention_mask"])
+        padded = unpack_to_padded(outs, mbs, batch["attention_mask"]).to(batch["attention_mask"].device)
         if output_seqlens is None:
             return padded
         lens = batch["attention_mask"].bool().sum(1).tolist()

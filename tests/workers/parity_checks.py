@@ -65,7 +65,8 @@ def dp_slice(engine: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Ten
 
 
 def dp_sum(engine: Any, value: torch.Tensor) -> float:
-    t = value.detach().double().sum().reshape(1).cpu()
+    """Sum over the data-parallel group, reduced on the engine's device (NCCL reduces GPU tensors only)."""
+    t = value.detach().double().sum().reshape(1).to(engine.device)
     if engine.data_parallel_world_size > 1:
         dist.all_reduce(t, group=engine.data_parallel_group)
     return float(t)
