@@ -15,6 +15,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from tandemrl.configs.data import DatasetConfig
+from tandemrl.configs.ppo import PPOActorConfig
+from tandemrl.configs.rollout import GenerationHyperparameters
+
 CHECK_ONLY_ENV = "TANDEMRL_CHECK_ONLY"
 
 # (dotted key, what is wrong with its value): the loader adds the key's source.
@@ -59,7 +63,7 @@ def _data_parallel_size(config: Any) -> tuple[int | None, Problem | None]:
 def _batch_splits(config: Any, dp: int) -> Problem | None:
     for key in _DATASET_KEYS:
         ds = getattr(config, key, None)
-        if ds is not None and ds.batch_size % dp:
+        if isinstance(ds, DatasetConfig) and ds.batch_size % dp:
             return (
                 f"{key}.batch_size",
                 f"must be a multiple of {dp}, the data-parallel size of allocation_mode "
@@ -70,13 +74,13 @@ def _batch_splits(config: Any, dp: int) -> Problem | None:
 
 def _groups_fit(config: Any, dp: int) -> Problem | None:
     """Each rank's rollout batch must hold whole groups, and enough of them for the minibatches."""
-    gconfig = getattr(config, "gconfig", None)
-    if gconfig is None:
+    gconfig, train = getattr(config, "gconfig", None), getattr(config, "train_dataset", None)
+    if not isinstance(gconfig, GenerationHyperparameters) or not isinstance(train, DatasetConfig):
         return None
-    per_rank = config.train_dataset.batch_size // dp * gconfig.n_samples
+    per_rank = train.batch_size // dp * gconfig.n_samples
     for key in ("actor", "critic"):
         cfg = getattr(config, key, None)
-        if cfg is None or not hasattr(cfg, "group_size"):
+        if not isinstance(cfg, PPOActorConfig):
             continue
         norm = cfg.adv_norm
         if cfg.group_size == 1 and "group" in (norm.mean_level, norm.std_level) and key == "actor":
@@ -85,7 +89,7 @@ def _groups_fit(config: Any, dp: int) -> Problem | None:
             return (
                 f"{key}.group_size",
                 f"must divide each rank's batch of {per_rank} sequences, got {cfg.group_size} "
-                f"(train_dataset.batch_size={config.train_dataset.batch_size} / {dp} data-parallel ranks "
+                f"(train_dataset.batch_size={train.batch_size} / {dp} data-parallel ranks "
                 f"x gconfig.n_samples={gconfig.n_samples})",
             )
         if cfg.ppo_n_minibatches > per_rank // cfg.group_size:
@@ -107,7 +111,6 @@ def first_problem(config: Any) -> Problem | None:
 
 def check_inputs(config: Any) -> None:
     """Model paths and dataset files the config points to; raises one line naming the key or file."""
-    from tandemrl.configs.data import DatasetConfig
     from tandemrl.data.loader import check_dataset_inputs
     from tandemrl.models.resolve import TINY_PREFIX, resolve_model_path
 

@@ -546,6 +546,9 @@ def load_config(argv: list[str], schema: type[T]) -> tuple[T, str]:
 
     ``argv`` holds an optional ``--config FILE.yaml`` (or ``--config preset:NAME``) and hydra-style
     overrides.  Returns the dataclass with interpolations resolved, and the absolute YAML path ("" if none).
+    Values must also fit together (``tandemrl.configs.checks.first_problem``). With
+    ``TANDEMRL_CHECK_ONLY=1`` (the launchers' pre-flight) it then checks the model paths and data
+    files the config names and raises ``InputsChecked`` instead of returning.
     """
     if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
         raise TypeError(f"load_config needs a dataclass schema, got {schema!r}")

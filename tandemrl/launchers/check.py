@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 from tandemrl.configs.checks import CHECK_ONLY_ENV, InputsChecked, configs_seen
+from tandemrl.launchers.common import LaunchError
 from tandemrl.utils.launch_config import script_config
 
 NOT_CHECKED = 3
@@ -57,9 +58,12 @@ def check_script(script: str, config_path: str | None, overrides: list[str]) -> 
         config, kept = script_config(config_path, overrides, os.path.join(tmp, "config.yaml"))
         cmd = [sys.executable, "-m", "tandemrl.launchers.check", script]
         cmd += (["--config", config] if config else []) + kept
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, env=env, timeout=CHECK_TIMEOUT, stdin=subprocess.DEVNULL
-        )
+        try:
+            proc = subprocess.run(
+                cmd, capture_output=True, text=True, env=env, timeout=CHECK_TIMEOUT, stdin=subprocess.DEVNULL
+            )
+        except subprocess.TimeoutExpired:
+            raise LaunchError(f"checking the config of {script} took over {CHECK_TIMEOUT:.0f} s") from None
     if proc.returncode == 0:
         return True
     if proc.returncode == NOT_CHECKED:
