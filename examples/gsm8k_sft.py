@@ -15,7 +15,7 @@ from tandemrl.configs.loader import load_config_or_exit, save_config
 from tandemrl.data.loader import create_dataloader, dataset_from_config, pad_sequences_to_tensors
 from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.engines.types import FinetuneSpec
-from tandemrl.models.hf import load_hf_tokenizer
+from tandemrl.models.hf import load_hf_tokenizer, model_context_length
 from tandemrl.models.resolve import resolve_model_path
 from tandemrl.utils import stats_tracker
 from tandemrl.utils.allocation import AllocationMode
@@ -37,11 +37,12 @@ def main(argv: list[str]) -> None:
     rank, world = engine.data_parallel_rank, engine.data_parallel_world_size
     tokenizer = load_hf_tokenizer(config.tokenizer_path or config.model.path)
 
-    train_ds = dataset_from_config(config.train_dataset, tokenizer, rank, world)
+    context = model_context_length(config.model.path)
+    train_ds = dataset_from_config(config.train_dataset, tokenizer, rank, world, context)
     train_dl = create_dataloader(train_ds, config.train_dataset, rank, world, seed=config.seed)
     valid_dl = None
     if config.valid_dataset is not None:
-        valid_ds = dataset_from_config(config.valid_dataset, tokenizer, rank, world)
+        valid_ds = dataset_from_config(config.valid_dataset, tokenizer, rank, world, context)
         valid_dl = create_dataloader(valid_ds, config.valid_dataset, rank, world, seed=config.seed)
     ft_spec = FinetuneSpec(
         total_train_epochs=config.total_train_epochs,

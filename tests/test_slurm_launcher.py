@@ -53,6 +53,7 @@ def test_sbatch_script_layout_and_settings(tiny_model_dir: str, tmp_path: Path) 
         {
             "allocation_mode": "vllm:d3t2+fsdp:d16",
             "actor": {"path": tiny_model_dir},
+            "train_dataset": {"batch_size": 32},  # split over the 16 data-parallel ranks
             "launcher": {"slurm": {"partition": "gpu", "gpus_per_node": 8, "sbatch_args": ["--qos=high"]}},
         },
     )
@@ -124,8 +125,8 @@ def test_trainer_part_runs_under_torchrun_c10d(tmp_path: Path) -> None:
         assert res["cwd"] == str(REPO_ROOT)  # the directory the launcher was called from
 
 
-def test_missing_sbatch_is_one_line(tmp_path: Path) -> None:
-    config = _config(tmp_path, {"allocation_mode": "fsdp:d2"})
+def test_missing_sbatch_is_one_line(tiny_model_dir: str, tmp_path: Path) -> None:
+    config = _config(tmp_path, {"allocation_mode": "fsdp:d2", "model": {"path": tiny_model_dir}})
     env = {**ENV, "PATH": os.path.dirname(sys.executable)}  # no sbatch on it
     proc = _slurm(["examples/gsm8k_sft.py", "--config", str(config)], env=env)
     assert proc.returncode == 1
@@ -135,8 +136,9 @@ def test_missing_sbatch_is_one_line(tmp_path: Path) -> None:
     ]
 
 
-def test_shapes_that_do_not_fit_fail_before_writing(tmp_path: Path) -> None:
-    config = _config(tmp_path, {"allocation_mode": "fsdp:d12"})
+def test_shapes_that_do_not_fit_fail_before_writing(tiny_model_dir: str, tmp_path: Path) -> None:
+    body = {"allocation_mode": "fsdp:d12", "model": {"path": tiny_model_dir}, "train_dataset": {"batch_size": 24}}
+    config = _config(tmp_path, body)
     proc = _slurm(["examples/gsm8k_sft.py", "--config", str(config), "--dry-run", "--gpus-per-node", "8"])
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: train world size 12 is not a multiple of gpus_per_node 8"

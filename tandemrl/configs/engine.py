@@ -11,7 +11,7 @@ class OptimizerConfig:
     """AdamW plus a learning-rate schedule."""
 
     type: str = field(default="adamw", metadata={"help": "Optimizer; only 'adamw' is built in.", "choices": ["adamw"]})
-    lr: float = field(default=1e-5, metadata={"help": "Peak learning rate."})
+    lr: float = field(default=1e-5, metadata={"help": "Peak learning rate.", "min": 0})
     weight_decay: float = field(default=0.0, metadata={"help": "Decoupled weight decay."})
     beta1: float = field(default=0.9, metadata={"help": "Adam beta1."})
     beta2: float = field(default=0.999, metadata={"help": "Adam beta2."})
@@ -31,9 +31,10 @@ class OptimizerConfig:
 class MicroBatchSpec:
     """How a batch is split into micro-batches for forward/backward."""
 
-    n_mbs: int = field(default=1, metadata={"help": "Minimum number of micro-batches."})
+    n_mbs: int = field(default=1, metadata={"help": "Minimum number of micro-batches.", "min": 1})
     max_tokens_per_mb: int | None = field(
-        default=None, metadata={"help": "Token budget per micro-batch; more micro-batches are made to respect it."}
+        default=None,
+        metadata={"help": "Token budget per micro-batch; more micro-batches are made to respect it.", "min": 1},
     )
 
 

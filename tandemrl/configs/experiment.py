@@ -25,8 +25,10 @@ class BaseExperimentConfig:
     trial_name: str = field(default="trial0", metadata={"help": "One run of an experiment."})
     allocation_mode: str = field(default="fsdp:d2", metadata={"help": "Devices and parallelism, e.g. vllm:d1+fsdp:d1."})
     seed: int = field(default=1, metadata={"help": "Global seed."})
-    total_train_epochs: int = field(default=1, metadata={"help": "Epochs over the train set."})
-    total_train_steps: int | None = field(default=None, metadata={"help": "Stop after this many steps if set."})
+    total_train_epochs: int = field(default=1, metadata={"help": "Epochs over the train set.", "min": 1})
+    total_train_steps: int | None = field(
+        default=None, metadata={"help": "Stop after this many steps if set.", "min": 1}
+    )
     tokenizer_path: str = field(default="", metadata={"help": "Tokenizer directory; empty uses the model's."})
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     train_dataset: DatasetConfig = field(default_factory=DatasetConfig)

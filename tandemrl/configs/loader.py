@@ -14,7 +14,6 @@ import difflib
 import functools
 import os
 import re
-import sys
 import tempfile
 import types
 import typing
@@ -33,6 +32,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
+from tandemrl.configs.checks import InputsChecked, check_inputs, check_only, configs_seen, first_problem
 from tandemrl.configs.data import DatasetConfig
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from tandemrl.configs.experiment import GRPOConfig, PPOConfig, SFTConfig
@@ -47,6 +47,7 @@ from tandemrl.configs.utils import (
     TensorBoardConfig,
     WandBConfig,
 )
+from tandemrl.utils.cli import exit_with_error
 
 __all__ = [
     "COMPONENT_CONFIGS",
@@ -314,8 +315,8 @@ def _translate(err: OmegaConfBaseException, schema: type, where: str | None, ori
     return ConfigError(f"Invalid {subject} {where}: {_first_line(err)}")
 
 
-def _check_choices(obj: Any, prefix: str, origins: _Origins) -> None:
-    """Enforce the ``choices`` metadata of schema fields, which OmegaConf itself ignores."""
+def _check_field_values(obj: Any, prefix: str, origins: _Origins) -> None:
+    """Enforce the ``choices`` and ``min`` metadata of schema fields, which OmegaConf itself ignores."""
     if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
         return
     for f in dataclasses.fields(obj):
@@ -325,7 +326,10 @@ def _check_choices(obj: Any, prefix: str, origins: _Origins) -> None:
         if choices is not None and value is not None and value not in choices:
             allowed = ", ".join(str(c) for c in choices)
             raise ConfigError(f"Config key '{key}' {origins.where(key)} expects one of {allowed}, got {_show(value)}")
-        _check_choices(value, key, origins)
+        low = f.metadata.get("min")
+        if low is not None and isinstance(value, (int, float)) and value < low:
+            raise ConfigError(f"Config key '{key}' {origins.where(key)} must be >= {low}, got {_show(value)}")
+        _check_field_values(value, key, origins)
 
 
 # ----------------------------------------------------------------------------- sources: YAML and overrides
@@ -542,9 +546,14 @@ def load_config(argv: list[str], schema: type[T]) -> tuple[T, str]:
 
     ``argv`` holds an optional ``--config FILE.yaml`` (or ``--config preset:NAME``) and hydra-style
     overrides.  Returns the dataclass with interpolations resolved, and the absolute YAML path ("" if none).
+    Values must also fit together (``tandemrl.configs.checks.first_problem``). With
+    ``TANDEMRL_CHECK_ONLY=1`` (the launchers' pre-flight) it then checks the model paths and data
+    files the config names and raises ``InputsChecked`` instead of returning.
     """
     if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
         raise TypeError(f"load_config needs a dataclass schema, got {schema!r}")
+    if check_only():
+        configs_seen[0] += 1
     config_arg, overrides = _split_argv(list(argv))
     origins = _Origins()
     try:
@@ -566,7 +575,14 @@ def load_config(argv: list[str], schema: type[T]) -> tuple[T, str]:
         obj = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as err:
         raise _translate(err, schema, None, origins) from None
-    _check_choices(obj, "", origins)
+    _check_field_values(obj, "", origins)
+    problem = first_problem(obj)
+    if problem is not None:
+        key, message = problem
+        raise ConfigError(f"Config key '{key}' {origins.where(key)} {message}")
+    if check_only():
+        check_inputs(obj)
+        raise InputsChecked(config_path)
     return typing.cast(T, obj), config_path
 
 
@@ -575,8 +591,7 @@ def load_config_or_exit(argv: list[str], schema: type[T]) -> tuple[T, str]:
     try:
         return load_config(argv, schema)
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+        exit_with_error(err)
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -590,8 +605,7 @@ def exit_on_config_error(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except ConfigError as err:
-            print(f"error: {err}", file=sys.stderr)
-            raise SystemExit(2) from None
+            exit_with_error(err)
 
     return typing.cast(F, wrapper)
 

@@ -68,9 +68,9 @@ class PPOActorConfig(TrainEngineConfig):
     Off-policy (asynchronous) samples: use_decoupled_loss + recompute_logprob + behav_imp_weight_cap.
     """
 
-    group_size: int = field(default=1, metadata={"help": "Samples per prompt (GRPO group)."})
-    ppo_n_minibatches: int = field(default=1, metadata={"help": "Minibatches per PPO epoch."})
-    ppo_n_epochs: int = field(default=1, metadata={"help": "Passes over each batch."})
+    group_size: int = field(default=1, metadata={"help": "Samples per prompt (GRPO group).", "min": 1})
+    ppo_n_minibatches: int = field(default=1, metadata={"help": "Minibatches per PPO epoch.", "min": 1})
+    ppo_n_epochs: int = field(default=1, metadata={"help": "Passes over each batch.", "min": 1})
     eps_clip: float = field(default=0.2, metadata={"help": "Lower (and default upper) ratio clip."})
     eps_clip_higher: float | None = field(default=None, metadata={"help": "Upper ratio clip (DAPO clip-higher)."})
     c_clip: float | None = field(default=None, metadata={"help": "Dual-clip bound (> 1) for negative advantages."})

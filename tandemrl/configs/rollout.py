@@ -10,9 +10,11 @@ from typing import Any
 class GenerationHyperparameters:
     """Sampling parameters of one generation request."""
 
-    n_samples: int = field(default=1, metadata={"help": "Samples generated per prompt."})
-    max_new_tokens: int = field(default=256, metadata={"help": "Maximum generated tokens."})
-    min_new_tokens: int = field(default=0, metadata={"help": "Minimum generated tokens before a stop is allowed."})
+    n_samples: int = field(default=1, metadata={"help": "Samples generated per prompt.", "min": 1})
+    max_new_tokens: int = field(default=256, metadata={"help": "Maximum generated tokens.", "min": 1})
+    min_new_tokens: int = field(
+        default=0, metadata={"help": "Minimum generated tokens before a stop is allowed.", "min": 0}
+    )
     greedy: bool = field(default=False, metadata={"help": "Argmax decoding (ignores temperature/top_p/top_k)."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass."})
@@ -36,12 +38,16 @@ class InferenceEngineConfig:
     experiment_name: str = field(default="${experiment_name}", metadata={"help": "Filled from the root config."})
     trial_name: str = field(default="${trial_name}", metadata={"help": "Filled from the root config."})
     max_concurrent_rollouts: int | None = field(
-        default=None, metadata={"help": "Workflows running at once; None means consumer_batch_size."}
+        default=None, metadata={"help": "Workflows running at once; None means consumer_batch_size.", "min": 1}
     )
-    queue_size: int | None = field(default=None, metadata={"help": "Input/output queue size; None picks a default."})
-    consumer_batch_size: int = field(default=1, metadata={"help": "Trajectories the trainer consumes per step."})
+    queue_size: int | None = field(
+        default=None, metadata={"help": "Input/output queue size; None picks a default.", "min": 1}
+    )
+    consumer_batch_size: int = field(
+        default=1, metadata={"help": "Trajectories the trainer consumes per step.", "min": 1}
+    )
     max_head_offpolicyness: int = field(
-        default=0, metadata={"help": "Max versions a sample may lag the trainer; 0 is synchronous RL."}
+        default=0, metadata={"help": "Max versions a sample may lag the trainer; 0 is synchronous RL.", "min": 0}
     )
     enable_rollout_tracing: bool = field(default=False, metadata={"help": "Log each rollout's lifecycle."})
     stats_name: str = field(
@@ -55,7 +61,7 @@ class InferenceEngineConfig:
         },
     )
     request_timeout: float = field(default=3600.0, metadata={"help": "Seconds before a generation request fails."})
-    request_retries: int = field(default=3, metadata={"help": "Retries (with failover) per request."})
+    request_retries: int = field(default=3, metadata={"help": "Retries (with failover) per request.", "min": 0})
     request_backoff: float = field(
         default=0.5, metadata={"help": "Seconds before a request's first retry; doubles on each further retry."}
     )

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 class FreqConfig:
     """When a periodic action fires; any condition that is set triggers it."""
 
-    freq_epochs: int | None = field(default=None, metadata={"help": "Every N epochs."})
-    freq_steps: int | None = field(default=None, metadata={"help": "Every N global steps."})
-    freq_secs: int | None = field(default=None, metadata={"help": "Every N seconds of wall time."})
+    freq_epochs: int | None = field(default=None, metadata={"help": "Every N epochs.", "min": 1})
+    freq_steps: int | None = field(default=None, metadata={"help": "Every N global steps.", "min": 1})
+    freq_secs: int | None = field(default=None, metadata={"help": "Every N seconds of wall time.", "min": 1})
 
 
 @dataclass
@@ -87,5 +87,7 @@ class ClusterConfig:
     """Where outputs go and how processes find each other."""
 
     fileroot: str = field(default="./runs", metadata={"help": "Root directory of all run outputs."})
-    n_nodes: int = field(default=1, metadata={"help": "Number of nodes."})
-    n_gpus_per_node: int = field(default=2, metadata={"help": "Devices (GPUs, or CPU processes here) per node."})
+    n_nodes: int = field(default=1, metadata={"help": "Number of nodes.", "min": 1})
+    n_gpus_per_node: int = field(
+        default=2, metadata={"help": "Devices (GPUs, or CPU processes here) per node.", "min": 1}
+    )

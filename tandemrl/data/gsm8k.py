@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tandemrl.data.loader import dataset_source, load_split, shard_for_rank, validate_rows
+from tandemrl.data.loader import (
+    dataset_source,
+    enforce_length_limit,
+    length_limit,
+    load_split,
+    shard_for_rank,
+    validate_rows,
+)
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -29,11 +36,6 @@ def render_prompts(tokenizer: Any, questions: list[str]) -> list[list[int]]:
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
-def _check_max_length(max_length: int | None) -> None:
-    if max_length is not None and max_length <= 0:
-        raise ValueError(f"max_length={max_length} must be positive (or None for no limit)")
-
-
 def _load_valid(path: str, split: str, max_samples: int | None) -> tuple[Dataset, str]:
     source = dataset_source(path, split)
     ds = load_split(path, split, max_samples=max_samples)
@@ -41,9 +43,9 @@ def _load_valid(path: str, split: str, max_samples: int | None) -> tuple[Dataset
     return ds, source
 
 
-def _nonempty(ds: Dataset, source: str, max_length: int | None) -> Dataset:
+def _nonempty(ds: Dataset, source: str, limit: tuple[int, str] | None) -> Dataset:
     if len(ds) == 0:
-        raise ValueError(f"{source}: no sample fits max_length={max_length}")
+        raise ValueError(f"{source}: no sample fits {limit[1] if limit else 'the length limit'}")
     return ds
 
 
@@ -55,9 +57,14 @@ def get_gsm8k_sft_dataset(
     world_size: int,
     max_length: int | None = None,
     max_samples: int | None = None,
+    on_too_long: str = "drop",
+    context_length: int | None = None,
 ) -> Dataset:
-    """Samples {input_ids, loss_mask}: chat prompt (mask 0) + answer + eos (mask 1)."""
-    _check_max_length(max_length)
+    """Samples {input_ids, loss_mask}: chat prompt (mask 0) + answer + eos (mask 1).
+
+    Samples longer than ``max_length`` or ``context_length`` are dropped or refused (``on_too_long``).
+    """
+    limit = length_limit(max_length, context_length)
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError("tokenizer has no eos_token; SFT samples need one to end the answer")
@@ -71,9 +78,9 @@ def get_gsm8k_sft_dataset(
         return {"input_ids": input_ids, "loss_mask": loss_mask}
 
     ds = ds.map(process, batched=True, remove_columns=ds.column_names, keep_in_memory=True)
-    if max_length is not None:
-        ds = ds.filter(lambda ids: len(ids) <= max_length, input_columns="input_ids", keep_in_memory=True)
-    return shard_for_rank(_nonempty(ds, source, max_length), rank, world_size, source)
+    lengths = [len(ids) for ids in ds["input_ids"]] if limit is not None else []
+    ds = enforce_length_limit(ds, lengths, limit, on_too_long, source, rank=rank, split=split)
+    return shard_for_rank(_nonempty(ds, source, limit), rank, world_size, source)
 
 
 def get_gsm8k_rl_dataset(
@@ -84,23 +91,22 @@ def get_gsm8k_rl_dataset(
     world_size: int,
     max_length: int | None = None,
     max_samples: int | None = None,
+    on_too_long: str = "drop",
+    context_length: int | None = None,
 ) -> Dataset:
-    """Prompts {messages, question, answer}; `max_length` bounds the templated prompt's tokens."""
-    _check_max_length(max_length)
+    """Prompts {messages, question, answer}; the templated prompt's tokens are bounded by
+    ``max_length`` and ``context_length`` (over: dropped or refused, by ``on_too_long``)."""
+    limit = length_limit(max_length, context_length)
     ds, source = _load_valid(path, split, max_samples)
 
     def process(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
-        out: dict[str, list[Any]] = {
+        return {
             "messages": [user_messages(q) for q in batch["question"]],
             "question": list(batch["question"]),
             "answer": list(batch["answer"]),
         }
-        if max_length is not None:
-            out["prompt_len"] = [len(p) for p in render_prompts(tokenizer, batch["question"])]
-        return out
 
     ds = ds.map(process, batched=True, remove_columns=ds.column_names, keep_in_memory=True)
-    if max_length is not None:
-        ds = ds.filter(lambda n: n <= max_length, input_columns="prompt_len", keep_in_memory=True)
-        ds = ds.remove_columns("prompt_len")
-    return shard_for_rank(_nonempty(ds, source, max_length), rank, world_size, source)
+    lengths = [len(p) for p in render_prompts(tokenizer, ds["question"])] if limit is not None else []
+    ds = enforce_length_limit(ds, lengths, limit, on_too_long, source, rank=rank, split=split)
+    return shard_for_rank(_nonempty(ds, source, limit), rank, world_size, source)

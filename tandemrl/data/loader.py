@@ -6,6 +6,7 @@ Heavy libraries (datasets, torch, torchdata) are imported inside the functions s
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -36,18 +37,65 @@ def _looks_local(path: str) -> bool:
     return path.startswith(("/", "./", "../", "~")) or not is_plausible_hub_id(path)
 
 
-def _first_bad_json_line(file: str) -> str | None:
-    """Point at the first unparsable line; arrow's own error names neither file nor line."""
-    with open(file, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+def _field_problem(row: Any, field: str) -> str | None:
+    """Why ``row[field]`` is not a usable text field, or None."""
+    value = row.get(field) if isinstance(row, dict) else None
+    if value is None:
+        return f"required field {field!r} is missing"
+    if not isinstance(value, str):
+        return f"field {field!r} must be a string, got {type(value).__name__}"
+    if not value.strip():
+        return f"field {field!r} is empty"
+    return None
+
+
+def scan_jsonl(file: str, required: Sequence[str] = (), max_rows: int | None = None) -> int:
+    """Check a JSON-lines file row by row and return its number of rows (at most ``max_rows``).
+
+    Raises one line naming the file and the first problem: a byte that is not UTF-8 (line and
+    byte offset), a line that is not JSON or not an object, a missing/blank ``required`` field
+    (0-based row, as in :func:`validate_rows`), or no rows at all. Arrow's own errors name neither.
+    """
+    rows = offset = 0
+    with open(file, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if max_rows is not None and rows >= max_rows:
+                break
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{file}: line {lineno}: byte 0x{raw[e.start]:02x} at byte offset {offset + e.start} "
+                    "is not valid UTF-8 (save the file as UTF-8)"
+                ) from None
+            offset += len(raw)
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                return f"{file}: line {lineno}: invalid JSON ({e.msg})"
+                raise ValueError(f"{file}: line {lineno}: invalid JSON ({e.msg})") from None
             if not isinstance(row, dict):
-                return f"{file}: line {lineno}: expected a JSON object, got {type(row).__name__}"
+                raise ValueError(f"{file}: line {lineno}: expected a JSON object, got {type(row).__name__}")
+            for field in required:
+                problem = _field_problem(row, field)
+                if problem is not None:
+                    raise ValueError(f"{file}: row {rows}: {problem}")
+            rows += 1
+    if rows == 0:
+        raise ValueError(f"{file}: empty (no JSON rows); a split file holds one JSON object per line")
+    return rows
+
+
+def _local_split_file(path: str, split: str) -> str | None:
+    """The split's file for a local directory, None for a hub id; a missing dir or file raises naming it."""
+    if os.path.isdir(os.path.expanduser(path)):
+        file = split_file(path, split)
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"dataset split file not found: {file} (split {split!r} of {path})")
+        return file
+    if _looks_local(path):
+        raise FileNotFoundError(f"dataset directory not found: {path}")
     return None
 
 
@@ -55,25 +103,20 @@ def load_split(path: str, split: str, max_samples: int | None = None, *, name: s
     """One split of a dataset: `{path}/{split}.jsonl` for a local directory, else a hub dataset.
 
     `name` is the hub config (GSM8K's is "main"). `max_samples` keeps the first N rows.
+    A local file is checked first with :func:`scan_jsonl`, so a broken one is named precisely.
     """
     from datasets import load_dataset
 
     if max_samples is not None and max_samples <= 0:
         raise ValueError(f"max_samples={max_samples} must be positive (or None for all rows)")
-    if os.path.isdir(os.path.expanduser(path)):
-        file = split_file(path, split)
-        if not os.path.isfile(file):
-            raise FileNotFoundError(f"dataset split file not found: {file} (split {split!r} of {path})")
+    file = _local_split_file(path, split)
+    if file is not None:
+        scan_jsonl(file)
         try:
             ds = load_dataset("json", data_files=file, split="train")
-        except Exception as e:  # arrow/datasets errors do not say which line is broken
-            detail = _first_bad_json_line(file)
-            if detail is None:
-                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-                detail = f"{file}: could not be loaded as JSON lines ({type(e).__name__}: {first})"
-            raise ValueError(detail) from e
-    elif _looks_local(path):
-        raise FileNotFoundError(f"dataset directory not found: {path}")
+        except Exception as e:  # e.g. a column whose type changes between rows
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise ValueError(f"{file}: could not be loaded as JSON lines ({type(e).__name__}: {first})") from e
     else:
         ds = load_dataset(path, name=name, split=split)
     if max_samples is not None and max_samples < len(ds):
@@ -93,13 +136,9 @@ def validate_rows(ds: Dataset, required: Sequence[str] = ("question", "answer"),
     for idx in range(len(ds)):
         for field in required:
             col = values[field]
-            v = None if col is None else col[idx]
-            if v is None:
-                raise ValueError(f"{source}: row {idx}: required field {field!r} is missing")
-            if not isinstance(v, str):
-                raise ValueError(f"{source}: row {idx}: field {field!r} must be a string, got {type(v).__name__}")
-            if not v.strip():
-                raise ValueError(f"{source}: row {idx}: field {field!r} is empty")
+            problem = _field_problem({field: None if col is None else col[idx]}, field)
+            if problem is not None:
+                raise ValueError(f"{source}: row {idx}: {problem}")
 
 
 def shard_for_rank(ds: Dataset, rank: int, world_size: int, source: str = "dataset") -> Dataset:
@@ -118,6 +157,69 @@ def shard_for_rank(ds: Dataset, rank: int, world_size: int, source: str = "datas
     if usable < len(ds):
         ds = ds.select(range(usable))
     return split_dataset_by_node(ds, rank=rank, world_size=world_size)
+
+
+# ----------------------------------------------------------------------------- length limit
+
+TOO_LONG_POLICIES = ("drop", "error")
+# A tokenizer without a real limit reports this huge sentinel as model_max_length.
+_NO_LIMIT = 10**8
+
+
+def length_limit(max_length: int | None, context_length: int | None) -> tuple[int, str] | None:
+    """The token limit that applies (the smaller of the two) and how messages name it; None if neither is set."""
+    if max_length is not None and max_length <= 0:
+        raise ValueError(f"max_length={max_length} must be positive (or None for the model's context)")
+    if context_length is not None and (max_length is None or context_length < max_length):
+        return context_length, f"the model context of {context_length}"
+    if max_length is not None:
+        return max_length, f"max_length={max_length}"
+    return None
+
+
+def enforce_length_limit(
+    ds: Dataset,
+    lengths: Sequence[int],
+    limit: tuple[int, str] | None,
+    on_too_long: str,
+    source: str,
+    *,
+    rank: int = 0,
+    split: str = "train",
+) -> Dataset:
+    """Drop (``on_too_long="drop"``) or refuse (``"error"``) the rows whose length is over ``limit``.
+
+    Drop prints ``<source>: dropped N of M rows longer than <limit> tokens`` once (rank 0) and records
+    N as the scalar ``data/<split>/dropped_too_long`` for the first logged step. Error raises one line
+    naming the file, the first such row (0-based) and its length.
+    """
+    if on_too_long not in TOO_LONG_POLICIES:
+        raise ValueError(f"on_too_long={on_too_long!r} is not one of {', '.join(TOO_LONG_POLICIES)}")
+    if limit is None:
+        return ds
+    cap, name = limit
+    too_long = [i for i, n in enumerate(lengths) if n > cap]
+    if too_long and on_too_long == "error":
+        i = too_long[0]
+        raise ValueError(
+            f"{source}: row {i}: {lengths[i]} tokens, longer than {name} ({len(too_long)} of {len(ds)} rows are; "
+            "on_too_long=drop skips them)"
+        )
+    from tandemrl.utils import stats_tracker
+
+    stats_tracker.get().scalar(**{f"data/{split}/dropped_too_long": len(too_long)})
+    if not too_long:
+        return ds
+    if rank == 0:
+        print(f"{source}: dropped {len(too_long)} of {len(ds)} rows longer than {name} tokens", flush=True)
+    dropped = set(too_long)
+    return ds.select([i for i in range(len(ds)) if i not in dropped], keep_in_memory=True)
+
+
+def tokenizer_context(tokenizer: Any) -> int | None:
+    """The tokenizer's ``model_max_length`` when it is a real limit (transformers uses a huge sentinel otherwise)."""
+    n = getattr(tokenizer, "model_max_length", None)
+    return n if isinstance(n, int) and 0 < n < _NO_LIMIT else None
 
 
 # ----------------------------------------------------------------------------- registry
@@ -152,18 +254,26 @@ def registered_datasets() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def _registered(path: str) -> tuple[str, DatasetHandlers] | None:
+    """The deepest path component that is a registered name, and its handlers."""
+    parts = [p.lower() for p in os.path.normpath(os.path.expanduser(path)).split(os.sep) if p]
+    for part in reversed(parts):
+        if part in _REGISTRY:
+            return part, _REGISTRY[part]
+    return None
+
+
 def resolve_dataset_fn(path: str, type: str) -> DatasetFn:
     """The builder for `path`: the deepest path component that is a registered name, else GSM8K's."""
     if type not in DATASET_TYPES:
         raise ValueError(f"dataset type {type!r} is not one of {', '.join(DATASET_TYPES)}")
-    parts = [p.lower() for p in os.path.normpath(os.path.expanduser(path)).split(os.sep) if p]
-    for part in reversed(parts):
-        handlers = _REGISTRY.get(part)
-        if handlers is not None:
-            fn = getattr(handlers, type)
-            if fn is None:
-                raise ValueError(f"dataset {part!r} (path {path}) has no {type!r} builder registered")
-            return fn
+    found = _registered(path)
+    if found is not None:
+        name, handlers = found
+        fn = getattr(handlers, type)
+        if fn is None:
+            raise ValueError(f"dataset {name!r} (path {path}) has no {type!r} builder registered")
+        return fn
     from tandemrl.data import gsm8k
 
     return gsm8k.get_gsm8k_sft_dataset if type == "sft" else gsm8k.get_gsm8k_rl_dataset
@@ -185,8 +295,32 @@ def get_custom_dataset(
     return fn(path, split, tokenizer, rank, world_size, max_length=max_length, max_samples=max_samples, **kwargs)
 
 
-def dataset_from_config(config: DatasetConfig, tokenizer: Any, rank: int, world_size: int) -> Dataset:
-    """`get_custom_dataset` with every option taken from a DatasetConfig."""
+def _accepted(fn: DatasetFn, options: dict[str, Any]) -> dict[str, Any]:
+    """The options a builder takes (all of them if it has ``**kwargs``)."""
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return options
+    names = {p.name for p in params}
+    return {k: v for k, v in options.items() if k in names}
+
+
+def dataset_from_config(
+    config: DatasetConfig, tokenizer: Any, rank: int, world_size: int, context_length: int | None = None
+) -> Dataset:
+    """`get_custom_dataset` with every option taken from a DatasetConfig.
+
+    ``context_length`` is the model's context (``max_position_embeddings``); samples over it are
+    handled like those over ``max_length``. None falls back to the tokenizer's ``model_max_length``.
+    Builders that do not take ``on_too_long``/``context_length`` are called without them.
+    """
+    fn = resolve_dataset_fn(config.path, config.type)
+    context = context_length if context_length is not None else tokenizer_context(tokenizer)
+    options = _accepted(fn, {"on_too_long": config.on_too_long, "context_length": context})
+    if config.on_too_long != "drop" and "on_too_long" not in options:
+        raise ValueError(
+            f"on_too_long={config.on_too_long!r} (dataset {config.path}): its builder {fn.__name__} "
+            "takes no on_too_long argument"
+        )
     return get_custom_dataset(
         config.path,
         config.type,
@@ -196,7 +330,23 @@ def dataset_from_config(config: DatasetConfig, tokenizer: Any, rank: int, world_
         world_size,
         max_length=config.max_length,
         max_samples=config.max_samples,
+        **options,
     )
+
+
+def check_dataset_inputs(config: DatasetConfig) -> None:
+    """What can be checked before any process starts: the directory and split file exist and, for
+    GSM8K-format data (a path no registered builder claims), every row parses and has its fields.
+
+    Registered datasets may build their files on first use, so they are left to their builders.
+    """
+    if _registered(config.path) is not None:
+        return
+    file = _local_split_file(config.path, config.split)
+    if file is not None:
+        from tandemrl.data.gsm8k import REQUIRED_FIELDS
+
+        scan_jsonl(file, REQUIRED_FIELDS, max_rows=config.max_samples)
 
 
 # ----------------------------------------------------------------------------- dataloader

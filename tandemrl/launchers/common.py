@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import signal
 import subprocess
@@ -38,6 +39,7 @@ class TrialResult:
     seconds: float
     run_dir: str
     error: str = ""
+    log: str = ""  # where the full output of a failed trial is, printed after its error
 
 
 @dataclass
@@ -133,7 +135,21 @@ def plan_trials(args: LaunchArgs) -> list[tuple[list[str], LaunchSpec]]:
         specs.append((combo, spec))
     for _, spec in specs:
         spec.resolve_model()
+    check_script_inputs(args, specs)
     return specs
+
+
+def check_script_inputs(args: LaunchArgs, specs: list[tuple[list[str], LaunchSpec]]) -> None:
+    """Validate each trial's config against the script's own schema, and its data files, before any start.
+
+    A bad key, value or dataset row raises ValueError with the script's one-line error.
+    """
+    from tandemrl.launchers.check import check_script
+
+    for combo, _ in specs:
+        if not check_script(args.script, args.config_path, combo):
+            print(f"[launcher] note: {args.script} does not build its config with load_config; not checked", flush=True)
+            return
 
 
 RunTrial = Callable[[str, "str | None", list[str], LaunchSpec], TrialResult]
@@ -149,6 +165,8 @@ def run_trials(args: LaunchArgs, specs: list[tuple[list[str], LaunchSpec]], run_
         results.append(result)
         if result.returncode != 0:
             print(f"[launcher] trial {spec.trial_name} failed: {result.error}", flush=True)
+            if result.log:
+                print(f"[launcher] full output: {result.log}", flush=True)
             if result.error == "interrupted":
                 break
     if args.multirun:
@@ -171,6 +189,39 @@ def first_line(err: BaseException) -> str:
     """The one line of an error a launcher reports (full detail stays in the logs)."""
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
+
+
+TORCHRUN_LOG_DIR = "torchrun"  # under the run directory: torchrun's per-rank error files
+
+
+def torchrun_log_args(run_dir: Path) -> list[str]:
+    """torchrun options that put each rank's error file (``TORCHELASTIC_ERROR_FILE``) under the run dir."""
+    return [f"--log-dir={run_dir / TORCHRUN_LOG_DIR}"]
+
+
+def first_rank_error(run_dir: Path, since_ns: int = 0) -> tuple[int, str] | None:
+    """(rank, first line) of the earliest error a rank recorded after ``since_ns`` (see ``record_error``)."""
+    found = []
+    for path in (run_dir / TORCHRUN_LOG_DIR).glob("*/attempt_*/*/error.json"):
+        try:
+            mtime = path.stat().st_mtime_ns
+            message = json.loads(path.read_text())["message"]
+            text = message["message"] if isinstance(message, dict) else str(message)
+            rank = int(path.parent.name)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+        if mtime >= since_ns and lines:
+            found.append((mtime, rank, lines[0]))
+    return min(found)[1:] if found else None
+
+
+def trainer_failure(run_dir: Path, returncode: int, since_ns: int) -> str:
+    """One line for a failed torchrun trainer: the first rank's error if one was recorded."""
+    first = first_rank_error(run_dir, since_ns)
+    if first is None:
+        return f"trainer exited with {returncode}"
+    return f"trainer rank {first[0]}: {first[1]}"
 
 
 @contextlib.contextmanager

@@ -16,12 +16,23 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandemrl.inference.remote import SERVER_ADDRS_ENV
 from tandemrl.launchers import common
-from tandemrl.launchers.common import TrialResult, guarded_trial, kill_group, parse_args, plan_trials, pump, run_trials
+from tandemrl.launchers.common import (
+    TrialResult,
+    guarded_trial,
+    kill_group,
+    parse_args,
+    plan_trials,
+    pump,
+    run_trials,
+    torchrun_log_args,
+    trainer_failure,
+)
 from tandemrl.utils.allocation import AllocationMode
 from tandemrl.utils.launch_config import LaunchSpec
 
@@ -85,6 +96,7 @@ def run_trial(script: str, config_path: str | None, overrides: list[str], spec: 
             "torch.distributed.run",
             "--standalone",
             f"--nproc_per_node={alloc.train_world_size}",
+            *torchrun_log_args(run_dir),
         ]
         cmd += [script] + (["--config", config_path] if config_path else []) + overrides
         print(f"[launcher] trainer: {' '.join(cmd)}", flush=True)
@@ -96,12 +108,16 @@ def run_trial(script: str, config_path: str | None, overrides: list[str], spec: 
             env=env,
             start_new_session=True,
         )
+        started = time.time_ns()
         out = pump(children.trainer.stdout, "trainer", run_dir / "trainer.log")
         rc = children.trainer.wait()
         out.join(timeout=10)
-        return rc, "" if rc == 0 else f"trainer exited with {rc} (log: {run_dir / 'trainer.log'})"
+        return rc, "" if rc == 0 else trainer_failure(run_dir, rc, started)
 
-    return guarded_trial(spec, overrides, body, children.stop)
+    result = guarded_trial(spec, overrides, body, children.stop)
+    if result.returncode != 0 and children.trainer is not None:
+        result.log = str(Path(result.run_dir) / "trainer.log")
+    return result
 
 
 def main(argv: list[str]) -> int:

@@ -40,7 +40,7 @@ from typing import Any
 from tandemrl.inference.remote import SERVER_ADDRS_ENV
 from tandemrl.launchers import common
 from tandemrl.launchers.common import LaunchError
-from tandemrl.utils.launch_config import LaunchSpec, _get, _load
+from tandemrl.utils.launch_config import LaunchSpec, _get, _load, script_config
 
 OPTIONS = ("--partition", "--gpus-per-node", "--time", "--account")
 # Launcher environment the job script re-exports (sbatch also copies the submitter's env).
@@ -252,17 +252,7 @@ def write_job(
 
 def _trainer_config(config_path: str | None, run_dir: Path) -> str | None:
     """The config the trainer reads: the user's file, or a copy without ``launcher`` if it has one."""
-    if not config_path:
-        return None
-    from omegaconf import OmegaConf
-
-    cfg = _load(config_path, [])
-    if "launcher" not in cfg:
-        return os.path.abspath(config_path) if os.path.isfile(config_path) else config_path
-    cfg.pop("launcher")
-    out = run_dir / "config.yaml"
-    OmegaConf.save(cfg, out, resolve=False)
-    return str(out)
+    return script_config(config_path, [], str(run_dir / "config.yaml"))[0]
 
 
 def submit(job: Path) -> str:

@@ -47,3 +47,9 @@ def load_hf_config(path: str | os.PathLike[str], *, trust_remote_code: bool = Fa
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(_check_source(path, "model config"), trust_remote_code=trust_remote_code)
+
+
+def model_context_length(path: str | os.PathLike[str]) -> int | None:
+    """The model's context (``max_position_embeddings`` of its HF config), None if it declares none."""
+    n = getattr(load_hf_config(path), "max_position_embeddings", None)
+    return n if isinstance(n, int) and n > 0 else None

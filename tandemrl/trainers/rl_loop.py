@@ -41,7 +41,7 @@ from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.engines.types import FinetuneSpec, TensorDict
 from tandemrl.inference.remote import remote_engine_for
 from tandemrl.inference.types import WeightUpdateMeta
-from tandemrl.models.hf import load_hf_tokenizer
+from tandemrl.models.hf import load_hf_tokenizer, model_context_length
 from tandemrl.models.resolve import resolve_model_path
 from tandemrl.rewards.runner import RewardFn
 from tandemrl.utils import stats_tracker
@@ -137,11 +137,12 @@ class RLTrainer:
         rank, world = self.actor.data_parallel_rank, self.actor.data_parallel_world_size
         self.tokenizer = load_hf_tokenizer(config.tokenizer_path or config.actor.path)
 
-        train_ds = dataset_from_config(config.train_dataset, self.tokenizer, rank, world)
+        context = model_context_length(config.actor.path)
+        train_ds = dataset_from_config(config.train_dataset, self.tokenizer, rank, world, context)
         self.train_dl = create_dataloader(train_ds, config.train_dataset, rank, world, seed=config.seed)
         self.valid_dl = None
         if config.valid_dataset is not None:
-            valid_ds = dataset_from_config(config.valid_dataset, self.tokenizer, rank, world)
+            valid_ds = dataset_from_config(config.valid_dataset, self.tokenizer, rank, world, context)
             self.valid_dl = create_dataloader(valid_ds, config.valid_dataset, rank, world, seed=config.seed)
         self.ft_spec = FinetuneSpec(
             total_train_epochs=config.total_train_epochs,

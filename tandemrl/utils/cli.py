@@ -5,15 +5,38 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 # Errors a user causes with a config value, a path or a data file. Their messages are
 # written to name the offending field or file on one line.
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, KeyError)
 
 
+def record_error(err: BaseException) -> None:
+    """Write ``err`` to this rank's torchrun error file (``TORCHELASTIC_ERROR_FILE``), if there is one.
+
+    torchrun then names it as the root cause, and the launchers print its first line last.
+    """
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        try:
+            ErrorHandler().record_exception(err)
+        except OSError:
+            pass  # the error itself is what matters; it is printed either way
+
+
+def exit_with_error(err: BaseException, message: str | None = None) -> NoReturn:
+    """Print ``error: <one line>``, record it for the launcher, and exit with status 2."""
+    record_error(err)
+    print(f"error: {message if message is not None else err}", file=sys.stderr, flush=True)
+    raise SystemExit(2) from None
+
+
 def run_main(main: Callable[[list[str]], None], argv: list[str] | None = None) -> None:
     """Run ``main(argv)``; a user-input error prints ``error: <one line>`` and exits 2.
 
+    Any error is also recorded in torchrun's per-rank error file (see :func:`record_error`).
     ``TANDEMRL_TRACEBACK=1`` re-raises instead, for debugging.
     """
     try:
@@ -21,6 +44,9 @@ def run_main(main: Callable[[list[str]], None], argv: list[str] | None = None) -
     except USER_ERRORS as err:
         msg = str(err).strip("'\"")
         if os.environ.get("TANDEMRL_TRACEBACK") == "1" or "\n" in msg:
+            record_error(err)
             raise
-        print(f"error: {msg}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        exit_with_error(err, msg)
+    except Exception as err:
+        record_error(err)
+        raise

@@ -95,3 +95,24 @@ def read_launch_spec(config_path: str | None, overrides: list[str]) -> LaunchSpe
         corpus_path=_get(cfg, "train_dataset.path"),
         server_timeout=float(_get(cfg, "rollout.setup_timeout", 600.0)),
     )
+
+
+LAUNCHER_SECTION = "launcher"  # settings of the launchers themselves (launcher.slurm.*), unknown to scripts
+
+
+def script_config(config_path: str | None, overrides: list[str], out: str) -> tuple[str | None, list[str]]:
+    """The config file and overrides a training script gets: without the ``launcher`` section.
+
+    A config file holding that section is copied to ``out`` without it; others are used as they are.
+    """
+    kept = [o for o in overrides if not o.lstrip("+~").startswith(f"{LAUNCHER_SECTION}.")]
+    if not config_path:
+        return None, kept
+    from omegaconf import OmegaConf
+
+    cfg = _load(config_path, [])
+    if LAUNCHER_SECTION not in cfg:
+        return (os.path.abspath(config_path) if os.path.isfile(config_path) else config_path), kept
+    cfg.pop(LAUNCHER_SECTION)
+    OmegaConf.save(cfg, out, resolve=False)
+    return out, kept
