@@ -24,6 +24,7 @@ from tandemrl.launchers import common
 from tandemrl.launchers.common import TrialResult, guarded_trial, kill_group, parse_args, plan_trials, pump, run_trials
 from tandemrl.utils.allocation import AllocationMode
 from tandemrl.utils.launch_config import LaunchSpec
+from tandemrl.utils.lifeline import exit_status, lifeline_command
 
 
 @dataclass
@@ -89,7 +90,7 @@ def run_trial(script: str, config_path: str | None, overrides: list[str], spec: 
         cmd += [script] + (["--config", config_path] if config_path else []) + overrides
         print(f"[launcher] trainer: {' '.join(cmd)}", flush=True)
         children.trainer = subprocess.Popen(
-            cmd,
+            lifeline_command(cmd),  # torchrun and its ranks stop if the launcher is killed
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -99,7 +100,7 @@ def run_trial(script: str, config_path: str | None, overrides: list[str], spec: 
         out = pump(children.trainer.stdout, "trainer", run_dir / "trainer.log")
         rc = children.trainer.wait()
         out.join(timeout=10)
-        return rc, "" if rc == 0 else f"trainer exited with {rc} (log: {run_dir / 'trainer.log'})"
+        return rc, "" if rc == 0 else f"trainer {exit_status(rc)} (log: {run_dir / 'trainer.log'})"
 
     return guarded_trial(spec, overrides, body, children.stop)
 
