@@ -180,3 +180,102 @@ def test_torchrun_alone_killed_then_auto_resume_is_bitwise(tiny_model_dir: str, 
         ref_root / "checkpoints" / "gsm8k-sft" / "trial0"
     )
     print(f"ranks gone {rank_exit_s:.2f}s after torchrun")
+
+
+# ------------------------------------------------------------------ ports and bound addresses
+
+
+def _listening(port: int) -> set[str]:
+    return {
+        c.laddr.ip for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port
+    }
+
+
+def test_weight_update_group_listens_on_loopback_only_and_a_busy_port_is_one_line() -> None:
+    """torch's TCPStore listens on every interface; the weight-update group's store must not."""
+    import torch
+    from utils import free_port
+
+    from tandemrl.inference.weight_group import create_trainer_weight_group, destroy_weight_group, join_weight_group
+
+    port = free_port()
+    box: dict[str, object] = {}
+    head = threading.Thread(target=lambda: box.update(pg=create_trainer_weight_group("127.0.0.1", port, 2, "gloo", 60)))
+    head.start()
+    server_side = join_weight_group("127.0.0.1", port, 2, 1, "gloo", 60)
+    head.join(timeout=60)
+    try:
+        assert _listening(port) == {"127.0.0.1"}
+        t = torch.zeros(3)
+        box["pg"].broadcast(torch.arange(3.0), 0)  # type: ignore[attr-defined]
+        server_side.broadcast(t, 0).wait()
+        assert t.tolist() == [0.0, 1.0, 2.0]
+    finally:
+        destroy_weight_group(server_side)
+        destroy_weight_group(box.get("pg"))  # type: ignore[arg-type]
+
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        taken = busy.getsockname()[1]
+        start = time.monotonic()
+        with pytest.raises(OSError) as e:
+            create_trainer_weight_group("127.0.0.1", taken, 2, "gloo", 60)
+        assert time.monotonic() - start < 10  # fails at once, never waits for peers
+    assert str(e.value) == f"[Errno 98] weight-update group: cannot listen on 127.0.0.1:{taken}: Address already in use"
+
+
+@pytest.mark.slow
+def test_launcher_sigkilled_leaves_nothing_and_servers_listen_on_loopback(
+    tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path
+) -> None:
+    """A GRPO run's vLLM server (API process and engine core) listens on 127.0.0.1 only; after
+    SIGKILL of the launcher itself, the server group, torchrun and its rank all end."""
+    args = [
+        "examples/gsm8k_grpo.py",
+        "--config",
+        "examples/gsm8k_grpo.yaml",
+        f"actor.path={tiny_model_dir}",
+        f"train_dataset.path={gsm8k_dir}",
+        f"cluster.fileroot={tmp_path}",
+        "total_train_steps=1000",
+        "gconfig.max_new_tokens=16",
+        "evaluator.freq_steps=1000",
+        "saver.freq_steps=1000",
+        "stats_logger.wandb.mode=disabled",
+    ]
+    proc = subprocess.Popen(
+        LAUNCH + args, cwd=REPO_ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    launcher = psutil.Process(proc.pid)
+    family: list[psutil.Process] = []
+    try:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            if "[launcher] trainer:" in line:
+                break
+        else:
+            pytest.fail("launcher ended before starting the trainer")
+        threading.Thread(target=proc.stdout.read, daemon=True).start()  # type: ignore[union-attr]
+        _wait_for(lambda: any("gsm8k_grpo.py" in _cmd(p) for p in torchrun_children(launcher)), 300, "the rank", proc)
+        family = _family(launcher)
+        servers = [p for p in family if "vllm" in _cmd(p).lower()]  # API server, engine core (VLLM::EngineCore)
+        assert servers, [_cmd(p) for p in family]
+        bound = {(c.laddr.ip, _cmd(p)[:80]) for p in servers for c in p.net_connections("tcp") if c.status == "LISTEN"}
+        assert bound and {ip for ip, _ in bound} == {"127.0.0.1"}, bound
+        print(f"server processes {[_cmd(p)[:40] for p in servers]} listen on {bound}")
+        launcher.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        start = time.monotonic()
+        _, alive = psutil.wait_procs(family[1:], timeout=120)
+        print(f"everything gone {time.monotonic() - start:.1f}s after the launcher")
+        assert not alive, [_cmd(p) for p in alive]
+    finally:
+        for p in family:
+            if not _dead(p):
+                p.kill()
+
+
+def torchrun_children(launcher: psutil.Process) -> list[psutil.Process]:
+    return [c for p in _family(launcher) if "torch.distributed.run" in _cmd(p) for c in p.children()]
