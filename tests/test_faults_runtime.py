@@ -32,16 +32,21 @@ ENV = {**os.environ, "WANDB_SILENT": "true", "TANDEMRL_DIST_TIMEOUT": "300", "PY
 SFT_STEPS = 6
 
 
+def _example(name: str, model_key: str, model: str, data: str, root: Path, *extra: str) -> list[str]:
+    """``examples/<name>.py --config examples/<name>.yaml`` on the tiny model and local GSM8K."""
+    paths = (f"{model_key}={model}", f"train_dataset.path={data}", f"cluster.fileroot={root}")
+    return [f"examples/{name}.py", "--config", f"examples/{name}.yaml", *paths, *extra]
+
+
 def _sft_args(model: str, data: str, root: Path, *extra: str) -> list[str]:
-    return [
-        "examples/gsm8k_sft.py",
-        "--config",
-        "examples/gsm8k_sft.yaml",
-        f"model.path={model}",
-        f"train_dataset.path={data}",
+    return _example(
+        "gsm8k_sft",
+        "model.path",
+        model,
+        data,
+        root,
         "train_dataset.max_samples=256",
         "train_dataset.batch_size=8",
-        f"cluster.fileroot={root}",
         f"total_train_steps={SFT_STEPS}",
         "saver.freq_steps=2",
         "evaluator.freq_steps=1000",
@@ -49,7 +54,7 @@ def _sft_args(model: str, data: str, root: Path, *extra: str) -> list[str]:
         "recover.freq_steps=1",
         "stats_logger.wandb.mode=disabled",
         *extra,
-    ]
+    )
 
 
 def _launch(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess[str]:
@@ -233,32 +238,27 @@ def test_launcher_sigkilled_leaves_nothing_and_servers_listen_on_loopback(
 ) -> None:
     """A GRPO run's vLLM server (API process and engine core) listens on 127.0.0.1 only; after
     SIGKILL of the launcher itself, the server group, torchrun and its rank all end."""
-    args = [
-        "examples/gsm8k_grpo.py",
-        "--config",
-        "examples/gsm8k_grpo.yaml",
-        f"actor.path={tiny_model_dir}",
-        f"train_dataset.path={gsm8k_dir}",
-        f"cluster.fileroot={tmp_path}",
+    args = _example(
+        "gsm8k_grpo",
+        "actor.path",
+        tiny_model_dir,
+        gsm8k_dir,
+        tmp_path,
         "total_train_steps=1000",
         "gconfig.max_new_tokens=16",
         "evaluator.freq_steps=1000",
         "saver.freq_steps=1000",
         "stats_logger.wandb.mode=disabled",
-    ]
+    )
     proc = subprocess.Popen(
         LAUNCH + args, cwd=REPO_ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     launcher = psutil.Process(proc.pid)
     family: list[psutil.Process] = []
     try:
-        for line in proc.stdout:  # type: ignore[union-attr]
-            if "[launcher] trainer:" in line:
-                break
-        else:
-            pytest.fail("launcher ended before starting the trainer")
         threading.Thread(target=proc.stdout.read, daemon=True).start()  # type: ignore[union-attr]
-        _wait_for(lambda: any("gsm8k_grpo.py" in _cmd(p) for p in torchrun_children(launcher)), 300, "the rank", proc)
+        # The server is healthy once the launcher has started torchrun, which forks the rank.
+        _wait_for(lambda: any("gsm8k_grpo.py" in _cmd(p) for p in torchrun_children(launcher)), 900, "the rank", proc)
         family = _family(launcher)
         servers = [p for p in family if "vllm" in _cmd(p).lower()]  # API server, engine core (VLLM::EngineCore)
         assert servers, [_cmd(p) for p in family]
