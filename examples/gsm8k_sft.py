@@ -21,8 +21,10 @@ from tandemrl.utils import stats_tracker
 from tandemrl.utils.allocation import AllocationMode
 from tandemrl.utils.cli import run_main
 from tandemrl.utils.evaluator import Evaluator
+from tandemrl.utils.recover import RecoverHandler
 from tandemrl.utils.saver import Saver
 from tandemrl.utils.stats_logger import StatsLogger
+from tandemrl.workflows.executor import cycle_batches
 
 
 def main(argv: list[str]) -> None:
@@ -66,31 +68,34 @@ def main(argv: list[str]) -> None:
             n += 1
         stats_tracker.scalar(eval_loss=total / max(n, 1))
 
-    global_step = 0
+    # recover.mode=auto|resume: continue after the last recoverable checkpoint (weights, optimizer,
+    # LR schedule, dataloader position, saver/evaluator counters); see tandemrl.utils.recover.
+    recover = RecoverHandler(config.recover, ft_spec)
+    state = recover.load({"model": engine}, engine, train_dl, saver, evaluator)
+    first_step = 0 if state is None else state.global_step + 1
+    batches = cycle_batches(train_dl, "train_dataset")
     total_steps = ft_spec.total_train_steps
-    bar = tqdm(total=total_steps, desc="sft", disable=dist.get_rank() != 0)
-    for epoch in range(config.total_train_epochs):
-        for step, rows in enumerate(train_dl):
-            if global_step >= total_steps:
-                break
-            batch = pad_sequences_to_tensors(rows, pad_id)
-            with stats_tracker.record_timing("train_step"):
-                stats = engine.train_lm(batch)
-                engine.step_lr_scheduler()
-            with stats_tracker.record_timing("save"):
-                saver.save(engine, epoch, step, global_step, tokenizer=tokenizer)
-            if valid_dl is not None:
-                with stats_tracker.record_timing("eval"):
-                    evaluator.evaluate(evaluate, epoch, step, global_step)
-            logger.commit(epoch, step, global_step, engine.export_stats())
-            bar.update(1)
-            bar.set_postfix(loss=f"{stats['loss']:.4f}")
-            global_step += 1
+    bar = tqdm(total=total_steps, initial=first_step, desc="sft", disable=dist.get_rank() != 0)
+    for global_step in range(first_step, total_steps):
+        epoch, step = divmod(global_step, ft_spec.steps_per_epoch)
+        batch = pad_sequences_to_tensors(next(batches), pad_id)
+        with stats_tracker.record_timing("train_step"):
+            stats = engine.train_lm(batch)
+            engine.step_lr_scheduler()
+        with stats_tracker.record_timing("save"):
+            saver.save(engine, epoch, step, global_step, tokenizer=tokenizer)
+        if valid_dl is not None:
+            with stats_tracker.record_timing("eval"):
+                evaluator.evaluate(evaluate, epoch, step, global_step)
+        logger.commit(epoch, step, global_step, engine.export_stats())
+        recover.dump({"model": engine}, engine, train_dl, step, global_step, saver, evaluator)
+        bar.update(1)
+        bar.set_postfix(loss=f"{stats['loss']:.4f}")
     bar.close()
     logger.close()
     if dist.get_rank() == 0:
         print(
-            f"sft done: {global_step} steps; logs in {logger.log_dir}; checkpoints under {saver.get_save_root(config.saver.fileroot, config.saver.experiment_name, config.saver.trial_name)}"
+            f"sft done: {total_steps - first_step} steps; logs in {logger.log_dir}; checkpoints under {saver.get_save_root(config.saver.fileroot, config.saver.experiment_name, config.saver.trial_name)}"
         )
     engine.destroy()
     destroy_process_groups()

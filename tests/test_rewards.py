@@ -121,22 +121,32 @@ def _failures(scope: str) -> tuple[float, float]:
     return out.get(f"{scope}/reward_failed", math.nan), out.get(f"{scope}/reward_failed__count", 0.0)
 
 
-def test_runner_turns_exceptions_into_zero_with_a_counted_warning(caplog: pytest.LogCaptureFixture) -> None:
-    runner = RewardRunner(_raises, timeout=5, stat_scope="test-rewards-raise")
+def test_runner_gives_no_reward_for_exceptions_counted_and_logged_once_per_kind(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def flaky(completions: str, **kw: Any) -> Any:
+        if completions in ("1", "3"):
+            raise ZeroDivisionError("bad reward")
+        return "oops" if completions == "4" else 0.5
+
+    runner = RewardRunner(flaky, timeout=5, stat_scope="test-rewards-raise")
     with caplog.at_level("WARNING", logger="tandemrl.rewards.runner"):
-        values = asyncio.run(_gather(runner, 3))
-    assert values == [0.0, 0.0, 0.0]
+        values = asyncio.run(_gather(runner, 6))
+    assert values == [0.5, None, 0.5, None, None, 0.5]  # None: no reward, never a silent 0.0
     assert runner.n_errors == 3 and runner.n_timeouts == 0
-    assert _failures("test-rewards-raise") == (1.0, 3.0)
-    lines = [r.getMessage() for r in caplog.records if "ZeroDivisionError: bad reward" in r.getMessage()]
-    assert len(lines) == 3 and all("\n" not in line for line in lines)
+    assert runner.failures == {"raised ZeroDivisionError": 2, "returned str": 1}
+    assert _failures("test-rewards-raise") == (0.5, 6.0)  # the failed fraction of all calls
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and all("\n" not in line for line in lines), lines  # one line per kind
+    assert "raised ZeroDivisionError: bad reward; its group is dropped" in lines[0]
+    assert "returned str, expected a number" in lines[1]
     runner.shutdown()
 
 
 def test_runner_times_out_hanging_functions_and_keeps_serving() -> None:
     runner = RewardRunner(_hangs, timeout=0.1, max_workers=1, stat_scope="test-rewards-timeout")
     start = time.monotonic()
-    assert asyncio.run(runner(prompt="p")) == 0.0
+    assert asyncio.run(runner(prompt="p")) is None
     assert time.monotonic() - start < 1.0
     assert runner.n_timeouts == 1
     # the single worker is stuck in the abandoned call; a replacement serves the next one
@@ -151,7 +161,7 @@ def test_runner_times_out_hanging_functions_and_keeps_serving() -> None:
 @pytest.mark.parametrize("value", [None, "1.0", math.nan, math.inf, [1.0]])
 def test_runner_rejects_non_numeric_rewards(value: Any) -> None:
     runner = RewardRunner(_returns(value), timeout=5)
-    assert asyncio.run(runner(prompt="p")) == 0.0
+    assert asyncio.run(runner(prompt="p")) is None
     assert runner.n_errors == 1
 
 

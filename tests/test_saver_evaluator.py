@@ -140,9 +140,10 @@ def test_saver_every_two_steps_writes_hf_checkpoints(tmp_path: Path):
         tmp_path / "checkpoints/exp/t1/epoch1epochstep0globalstep3",
         tmp_path / "checkpoints/exp/t1/epoch1epochstep2globalstep5",
     ]
-    assert [m.path for m in engine.metas] == [str(p) for p in expected]
+    # Each is written under <name>.tmp and renamed once complete.
+    assert [m.path for m in engine.metas] == [f"{p}.tmp" for p in expected]
     assert all(m.weight_format == "hf" and m.tokenizer_path == "/models/tok" for m in engine.metas)
-    assert all(p.is_dir() for p in expected)
+    assert all(p.is_dir() for p in expected) and not list(tmp_path.glob("checkpoints/exp/t1/*.tmp"))
 
 
 def test_saver_every_epoch_fires_on_last_step_of_epoch(tmp_path: Path):
@@ -158,8 +159,33 @@ def test_saver_force_and_tokenizer_object(tmp_path: Path):
     assert not saver.save(engine, 0, 0, 0)
     assert saver.save(engine, 0, 1, 1, tokenizer=RecordingTokenizer(), force=True)
     assert len(engine.metas) == 1 and engine.metas[0].tokenizer_path is None
-    assert Path(engine.metas[0].path, "tokenizer.json").exists()
+    assert Path(tmp_path, "checkpoints/exp/t1/epoch0epochstep1globalstep1/tokenizer.json").exists()
     assert Saver.get_save_path("/r", "e", "t", 1, 2, 3) == "/r/checkpoints/e/t/epoch1epochstep2globalstep3"
+
+
+class FailingEngine(RecordingEngine):
+    """Writes one file into the checkpoint, like an engine whose disk then fails."""
+
+    def save(self, meta: SaveLoadMeta) -> None:
+        super().save(meta)
+        Path(meta.path, "model.safetensors").write_bytes(b"w")
+
+
+def test_unwritable_checkpoint_dir_is_one_line_naming_it(tmp_path: Path):
+    """A fileroot whose checkpoints dir cannot be created (its parent is a regular file, which
+    stops root too, unlike chmod): one line naming the path; nothing half-written."""
+    from tandemrl.utils.saver import CheckpointWriteError
+
+    (tmp_path / "checkpoints").write_text("not a directory")
+    saver = Saver(_saver_cfg(tmp_path), SPEC)
+    with pytest.raises(CheckpointWriteError) as e:
+        saver.save(FailingEngine(), 0, 1, 1, force=True)
+    msg = str(e.value)
+    assert "\n" not in msg and isinstance(e.value, ValueError)  # run_main prints it as one error line
+    assert msg == (
+        f"saver: cannot write checkpoint to {tmp_path}/checkpoints/exp/t1/epoch0epochstep1globalstep1.tmp: "
+        "Not a directory"
+    )
 
 
 def test_saver_force_restarts_step_counter(tmp_path: Path):

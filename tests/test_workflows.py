@@ -174,7 +174,7 @@ def test_rlvr_tensor_layout_and_rewards(tokenizer: Any) -> None:
     assert stats["test-rlvr/reward_failed"] == 0.0
 
 
-def test_rlvr_reward_failures_give_zero_and_are_counted(tokenizer: Any) -> None:
+def test_rlvr_reward_failures_drop_the_group_and_are_counted(tokenizer: Any) -> None:
     def broken(**kw: Any) -> float:
         raise RuntimeError("reward service down")
 
@@ -185,18 +185,28 @@ def test_rlvr_reward_failures_give_zero_and_are_counted(tokenizer: Any) -> None:
     engine = ScriptedEngine(tokenizer, cycle_texts(["#### 72"]))
     gconfig = GenerationHyperparameters(n_samples=2)
     wf = RLVRWorkflow(broken, gconfig, tokenizer, stat_scope="test-rlvr-fail")
-    out = asyncio.run(wf.arun_episode(engine, row()))
-    assert out is not None and out["rewards"].tolist() == [0.0, 0.0]
+    assert asyncio.run(wf.arun_episode(engine, row())) is None  # the group is dropped, not scored 0
     assert wf.reward.n_errors == 2
 
     wf = RLVRWorkflow(slow, gconfig, tokenizer, reward_timeout=0.1, stat_scope="test-rlvr-fail")
     start = time.monotonic()
     out = asyncio.run(wf.arun_episode(engine, row()))
     assert time.monotonic() - start < 0.9
-    assert out is not None and out["rewards"].tolist() == [0.0, 0.0]
+    assert out is None
     assert wf.reward.n_timeouts == 2
+
+    calls = iter(range(100))
+
+    def every_other(**kw: Any) -> float:  # one sample of the group fails: the whole group goes
+        if next(calls) % 2:
+            raise RuntimeError("flaky")
+        return 1.0
+
+    wf = RLVRWorkflow(every_other, gconfig, tokenizer, stat_scope="test-rlvr-fail")
+    assert asyncio.run(wf.arun_episode(engine, row())) is None
     stats = stats_tracker.get("test-rlvr-fail").export()
-    assert stats["test-rlvr-fail/reward_failed"] == 1.0 and stats["test-rlvr-fail/reward_failed__count"] == 4
+    assert stats["test-rlvr-fail/reward_failed"] == 5 / 6 and stats["test-rlvr-fail/reward_failed__count"] == 6
+    assert stats["test-rlvr-fail/group_dropped"] == 1.0 and stats["test-rlvr-fail/group_dropped__count"] == 3
 
 
 def test_rlvr_bad_inputs_are_clear_errors(tokenizer: Any) -> None:

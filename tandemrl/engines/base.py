@@ -61,6 +61,10 @@ def init_default_process_group() -> None:
     """Join the torchrun world (NCCL on GPUs, gloo on CPU); a single process gets a world of 1."""
     if dist.is_initialized():
         return
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank: never outlive the agent (see lifeline)
+        from tandemrl.utils.lifeline import die_with_parent
+
+        die_with_parent(f"trainer rank {os.environ.get('RANK', '?')}")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if "RANK" not in os.environ:
         # Not under torchrun: a world of one, so the same code path runs in notebooks/tests.

@@ -2,7 +2,8 @@
 
 The server runs in its own session (process group), so ``stop()`` can signal it together
 with every engine/worker process it forks: SIGTERM, then SIGKILL after a grace period,
-leaving no orphans. It binds to loopback by default because the weight-update and dev
+leaving no orphans. It runs under ``tandemrl.utils.lifeline``, which stops that group when
+the launching process dies without calling ``stop()`` (SIGKILL, OOM killer). It binds to loopback by default because the weight-update and dev
 routes (``/collective_rpc``, ``/pause``...) have no authentication.
 """
 
@@ -23,6 +24,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from tandemrl.engines.types import ParallelStrategy
+from tandemrl.utils.lifeline import lifeline_command
 
 if TYPE_CHECKING:
     from tandemrl.inference.backend import InferenceBackend
@@ -164,7 +166,12 @@ def launch_server(
         log.write(f"$ {json.dumps(cmd)}\n".encode())
         log.flush()
         proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env, start_new_session=True
+            lifeline_command(cmd),  # the server's group is stopped if this process dies without stop()
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=child_env,
+            start_new_session=True,
         )
     return ServerProcess(backend, proc, host, port, log_file)
 

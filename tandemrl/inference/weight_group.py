@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -70,6 +71,19 @@ def join_weight_group(
     return _init_group(host, port, rank, world_size, backend, timeout_s)
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` only; a port in use is a one-line error naming it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"weight-update group: cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
+
+
 def _init_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float) -> ProcessGroup:
     import torch
     from torch.distributed import PrefixStore, ProcessGroup, TCPStore
@@ -79,7 +93,13 @@ def _init_group(host: str, port: int, rank: int, world_size: int, backend: str, 
     if world_size < 2:
         raise ValueError(f"weight group world_size must be >= 2, got {world_size}")
     timeout = timedelta(seconds=timeout_s)
-    store = TCPStore(host, int(port), world_size, is_master=rank == 0, timeout=timeout)
+    if rank == 0:
+        # TCPStore's own server listens on every interface; hand it a socket bound to ``host`` only
+        # (loopback on one node), so nothing off this host can join the weight-update group.
+        fd = _listen(host, int(port)).detach()  # the store owns the descriptor from here on
+        store = TCPStore(host, int(port), world_size, is_master=True, timeout=timeout, master_listen_fd=fd)
+    else:
+        store = TCPStore(host, int(port), world_size, is_master=False, timeout=timeout)
     prefix_store = PrefixStore(tcp_prefix(host, port), store)
     pg = ProcessGroup(prefix_store, rank, world_size)
     if backend == "gloo":

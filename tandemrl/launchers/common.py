@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import IO
 
 from tandemrl.utils.launch_config import LaunchSpec, read_launch_spec
+from tandemrl.utils.lifeline import exit_status
 
 
 class LaunchError(RuntimeError):
@@ -220,7 +221,7 @@ def trainer_failure(run_dir: Path, returncode: int, since_ns: int) -> str:
     """One line for a failed torchrun trainer: the first rank's error if one was recorded."""
     first = first_rank_error(run_dir, since_ns)
     if first is None:
-        return f"trainer exited with {returncode}"
+        return f"trainer {exit_status(returncode)}"
     return f"trainer rank {first[0]}: {first[1]}"
 
 

@@ -35,6 +35,7 @@ from tandemrl.launchers.common import (
 )
 from tandemrl.utils.allocation import AllocationMode
 from tandemrl.utils.launch_config import LaunchSpec
+from tandemrl.utils.lifeline import lifeline_command
 
 
 @dataclass
@@ -101,7 +102,7 @@ def run_trial(script: str, config_path: str | None, overrides: list[str], spec: 
         cmd += [script] + (["--config", config_path] if config_path else []) + overrides
         print(f"[launcher] trainer: {' '.join(cmd)}", flush=True)
         children.trainer = subprocess.Popen(
-            cmd,
+            lifeline_command(cmd),  # torchrun and its ranks stop if the launcher is killed
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

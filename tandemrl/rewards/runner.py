@@ -3,8 +3,10 @@
 Reward functions are ordinary (often slow, CPU-bound, occasionally hanging) Python code.
 ``RewardRunner`` runs a sync function on a small pool of *daemon* threads and awaits it
 with a timeout; an async function is awaited directly. A function that raises, times out
-or returns something that is not a finite number yields reward 0.0, is counted, and
-logged in one line. Python threads cannot be killed: a timed-out call keeps running in
+or returns something that is not a finite number yields ``None`` (no reward: the workflows
+drop the sample's whole group rather than score it 0), is counted in
+``<scope>/reward_failed``, and is logged in one line the first time each kind of failure
+occurs (the exception type, a timeout, a non-number, a non-finite number). Python threads cannot be killed: a timed-out call keeps running in
 its thread, which the pool replaces so capacity stays constant; being daemon threads,
 they never block interpreter exit.
 """
@@ -121,9 +123,10 @@ class RewardRunner:
         self.n_calls = 0
         self.n_errors = 0
         self.n_timeouts = 0
+        self.failures: dict[str, int] = {}  # kind -> count; each kind is logged once
 
-    async def __call__(self, *args: Any, **kwargs: Any) -> float:
-        """The reward, or 0.0 (counted and logged) if the function fails, hangs or returns junk."""
+    async def __call__(self, *args: Any, **kwargs: Any) -> float | None:
+        """The reward, or None (counted, logged once per kind) if the function fails, hangs or returns junk."""
         with self._lock:
             self.n_calls += 1
         try:
@@ -141,27 +144,42 @@ class RewardRunner:
             reward = _as_reward(value)
         except asyncio.TimeoutError:
             return self._failed("timeout", f"timed out after {self.timeout}s")
+        except BadReward as e:
+            return self._failed(e.kind, str(e))
         except Exception as e:  # a bad reward must never crash the rollout
             text = str(e).strip()
-            return self._failed("error", f"raised {type(e).__name__}: {text.splitlines()[0] if text else ''}".rstrip())
+            detail = f"raised {type(e).__name__}: {text.splitlines()[0] if text else ''}".rstrip()
+            return self._failed(f"raised {type(e).__name__}", detail)
         stats_tracker.get(self.stat_scope).scalar(reward_failed=0.0)
         return reward
 
-    def _failed(self, kind: str, detail: str) -> float:
+    def _failed(self, kind: str, detail: str) -> None:
         with self._lock:
             if kind == "timeout":
                 self.n_timeouts += 1
             else:
                 self.n_errors += 1
-            n = self.n_timeouts + self.n_errors
+            first = kind not in self.failures
+            self.failures[kind] = self.failures.get(kind, 0) + 1
         stats_tracker.get(self.stat_scope).scalar(reward_failed=1.0)
-        if n <= 10 or n % 100 == 0:
-            logger.warning("reward function %s %s; using reward 0.0 (%d failures so far)", self.name, detail, n)
-        return 0.0
+        if first:  # later ones of this kind are only counted (<scope>/reward_failed)
+            logger.warning(
+                "reward function %s %s; its group is dropped (first failure of this kind, later ones only counted)",
+                self.name,
+                detail,
+            )
 
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
+
+
+class BadReward(ValueError):
+    """The function returned something that is not a finite number; ``kind`` groups the log lines."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(detail)
+        self.kind = kind
 
 
 def _as_reward(value: Any) -> float:
@@ -170,8 +188,9 @@ def _as_reward(value: Any) -> float:
     if hasattr(value, "item") and callable(value.item):  # 1-element tensors / numpy scalars
         value = value.item()
     if not isinstance(value, int | float):
-        raise TypeError(f"returned {type(value).__name__}, expected a number")
+        kind = f"returned {type(value).__name__}"
+        raise BadReward(kind, f"{kind}, expected a number")
     reward = float(value)
     if not math.isfinite(reward):
-        raise ValueError(f"returned non-finite {reward}")
+        raise BadReward("returned non-finite", f"returned non-finite {reward}")
     return reward

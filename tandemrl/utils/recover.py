@@ -36,7 +36,7 @@ import torch.distributed as dist
 from tandemrl.configs.utils import RecoverConfig
 from tandemrl.engines.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.utils.freq import FreqControl, agree_with_rank0, epochs_finished
-from tandemrl.utils.saver import Saver
+from tandemrl.utils.saver import Saver, writing_checkpoint
 
 RECOVER_MODES = ("disabled", "auto", "resume")
 LOOP_STATE_FILE = "loop_state.json"
@@ -165,38 +165,39 @@ class RecoverHandler:
         if not due:
             return False
         final, tmp = self.path, self.path + ".tmp"
-        if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        _barrier()
-        for name, engine in engines.items():
-            engine.save(SaveLoadMeta(path=os.path.join(tmp, "engines", name), weight_format="dcp", with_optim=True))
-        torch.save(dataloader.state_dict(), os.path.join(tmp, f"dataloader_rank{_rank()}.pt"))
-        fingerprint = self._fingerprint(pushed)
-        _barrier()
-        if _rank() == 0:
-            state = LoopState(
-                global_step=global_step,
-                version=int(pushed.get_version()),
-                world_size=_world(),
-                weights_fingerprint=fingerprint,
-                saver=saver.state_dict(),
-                evaluator=evaluator.state_dict(),
-                recover={"freq_ctl": self.freq_ctl.state_dict()},
-            )
-            with open(os.path.join(tmp, LOOP_STATE_FILE), "w") as f:
-                json.dump(asdict(state), f, indent=1)
-            old = final + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            if os.path.exists(final):
-                os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-            print(
-                f"recover: saved global step {global_step + 1} (version {state.version}, "
-                f"weights {fingerprint}) to {final}",
-                flush=True,
-            )
+        with writing_checkpoint(tmp, "recover"):
+            if _rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.makedirs(tmp)
+            _barrier()
+            for name, engine in engines.items():
+                engine.save(SaveLoadMeta(path=os.path.join(tmp, "engines", name), weight_format="dcp", with_optim=True))
+            torch.save(dataloader.state_dict(), os.path.join(tmp, f"dataloader_rank{_rank()}.pt"))
+            fingerprint = self._fingerprint(pushed)
+            _barrier()
+            if _rank() == 0:
+                state = LoopState(
+                    global_step=global_step,
+                    version=int(pushed.get_version()),
+                    world_size=_world(),
+                    weights_fingerprint=fingerprint,
+                    saver=saver.state_dict(),
+                    evaluator=evaluator.state_dict(),
+                    recover={"freq_ctl": self.freq_ctl.state_dict()},
+                )
+                with open(os.path.join(tmp, LOOP_STATE_FILE), "w") as f:
+                    json.dump(asdict(state), f, indent=1)
+                old = final + ".old"
+                shutil.rmtree(old, ignore_errors=True)
+                if os.path.exists(final):
+                    os.rename(final, old)
+                os.rename(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+                print(
+                    f"recover: saved global step {global_step + 1} (version {state.version}, "
+                    f"weights {fingerprint}) to {final}",
+                    flush=True,
+                )
         _barrier()
         return True
 

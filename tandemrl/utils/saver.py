@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch.distributed as dist
@@ -10,6 +13,50 @@ import torch.distributed as dist
 from tandemrl.configs.utils import SaverConfig
 from tandemrl.engines.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.utils.freq import FreqControl, agree_with_rank0, epochs_finished
+
+
+class CheckpointWriteError(ValueError):
+    """A checkpoint directory cannot be written (read-only, full, not a directory): one line naming it."""
+
+
+def _unwritable(path: str) -> str | None:
+    """Why nothing can be written under ``path`` (e.g. "No space left on device"), or None if it can."""
+    probe = os.path.join(path, f".write-probe-{os.getpid()}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+        os.remove(probe)
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    return None
+
+
+@contextlib.contextmanager
+def writing_checkpoint(path: str, what: str) -> Iterator[None]:
+    """Turn a failure to write under ``path`` into ``CheckpointWriteError`` naming it.
+
+    Whatever raised (an OSError, torch's or safetensors' own wrappers of one), ``path`` is
+    probed with a small write; other errors are re-raised unchanged.
+    """
+    try:
+        yield
+    except Exception as e:
+        reason = _unwritable(path)
+        if reason is None:
+            raise
+        raise CheckpointWriteError(f"{what}: cannot write checkpoint to {path}: {reason}") from e
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
 
 
 class SupportsSave(Protocol):
@@ -67,16 +114,27 @@ class Saver:
         path = self.get_save_path(
             self.config.fileroot, self.config.experiment_name, self.config.trial_name, epoch, step, global_step
         )
-        os.makedirs(path, exist_ok=True)
         tokenizer_path = tokenizer if isinstance(tokenizer, str) else None
-        engine.save(SaveLoadMeta(path=path, weight_format="hf", tokenizer_path=tokenizer_path))
-        if tokenizer is not None and tokenizer_path is None:
-            if not hasattr(tokenizer, "save_pretrained"):
-                raise TypeError(
-                    f"Saver.save: tokenizer must be a path or have save_pretrained, got {type(tokenizer).__name__}"
-                )
-            if not dist.is_initialized() or dist.get_rank() == 0:
-                tokenizer.save_pretrained(path)
+        if tokenizer is not None and tokenizer_path is None and not hasattr(tokenizer, "save_pretrained"):
+            raise TypeError(
+                f"Saver.save: tokenizer must be a path or have save_pretrained, got {type(tokenizer).__name__}"
+            )
+        # Written to <path>.tmp and renamed once complete: a crash mid-save never leaves a
+        # half-written directory under a checkpoint's name.
+        tmp = path + ".tmp"
+        with writing_checkpoint(tmp, "saver"):
+            if _is_rank0():
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.makedirs(tmp)
+            _barrier()
+            engine.save(SaveLoadMeta(path=tmp, weight_format="hf", tokenizer_path=tokenizer_path))
+            if tokenizer is not None and tokenizer_path is None and _is_rank0():
+                tokenizer.save_pretrained(tmp)
+            _barrier()
+            if _is_rank0():
+                shutil.rmtree(path, ignore_errors=True)
+                os.rename(tmp, path)
+        _barrier()
         return True
 
     def state_dict(self) -> dict[str, Any]:

@@ -88,7 +88,7 @@ class MultiTurnWorkflow(RLVRWorkflow):
 
     async def _conversation(
         self, engine: GenerationEngine, data: dict[str, Any], prompt_ids: list[int], prompt: str, suffix: str
-    ) -> tuple[TensorDict, float, int]:
+    ) -> tuple[TensorDict, float, int] | None:
         rid = uuid.uuid4().hex  # one rid per conversation: its turns reuse one server's prefix cache
         gconfig = self.gconfig.new(n_samples=1)
         seq, loss_mask = list(prompt_ids), [0] * len(prompt_ids)
@@ -102,7 +102,10 @@ class MultiTurnWorkflow(RLVRWorkflow):
             logprobs += [float(x) for x in resp.output_logprobs]
             versions += [int(v) for v in resp.output_versions]
             turns += 1
-            reward = await self.score(prompt, prompt_ids, resp.output_tokens, data)
+            score = await self.score(prompt, prompt_ids, resp.output_tokens, data)
+            if score is None:  # a failed reward: the group is dropped (see RLVRWorkflow)
+                return None
+            reward = score
             if reward > 0 or turns >= self.max_turns:
                 break
             fb = self.feedback_ids(resp, suffix)
@@ -122,6 +125,8 @@ class MultiTurnWorkflow(RLVRWorkflow):
         results = await asyncio.gather(
             *[self._conversation(engine, data, prompt_ids, prompt, suffix) for _ in range(self.gconfig.n_samples)]
         )
+        if self.drop_group([None if r is None else r[1] for r in results]):
+            return None
         tracker = stats_tracker.get(self.stat_scope)
         for row, reward, turns in results:
             tracker.scalar(reward=reward, num_turns=turns, seq_len=row["input_ids"].shape[1])

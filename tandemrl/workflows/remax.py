@@ -36,6 +36,8 @@ class ReMaxRLVRWorkflow(RLVRWorkflow):
         check_response(greedy)
         prompt = self.tokenizer.decode(prompt_ids)
         scores = await asyncio.gather(*[self.score(prompt, prompt_ids, r.output_tokens, data) for r in resps])
+        if self.drop_group(scores):
+            return None
         sample_rewards, greedy_reward = scores[:n], scores[n]
         rows = []
         for resp, reward in zip(samples, sample_rewards, strict=True):

