@@ -10,7 +10,9 @@ process, and the last good checkpoint intact and loadable. Covered elsewhere (no
 
 Here: torchrun alone SIGKILLed (ranks gone, nothing written after), then ``recover.mode=auto``
 resuming SFT with per-step losses bitwise equal to an uninterrupted run; an unwritable or
-full checkpoint directory; the launcher SIGKILLed (servers and trainer gone).
+full checkpoint directory; the launcher SIGKILLed (servers and trainer gone); one of two vLLM
+servers SIGKILLed mid-run (the run goes on, disk weight updates on the survivor), then the
+other (one line, checkpoints intact); a collective run losing a server stops at once.
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+import requests
 from utils import REPO_ROOT
+
+from tandemrl.inference.server_auth import TOKEN_ENV
 
 LAUNCH = [sys.executable, "-m", "tandemrl.launchers.local"]
 ENV = {**os.environ, "WANDB_SILENT": "true", "TANDEMRL_DIST_TIMEOUT": "300", "PYTHONPATH": str(REPO_ROOT)}
@@ -279,3 +284,128 @@ def test_launcher_sigkilled_leaves_nothing_and_servers_listen_on_loopback(
 
 def torchrun_children(launcher: psutil.Process) -> list[psutil.Process]:
     return [c for p in _family(launcher) if "torch.distributed.run" in _cmd(p) for c in p.children()]
+
+
+# ------------------------------------------------------------------ inference servers lost mid-run
+
+
+class _Sleeper:
+    """A stand-in server process for ``wait_trainer``: a real child that runs until killed."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+
+
+def test_collective_run_stops_at_once_when_one_of_two_servers_dies() -> None:
+    """A collective weight-update group needs every server: one death stops the trainer at once,
+    with one line naming the server; with disk updates the same death only prints a line."""
+    from tandemrl.launchers.server_watch import wait_trainer
+
+    for survivable in (False, True):
+        trainer = _Sleeper("trainer")
+        servers = [_Sleeper("127.0.0.1:1001"), _Sleeper("127.0.0.1:1002")]
+        stopped: list[int] = []
+
+        def stop(t: _Sleeper = trainer, calls: list[int] = stopped) -> None:
+            calls.append(1)
+            t.proc.kill()
+
+        try:
+            servers[1].proc.kill()
+            if survivable:  # the trainer then ends by itself; the run's result is its exit code
+                threading.Thread(target=lambda t=trainer, s=servers[1]: (s.proc.wait(), t.proc.terminate())).start()
+            rc, error = wait_trainer(trainer.proc, servers, "vllm", survivable, stop)
+        finally:
+            for p in (trainer, *servers):
+                p.proc.kill()
+                p.proc.wait()
+        if survivable:
+            assert (rc, error, stopped) == (-signal.SIGTERM, None, [])
+        else:
+            assert rc == 1 and stopped == [1]
+            assert error == (
+                "vllm server 127.0.0.1:1002 was killed by SIGKILL: weight_update_mode=collective needs every server"
+            )
+
+
+def _grpo_disk_args(model: str, data: str, root: Path) -> list[str]:
+    return _example(
+        "gsm8k_grpo",
+        "actor.path",
+        model,
+        data,
+        root,
+        "allocation_mode=vllm:d2+fsdp:d1",
+        "weight_update_mode=disk",
+        "total_train_steps=1000",
+        "gconfig.max_new_tokens=8",
+        "saver.freq_steps=1",
+        "evaluator.freq_steps=1000",
+        "stats_logger.wandb.mode=disabled",
+    )
+
+
+def _weight_loads(log: Path) -> int:
+    return log.read_text(errors="replace").count('"POST /collective_rpc HTTP/1.1" 200')
+
+
+@pytest.mark.slow
+def test_grpo_goes_on_with_one_of_two_servers_then_fails_in_one_line(
+    tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path
+) -> None:
+    """Two vLLM servers, disk weight updates. SIGKILL of one server's process group after step 1:
+    the next steps roll out on and push weights to the survivor only. SIGKILL of the survivor
+    after step 3: the launcher stops the run at once, its last lines name the dead server, and
+    every checkpoint loads in transformers."""
+    proc = subprocess.Popen(
+        LAUNCH + _grpo_disk_args(tiny_model_dir, gsm8k_dir, tmp_path),
+        cwd=REPO_ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    out: list[str] = []
+    threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True).start()  # type: ignore[arg-type]
+    launcher = psutil.Process(proc.pid)
+    ckpts = tmp_path / "checkpoints" / "gsm8k-grpo" / "trial0"
+    logs = tmp_path / "logs" / "gsm8k-grpo" / "trial0"
+    healthy = "[launcher] vllm servers healthy at "
+    try:
+        _wait_for(lambda: (ckpts / "epoch0epochstep0globalstep0").is_dir(), 900, "step 1's checkpoint", proc)
+        addrs = next(line for line in out if line.startswith(healthy))[len(healthy) :].strip().split(",")
+        # Each server runs under its own lifeline process, the leader of its process group.
+        leaders = [p for p in launcher.children() if "vllm.entrypoints" in _cmd(p) and os.getpgid(p.pid) == p.pid]
+        assert len(leaders) == 2 == len(addrs), [_cmd(p) for p in leaders]
+        by_addr = {a: p for a in addrs for p in leaders if f"--port {a.rsplit(':', 1)[1]} " in _cmd(p)}
+        (gone, survivor), survivor_log = addrs, logs / "vllm-server-1.log"
+        token = by_addr[survivor].environ()[TOKEN_ENV]
+        assert requests.post(f"http://{survivor}/pause?mode=abort", timeout=30).status_code == 401
+        os.killpg(by_addr[gone].pid, signal.SIGKILL)
+        loads_at_kill = _weight_loads(survivor_log)
+        _wait_for(lambda: (ckpts / "epoch0epochstep2globalstep2").is_dir(), 600, "step 3's checkpoint", proc)
+        assert _weight_loads(survivor_log) >= loads_at_kill + 2  # the updates after steps 1 and 2
+        family = _family(launcher)
+        os.killpg(by_addr[survivor].pid, signal.SIGKILL)
+        start = time.monotonic()
+        rc = proc.wait(timeout=120)
+        stopped_s = time.monotonic() - start
+    finally:
+        for p in _family(launcher) if proc.poll() is None else []:
+            p.kill()
+    text = "".join(out)
+    assert rc == 1, text[-3000:]
+    assert f"[launcher] vllm server {gone} was killed by SIGKILL; 1 of 2 servers left" in text
+    assert f"inference server {gone} marked dead" in text  # the trainer's client failed over
+    lines = text.strip().splitlines()
+    assert lines[-2] == (
+        f"[launcher] trial trial0 failed: vllm server {gone} was killed by SIGKILL; "
+        f"vllm server {survivor} was killed by SIGKILL: no server is left"
+    ), lines[-5:]
+    assert lines[-1].startswith("[launcher] full output: ")
+    assert token not in text and not [f for f in logs.rglob("*") if f.is_file() and token in f.read_text("latin-1")]
+    assert "globalstep2" in " ".join(_assert_hf_checkpoints_load(ckpts))
+    _, alive = psutil.wait_procs(family[1:], timeout=60)
+    assert not alive, [_cmd(p) for p in alive]
+    print(f"run stopped {stopped_s:.1f}s after the last server died")

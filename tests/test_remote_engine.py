@@ -449,6 +449,25 @@ def test_server_dies_mid_run_requests_finish_on_the_other(servers, engines) -> N
     assert len(a.generate_bodies) == n_a
 
 
+def test_disk_update_skips_a_server_that_died_unnoticed(servers, engines) -> None:
+    """A server dead since the last call (nothing marked it yet): the disk update loads on the
+    survivor, marks the dead one, and relabels; a collective update then refuses in one line."""
+    a, b = servers(2)
+    engine = engines([a.addr, b.addr], request_retries=0)
+    a.stop()
+    engine.update_weights_from_disk(WeightUpdateMeta(type="disk", path="/ckpt/step1", version=1)).result(30)
+    assert engine.pool.live() == [b.addr] and engine.get_version() == 1
+    assert [body["kwargs"]["path"] for body in b.rpc_bodies] == ["/ckpt/step1"] and b.version_label == "1"
+    assert b.log[-1] == "POST /resume"  # the survivor was resumed
+    meta = WeightUpdateMeta(type="collective", group_port=free_port(), world_size=3, version=2)
+    with pytest.raises(ServerUnavailableError) as e:
+        engine.update_weights_from_distributed(meta, [[ParamSpec("w", (2,), "float32")]])
+    assert "\n" not in str(e.value) and f"{a.addr} is dead" in str(e.value)
+    b.stop()
+    with pytest.raises(ServerUnavailableError, match="all 2 inference servers are marked dead"):
+        engine.update_weights_from_disk(WeightUpdateMeta(type="disk", path="/ckpt/step2", version=2)).result(30)
+
+
 def test_retry_then_failover_after_5xx(servers, engines) -> None:
     a, b = servers(2)
     engine = engines([a.addr, b.addr], request_retries=2)

@@ -59,7 +59,8 @@ def test_sbatch_script_layout_and_settings(tiny_model_dir: str, tmp_path: Path) 
     )
     proc = _slurm(
         ["examples/gsm8k_grpo.py", "--config", str(config), "--dry-run", "--time", "02:00:00"]
-        + ["launcher.slurm.account=proj", "--partition", "big", "gconfig.max_new_tokens=16"]
+        + ["launcher.slurm.account=proj", "--partition", "big", "gconfig.max_new_tokens=16"],
+        env={**ENV, "TANDEMRL_SERVER_TOKEN": "submitter-token"},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dir = tmp_path / "logs" / "slurm-test" / "trial0"
@@ -83,6 +84,8 @@ def test_sbatch_script_layout_and_settings(tiny_model_dir: str, tmp_path: Path) 
     assert "--gpus-per-task=2 --exact" in job and "-m tandemrl.launchers.serve --backend vllm" in job
     assert f"--model {tiny_model_dir} --tp 2 --pp 1" in job
     assert "export TANDEMRL_LLM_SERVER_ADDRS=" in job
+    # The servers' token is made when the job starts, never written to a file; the submitter's is not forwarded.
+    assert 'export TANDEMRL_SERVER_TOKEN="$(' in job and "submitter-token" not in job
     assert "--nodes=2 --ntasks-per-node=1" in job and "--gpus-per-task=8" in job
     assert 'bash "$RUN_DIR/trainer.sh"' in job
     assert subprocess.run(["bash", "-n", str(run_dir / "job.sbatch")], capture_output=True).returncode == 0

@@ -360,3 +360,55 @@ def test_disk_update_from_missing_dir_fails_cleanly(vllm_server: VLLMTestServer,
         vllm_server.call(steps[0])
     # The server survives the failed RPC and still serves.
     assert vllm_server.generate([11, 12, 13], 4).stop_reason == "length"
+
+
+@pytest.mark.slow
+def test_every_route_but_health_needs_the_run_token(vllm_server: VLLMTestServer) -> None:
+    """vLLM's ``--api-key`` would leave the control and weight-update routes open; ours guards them:
+    without the token (or with a wrong one) they answer 401 and do nothing; our client sends it."""
+    import requests
+
+    from tandemrl.inference.http import shared_client
+    from tandemrl.inference.server_auth import TOKEN_ENV
+
+    token = os.environ[TOKEN_ENV]
+    b = vllm_server.backend
+    rpc = b.build_update_from_disk(WeightUpdateMeta.from_disk("/nonexistent", "x", "y"))[0]
+    routes = [b.build_pause(), b.build_resume(), b.build_set_version(7), b.build_flush_cache(), rpc]
+    routes += [HttpRequest("GET", "/v1/models", None, 30.0), HttpRequest("POST", "/abort_requests", {}, 30.0)]
+    gen = b.build_generate(ModelRequest(input_ids=[1, 2, 3]), [], 2, 0)
+    routes.append(gen)
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": token}):
+        for req in routes:
+            r = requests.request(req.method, vllm_server.url + req.path, json=req.json, headers=headers, timeout=30)
+            assert r.status_code == 401, (req.path, headers.keys(), r.status_code, r.text[:200])
+    assert requests.get(vllm_server.url + "/health", timeout=30).status_code == 200
+    # The refused pause did nothing: generation still runs; our client (token from the env) gets through.
+    assert vllm_server.generate([1, 2, 3], 2).output_tokens
+    models = shared_client().send_sync(vllm_server.proc.address, routes[5])
+    assert models["data"][0]["id"]
+    # The token travels only through the environment: not on the command line, not in the log.
+    assert token not in " ".join(vllm_server.proc.proc.args)
+    assert token not in Path(vllm_server.proc.log_file).read_text(errors="replace")
+
+
+@pytest.mark.slow
+def test_vllm_port_taken_after_it_was_picked_is_one_line(tiny_model_dir: str, tmp_path: Path) -> None:
+    """Another process binds the port between the pick and vLLM's bind: one line naming the port,
+    well before the engine would have loaded (vLLM binds first)."""
+    import socket
+
+    from tandemrl.inference.server import PortInUseError
+    from tandemrl.inference.vllm import VLLMBackend
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        server = launch_server(VLLMBackend(), tiny_model_dir, port=port, log_file=str(tmp_path / "vllm.log"))
+        try:
+            with pytest.raises(PortInUseError) as e:
+                server.wait_healthy(timeout=600)
+        finally:
+            server.stop()
+    assert str(e.value) == f"vllm server: port {port} on 127.0.0.1 is already in use (log {tmp_path / 'vllm.log'})"

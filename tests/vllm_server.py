@@ -5,6 +5,7 @@ The transport here is deliberately minimal (``requests``); the real client lives
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ import requests
 import torch
 
 from tandemrl.inference.server import ServerProcess, launch_server
+from tandemrl.inference.server_auth import TOKEN_ENV, auth_headers, new_token
 from tandemrl.inference.types import GenerateChunk, HttpRequest, ModelRequest
 from tandemrl.inference.vllm import VLLMBackend
 
@@ -38,7 +40,9 @@ class VLLMTestServer:
 
     def call(self, req: HttpRequest) -> Any:
         """Send one built request; non-2xx raises with the status and a snippet of the body."""
-        r = requests.request(req.method, self.url + req.path, json=req.json, timeout=req.timeout or 60.0)
+        r = requests.request(
+            req.method, self.url + req.path, json=req.json, timeout=req.timeout or 60.0, headers=auth_headers()
+        )
         if not r.ok:
             raise RuntimeError(f"{req.method} {req.path} -> HTTP {r.status_code}: {r.text[:300]}")
         return r.json() if r.content else None
@@ -67,7 +71,11 @@ class VLLMTestServer:
 
 def start_vllm_server(model_dir: str, log_file: str) -> VLLMTestServer:
     start = time.monotonic()
-    proc = launch_server(VLLMBackend(), model_dir, extra=dict(VLLM_EXTRA), log_file=log_file)
+    # Like the launchers: a per-run token the server requires and this process's clients send.
+    os.environ[TOKEN_ENV] = new_token()
+    proc = launch_server(
+        VLLMBackend(), model_dir, extra=dict(VLLM_EXTRA), log_file=log_file, token=os.environ[TOKEN_ENV]
+    )
     try:
         proc.wait_healthy(START_TIMEOUT_S)
     except BaseException:

@@ -10,6 +10,7 @@ updates fan out to all servers that way while the trainer keeps broadcasting).
 Failures: connection errors, timeouts, HTTP 429 and 5xx are retried ``retries`` times
 with exponential backoff; 4xx and malformed URLs fail at once. The final error is an
 ``InferenceServerError`` whose one-line message names the method, server and path.
+Every request carries the run's bearer token when one is set (``server_auth``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import threading
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from tandemrl.inference.server_auth import auth_headers
 from tandemrl.inference.types import HttpRequest
 
 if TYPE_CHECKING:
@@ -237,7 +239,7 @@ class HttpClient:
         timeout = aiohttp.ClientTimeout(total=total, sock_connect=min(total, CONNECT_TIMEOUT))
         try:
             async with self._get_session().request(
-                req.method, base_url(addr) + req.path, json=req.json, timeout=timeout
+                req.method, base_url(addr) + req.path, json=req.json, timeout=timeout, headers=auth_headers()
             ) as resp:
                 body = await resp.text(errors="replace")
                 if resp.status >= 400:

@@ -415,7 +415,7 @@ class RemoteInfEngine:
             raise ValueError(f"update_weights_from_disk needs a 'disk' WeightUpdateMeta, got type {meta.type!r}")
         steps = self.backend.build_update_from_disk(meta)
         plan = {addr: list(steps) for addr in self.pool.live()}
-        return self._start_update(plan, meta.version, pause=True)
+        return self._start_update(plan, meta.version, pause=True, skip_dead=True)
 
     def init_weights_update_group(self, meta: WeightUpdateMeta) -> concurrent.futures.Future[None]:
         """Ask every server to join the trainer's weight-update group, in the background.
@@ -470,7 +470,7 @@ class RemoteInfEngine:
         return list(pool.addrs)
 
     def _start_update(
-        self, plan: dict[str, list[HttpRequest]], version: int | None, pause: bool
+        self, plan: dict[str, list[HttpRequest]], version: int | None, pause: bool, skip_dead: bool = False
     ) -> concurrent.futures.Future[None]:
         if not plan:
             raise ServerUnavailableError(self.pool.all_dead_message())
@@ -478,19 +478,29 @@ class RemoteInfEngine:
             with self._state_lock:
                 self._updates_running += 1  # generations wait from now on
         try:
-            return self.http.submit(self._update(plan, version, pause))
+            return self.http.submit(self._update(plan, version, pause, skip_dead))
         except BaseException:
             if pause:
                 with self._state_lock:
                     self._updates_running -= 1
             raise
 
-    async def _update(self, plan: dict[str, list[HttpRequest]], version: int | None, pause: bool) -> None:
+    async def _update(
+        self, plan: dict[str, list[HttpRequest]], version: int | None, pause: bool, skip_dead: bool
+    ) -> None:
+        """``skip_dead``: a server found dead (at the pause or during its steps) is left out
+        (disk loads); otherwise the update fails with one line naming it (a collective group
+        needs every member)."""
         failed: BaseException | None = None
         try:
             if pause:
                 await self._broadcast(self.backend.build_pause())
-            await self._run_plan(plan)
+            dead = {a: why for a, why in self.pool.dead().items() if a in plan}
+            if dead and not skip_dead:
+                raise ServerUnavailableError(
+                    "weight update: " + "; ".join(f"inference server {a} is dead ({why})" for a, why in dead.items())
+                )
+            await self._run_plan({a: s for a, s in plan.items() if a not in dead}, skip_dead)
             if version is not None:
                 self.set_version(version)
         except BaseException as e:
@@ -512,19 +522,32 @@ class RemoteInfEngine:
         if resume:
             await self._broadcast(self.backend.build_resume())
 
-    async def _run_plan(self, plan: dict[str, list[HttpRequest]]) -> None:
-        """Each server's steps in order, servers concurrently; no retries (a receive is not repeatable)."""
+    async def _run_plan(self, plan: dict[str, list[HttpRequest]], skip_dead: bool = False) -> None:
+        """Each server's steps in order, servers concurrently; no retries (a receive is not repeatable).
+
+        ``skip_dead``: a server that cannot be reached is marked dead and left out, as long as one is left.
+        """
 
         async def run(addr: str, steps: list[HttpRequest]) -> None:
             for step in steps:
-                await self.http.send(addr, step, retries=0)
+                try:
+                    await self.http.send(addr, step, retries=0)
+                except InferenceServerError as e:
+                    if not (skip_dead and e.retryable and e.status is None):
+                        raise
+                    self.pool.mark_dead(addr, f"{step.method} {step.path}: {e.detail}")
+                    return
 
+        if not plan:
+            raise ServerUnavailableError(self.pool.all_dead_message())
         results = await asyncio.gather(*(run(a, s) for a, s in plan.items()), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             if len(errors) > 1:
                 logger.error("weight update failed on %d of %d servers", len(errors), len(plan))
             raise errors[0]
+        if not self.pool.live():
+            raise ServerUnavailableError(self.pool.all_dead_message())
 
 
 class RemoteVLLMEngine(RemoteInfEngine):

@@ -3,8 +3,9 @@
 The server runs in its own session (process group), so ``stop()`` can signal it together
 with every engine/worker process it forks: SIGTERM, then SIGKILL after a grace period,
 leaving no orphans. It runs under ``tandemrl.utils.lifeline``, which stops that group when
-the launching process dies without calling ``stop()`` (SIGKILL, OOM killer). It binds to loopback by default because the weight-update and dev
-routes (``/collective_rpc``, ``/pause``...) have no authentication.
+the launching process dies without calling ``stop()`` (SIGKILL, OOM killer). It binds to
+loopback by default; with ``token`` (``server_auth``) every route but ``/health``, the
+weight-update and dev routes included, needs that bearer token.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from tandemrl.engines.types import ParallelStrategy
+from tandemrl.inference.server_auth import TOKEN_ENV, TokenMiddleware
 from tandemrl.utils.lifeline import lifeline_command
 
 if TYPE_CHECKING:
@@ -35,6 +37,13 @@ _LIVE: set[ServerProcess] = set()
 
 class ServerError(RuntimeError):
     """The server exited or never became healthy; the message ends with its log tail."""
+
+
+class PortInUseError(ServerError):
+    """The server could not bind its port: another process took it after it was picked."""
+
+
+_BIND_FAILED = "Address already in use"  # errno 98's text in the server's traceback
 
 
 class ServerProcess:
@@ -71,13 +80,19 @@ class ServerProcess:
     def wait_healthy(self, timeout: float = 600.0, poll_interval: float = 1.0) -> float:
         """Block until the health route answers 200; returns the seconds waited.
 
-        Raises ServerError at once if the process exits, or after ``timeout``.
+        Raises ServerError at once if the process exits (PortInUseError, one line, when it
+        could not bind its port), or after ``timeout``.
         """
         req = self.backend.build_health()
         start = time.monotonic()
         while True:
             code = self.proc.poll()
             if code is not None:
+                if _BIND_FAILED in self.log_tail(50):
+                    raise PortInUseError(
+                        f"{self.backend.name} server: port {self.port} on {self.host} is already in use "
+                        f"(log {self.log_file})"
+                    )
                 raise ServerError(
                     f"{self.backend.name} server on {self.address} exited with code {code} before it was healthy "
                     f"(log {self.log_file}); log tail:\n{self.log_tail()}"
@@ -135,12 +150,14 @@ def launch_server(
     extra: dict[str, Any] | None = None,
     log_file: str | None = None,
     env: dict[str, str] | None = None,
+    token: str | None = None,
 ) -> ServerProcess:
     """Start ``backend``'s server for ``model_path`` (not yet healthy: call ``wait_healthy``).
 
     ``extra`` adds server flags (``{"max_model_len": 1024}``); ``env`` is applied last.
     vLLM without CUDA gets ``--enforce-eager`` (skips a ~60 s compile warm-up) and a 1 GiB
     KV cache (``VLLM_CPU_KVCACHE_SPACE=1``) unless ``extra``/``env`` say otherwise.
+    ``token``: requests need ``Authorization: Bearer <token>`` (vLLM only, see ``server_auth``).
     """
     if not os.path.exists(model_path):
         raise FileNotFoundError(f"launch_server: model_path {model_path!r} does not exist")
@@ -156,6 +173,9 @@ def launch_server(
             flags["enforce_eager"] = True
         child_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default grabs a share of host RAM
     child_env.update(env or {})
+    if token:
+        flags.update(_auth_flags(backend.name))
+        child_env[TOKEN_ENV] = token
     cmd = backend.server_command(model_path, host, port, strategy, flags)
     if log_file is None:
         fd, log_file = tempfile.mkstemp(prefix=f"tandemrl-{backend.name}-{port}-", suffix=".log")
@@ -174,6 +194,13 @@ def launch_server(
             start_new_session=True,
         )
     return ServerProcess(backend, proc, host, port, log_file)
+
+
+def _auth_flags(backend: str) -> dict[str, str]:
+    """Server flags that make it require ``TOKEN_ENV``'s token."""
+    if backend != "vllm":
+        raise ValueError(f"launch_server: token authentication is not implemented for {backend} servers")
+    return {"middleware": f"{TokenMiddleware.__module__}.{TokenMiddleware.__qualname__}"}
 
 
 def _norm(key: str) -> str:

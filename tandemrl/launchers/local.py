@@ -5,9 +5,10 @@
 
 Reads ``allocation_mode``, starts the inference servers it describes on free loopback
 ports, waits until they are healthy, exports their addresses in
-``TANDEMRL_LLM_SERVER_ADDRS``, runs SCRIPT under torchrun on the training world size with
-prefixed logs copied into the run directory, and tears everything down on success,
-failure or Ctrl-C. ``--multirun`` runs every combination of the comma-separated values as
+``TANDEMRL_LLM_SERVER_ADDRS`` (vLLM servers require a fresh per-run bearer token, passed
+in ``TANDEMRL_SERVER_TOKEN``), runs SCRIPT under torchrun on the training world size with
+prefixed logs copied into the run directory while watching the servers (``server_watch``),
+and tears everything down on success, failure or Ctrl-C. ``--multirun`` runs every combination of the comma-separated values as
 its own trial, one after the other, and prints a summary table (see ``common``).
 """
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandemrl.inference.remote import SERVER_ADDRS_ENV
+from tandemrl.inference.server_auth import TOKEN_ENV, new_token
 from tandemrl.launchers import common
 from tandemrl.launchers.common import (
     TrialResult,
@@ -33,6 +35,7 @@ from tandemrl.launchers.common import (
     torchrun_log_args,
     trainer_failure,
 )
+from tandemrl.launchers.server_watch import wait_trainer
 from tandemrl.utils.allocation import AllocationMode
 from tandemrl.utils.launch_config import LaunchSpec
 from tandemrl.utils.lifeline import lifeline_command
@@ -53,7 +56,9 @@ class _Children:
         self.servers.clear()
 
 
-def start_servers(spec: LaunchSpec, alloc: AllocationMode, run_dir: Path, children: _Children) -> list[str]:
+def start_servers(
+    spec: LaunchSpec, alloc: AllocationMode, run_dir: Path, children: _Children, token: str | None
+) -> list[str]:
     """One server per inference data-parallel replica; returns their addresses."""
     from tandemrl.engines.types import ParallelStrategy
     from tandemrl.inference.backend import get_backend
@@ -72,6 +77,7 @@ def start_servers(spec: LaunchSpec, alloc: AllocationMode, run_dir: Path, childr
             strategy=per_server,
             extra=spec.server_extra,
             log_file=str(run_dir / f"{gen.backend}-server-{i}.log"),
+            token=token,
         )
         children.servers.append(server)
     for server in children.servers:
@@ -85,9 +91,13 @@ def run_trial(script: str, config_path: str | None, overrides: list[str], spec: 
     children = _Children()
 
     def body(run_dir: Path) -> tuple[int, str]:
-        addrs = start_servers(spec, alloc, run_dir, children)
+        token = new_token() if alloc.gen_backend == "vllm" else None  # fresh per run, never printed
+        addrs = start_servers(spec, alloc, run_dir, children, token)
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
+        env.pop(TOKEN_ENV, None)
+        if token:
+            env[TOKEN_ENV] = token
         if addrs:
             env[SERVER_ADDRS_ENV] = ",".join(addrs)
             print(f"[launcher] {alloc.gen_backend} servers healthy at {env[SERVER_ADDRS_ENV]}", flush=True)
@@ -111,8 +121,14 @@ def run_trial(script: str, config_path: str | None, overrides: list[str], spec: 
         )
         started = time.time_ns()
         out = pump(children.trainer.stdout, "trainer", run_dir / "trainer.log")
-        rc = children.trainer.wait()
+        survivable = spec.weight_update_mode != "collective"
+        trainer = children.trainer
+        rc, lost = wait_trainer(
+            trainer, children.servers, alloc.gen_backend or "", survivable, lambda: kill_group(trainer)
+        )
         out.join(timeout=10)
+        if lost is not None:
+            return rc, lost
         return rc, "" if rc == 0 else trainer_failure(run_dir, rc, started)
 
     result = guarded_trial(spec, overrides, body, children.stop)

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from tandemrl.inference.remote import SERVER_ADDRS_ENV
+from tandemrl.inference.server_auth import TOKEN_ENV, new_token
 from tandemrl.launchers import common
 from tandemrl.launchers.common import LaunchError, TrialResult, first_line, guarded_trial, kill_group, write_prefixed
 from tandemrl.utils.launch_config import LaunchSpec
@@ -98,6 +99,7 @@ class ServerHost:
             strategy=ParallelStrategy(tp=tp, pp=pp),
             extra=extra,
             log_file=log_file,
+            token=os.environ.get(TOKEN_ENV),
         )
         return self._server.address
 
@@ -399,6 +401,9 @@ def run_trial(script: str, config_path: str | None, overrides: list[str], spec: 
         gpus = _has_gpus()
         env = forwarded_env()
         env.setdefault("OMP_NUM_THREADS", "1")
+        env.pop(TOKEN_ENV, None)
+        if spec.allocation.gen_backend == "vllm":  # servers listen on node IPs: a fresh token per run
+            env[TOKEN_ENV] = new_token()
         addrs = _start_servers(spec, run_dir, trial, env, gpus)
         if addrs:
             env[SERVER_ADDRS_ENV] = ",".join(addrs)

@@ -18,6 +18,7 @@ import os
 import sys
 import time
 
+from tandemrl.inference.server_auth import TOKEN_ENV
 from tandemrl.launchers.common import first_line, signals_interrupt
 
 
@@ -53,6 +54,7 @@ def serve(args: argparse.Namespace) -> int:
                 strategy=ParallelStrategy(tp=args.tp, pp=args.pp),
                 extra=json.loads(args.extra),
                 log_file=args.log,
+                token=os.environ.get(TOKEN_ENV),  # set per job by the Slurm launcher's script
             )
             server.wait_healthy(timeout=args.timeout)
             tmp = f"{args.ready}.tmp"

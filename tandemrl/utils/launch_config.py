@@ -30,6 +30,7 @@ class LaunchSpec:
     corpus_path: str | None = None
     server_timeout: float = 600.0
     server_extra: dict[str, Any] = field(default_factory=dict)
+    weight_update_mode: str = "collective"  # GRPOConfig's default; "disk" survives a lost server
 
     @property
     def run_dir(self) -> str:
@@ -94,6 +95,7 @@ def read_launch_spec(config_path: str | None, overrides: list[str]) -> LaunchSpe
         model_key=model_key,
         corpus_path=_get(cfg, "train_dataset.path"),
         server_timeout=float(_get(cfg, "rollout.setup_timeout", 600.0)),
+        weight_update_mode=str(_get(cfg, "weight_update_mode", "collective")),
     )
 
 
