@@ -81,7 +81,7 @@ def test_two_ranks_get_disjoint_equal_halves(gsm8k_dir: str, tok: Any) -> None:
 def test_rl_dataset_rows_and_prompt_length_filter(gsm8k_dir: str, tok: Any) -> None:
     rows = _rows(gsm8k_dir, "test", 30)
     ds = get_gsm8k_rl_dataset(gsm8k_dir, "test", tok, 0, 1, max_samples=30)
-    assert len(ds) == 30 and set(ds.column_names) == {"messages", "question", "answer"}
+    assert len(ds) == 30 and set(ds.column_names) == {"id", "messages", "question", "answer"}
     assert ds[3]["messages"] == [{"role": "user", "content": rows[3]["question"]}]
     assert ds[3]["answer"] == rows[3]["answer"] and ds[3]["question"] == rows[3]["question"]
 
@@ -94,6 +94,7 @@ def test_rl_dataset_rows_and_prompt_length_filter(gsm8k_dir: str, tok: Any) -> N
     limit = sorted(lens)[15]
     short = get_gsm8k_rl_dataset(gsm8k_dir, "test", tok, 0, 1, max_length=limit, max_samples=30)
     assert short["question"] == [r["question"] for r, n in zip(rows, lens, strict=True) if n <= limit]
+    assert short["id"] == [i for i, n in enumerate(lens) if n <= limit]  # the split's row, kept through the filter
 
 
 @pytest.mark.parametrize(

@@ -5,20 +5,29 @@ errors for a missing or corrupt checkpoint and the staleness/dataloader pieces r
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
 import subprocess
 import sys
+import threading
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from test_executor import RandomDelayEngine, ToyWorkflow
 from utils import REPO_ROOT
 
+from tandemrl.configs.data import DatasetConfig
+from tandemrl.configs.rollout import InferenceEngineConfig
 from tandemrl.configs.utils import RecoverConfig
+from tandemrl.data.gsm8k import get_gsm8k_rl_dataset
+from tandemrl.data.loader import collate_as_list, create_dataloader
 from tandemrl.utils.recover import LOOP_STATE_FILE, CorruptCheckpointError, RecoverHandler, weights_fingerprint
-from tandemrl.workflows.executor import cycle_batches
+from tandemrl.workflows.executor import WorkflowExecutor, cycle_batches
 from tandemrl.workflows.staleness import StalenessManager
 
 LAUNCH = [sys.executable, "-m", "tandemrl.launchers.local"]
@@ -167,3 +176,107 @@ def test_cycle_batches_survives_a_loader_restored_at_an_epoch_end() -> None:
     assert [next(batches) for _ in range(4)] == [[0, 1], [2, 3], [4, 5], [0, 1]]  # ... the next pass starts
     with pytest.raises(ValueError, match="rollout_batch: the dataloader yielded no batches"):
         next(cycle_batches([], "rollout_batch"))
+
+
+# ------------------------------------------------------------------ rows in flight at a checkpoint
+
+BSZ = 4
+
+
+def _loader_order(ds: Any, n: int) -> list[int]:
+    """The ids of the first ``n`` rows an uninterrupted loader yields (epochs chained)."""
+    batches = cycle_batches(create_dataloader(ds, DatasetConfig(batch_size=BSZ, shuffle=True), 0, 1, seed=2))
+    return [row["id"] for _ in range(n // BSZ) for row in next(batches)]
+
+
+def _executor(k: int, version: int = 0) -> tuple[WorkflowExecutor, RandomDelayEngine]:
+    """An executor as a trainer resumed at ``version`` has it (servers at that version, capacity from it)."""
+    engine = RandomDelayEngine(seed=k)
+    engine.set_version(version)
+    ex = WorkflowExecutor(InferenceEngineConfig(consumer_batch_size=BSZ, max_head_offpolicyness=k), engine)
+    ex.staleness.set_base_version(version)
+    ex.initialize()
+    return ex, engine
+
+
+def _steps(ex: WorkflowExecutor, engine: RandomDelayEngine, loader: Any, n: int) -> list[list[int]]:
+    """``n`` trainer steps: a batch, then the weight update; the sorted ids of each step's rows."""
+    trained = []
+    for _ in range(n):
+        ex.prepare_batch(loader, ToyWorkflow(), timeout=60)
+        trained.append(sorted(row["id"] for row in ex.last_batch_rows))
+        ex.set_version(engine.get_version() + 1)
+    return trained
+
+
+@pytest.fixture(scope="module")
+def gsm8k_rows(gsm8k_dir: str) -> Any:
+    return get_gsm8k_rl_dataset(gsm8k_dir, "test", None, 0, 1, max_samples=48)
+
+
+def test_rows_in_flight_at_a_checkpoint_are_trained_first_after_resume(gsm8k_rows: Any) -> None:
+    """Synchronous staleness (k=0) makes the schedule exact: step i trains loader batch i, kill or not."""
+    order = _loader_order(gsm8k_rows, 4 * BSZ)
+    batch = [sorted(order[i : i + BSZ]) for i in range(0, len(order), BSZ)]
+    cfg = DatasetConfig(batch_size=BSZ, shuffle=True)
+    ex, engine = _executor(k=0)
+    gates = {pid: threading.Event() for pid in order[:BSZ]}
+    engine.gates.update(gates)
+    pulls = itertools.count()
+
+    def collate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if next(pulls) == 1:  # batch 0 finishes only once batch 1 is taken from the loader
+            for gate in gates.values():
+                gate.set()
+        return collate_as_list(rows)
+
+    loader = create_dataloader(gsm8k_rows, cfg, 0, 1, collate_fn=collate, seed=2)
+    try:
+        assert _steps(ex, engine, loader, 1) == [batch[0]]
+        pending = ex.pending_rows()  # batch 1: taken from the loader, queued behind version 1
+        assert [row["id"] for row in pending] == order[BSZ : 2 * BSZ]
+        state = loader.state_dict()
+    finally:
+        ex.destroy()  # the kill: batch 1's rollouts are lost
+    resumed, engine = _executor(k=0, version=1)
+    restored = create_dataloader(gsm8k_rows, cfg, 0, 1, seed=2)
+    restored.load_state_dict(state)
+    resumed.replay_first(pending)
+    try:
+        # Not batch 2: batch 1 is generated again with the restored weights and trained first.
+        assert _steps(resumed, engine, restored, 2) == [batch[1], batch[2]]
+    finally:
+        resumed.destroy()
+
+
+def _taken_prefix(order: list[int], trained: list[int], pending: list[int]) -> int:
+    """The rows trained plus those pending are, as a multiset, a prefix of the loader's order (its length):
+    no row trained twice (more often than the loader yielded it), none skipped."""
+    n = len(trained) + len(pending)
+    assert Counter(trained) + Counter(pending) == Counter(order[:n]), (trained, pending, order[:n])
+    return n
+
+
+def test_async_resume_trains_every_row_once(gsm8k_rows: Any) -> None:
+    """k=1: which in-flight rows fill a step depends on timing, the rows' accounting does not."""
+    order = _loader_order(gsm8k_rows, 60 * BSZ)
+    cfg = DatasetConfig(batch_size=BSZ, shuffle=True)
+    ex, engine = _executor(k=1)
+    loader = create_dataloader(gsm8k_rows, cfg, 0, 1, seed=2)
+    try:
+        trained = sum(_steps(ex, engine, loader, 5), [])
+        pending, state = ex.pending_rows(), loader.state_dict()
+    finally:
+        ex.destroy()
+    _taken_prefix(order, trained, [row["id"] for row in pending])
+    resumed, engine = _executor(k=1, version=5)
+    restored = create_dataloader(gsm8k_rows, cfg, 0, 1, seed=2)
+    restored.load_state_dict(state)
+    resumed.replay_first(pending)
+    try:
+        trained += sum(_steps(resumed, engine, restored, 15), [])  # past the 12-batch epoch end
+        final = [row["id"] for row in resumed.pending_rows()]
+    finally:
+        resumed.destroy()
+    assert len(trained) == 20 * BSZ
+    assert _taken_prefix(order, trained, final) > len(gsm8k_rows)
