@@ -1,6 +1,7 @@
 """Auto-resume of RL runs (``recover.mode``): a real 2-step GRPO run through the launcher, then the
-same command with one more step resumes at step 3 on the restored weights; plus the one-line
-errors for a missing or corrupt checkpoint and the staleness/dataloader pieces resuming relies on.
+same command with one more step resumes at step 3 on the restored weights and trains the prompts
+that were in flight at the stop, none skipped or repeated; plus the one-line errors for a missing or
+corrupt checkpoint and the staleness/dataloader/executor pieces resuming relies on.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from tandemrl.configs.data import DatasetConfig
 from tandemrl.configs.rollout import InferenceEngineConfig
 from tandemrl.configs.utils import RecoverConfig
 from tandemrl.data.gsm8k import get_gsm8k_rl_dataset
-from tandemrl.data.loader import collate_as_list, create_dataloader
+from tandemrl.data.loader import collate_as_list, create_dataloader, dataset_from_config
+from tandemrl.utils.prompt_log import read_prompt_log
 from tandemrl.utils.recover import LOOP_STATE_FILE, CorruptCheckpointError, RecoverHandler, weights_fingerprint
 from tandemrl.workflows.executor import WorkflowExecutor, cycle_batches
 from tandemrl.workflows.staleness import StalenessManager
@@ -62,6 +64,7 @@ def _grpo(tiny_model_dir: str, gsm8k_dir: str, root: Path, steps: int, *extra: s
         # The tiny model's GSM8K rewards are often all 0 (zero advantages, zero gradient); decoupled
         # weight decay still moves every weight, so "training changed them" holds on any sample.
         "actor.optimizer.weight_decay=0.1",
+        "stats_logger.prompt_ids=true",
         *extra,
     ]
     return subprocess.run(LAUNCH + args, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=1200)
@@ -103,6 +106,26 @@ def test_grpo_run_resumes_at_the_next_step_with_restored_weights(
     versions = _step_scalars(tb, "rollout_version_min")
     # Step 3's rollouts were sampled by the servers at the restored version 2 (pushed before the rollout).
     assert versions[2] == 2 and _step_scalars(tb, "rollout_version_max")[2] == 2, versions
+    # Prompts: the rows in flight at the kill (pending after step 2) are neither skipped nor trained twice.
+    lines = read_prompt_log(str(log.parent))
+    assert [line["global_step"] for line in lines] == [0, 1, 2] and all(len(x["trained"]) == 8 for x in lines)
+    order = _grpo_loader_order(tiny_model_dir, gsm8k_dir, 200)
+    trained = [i for line in lines for i in line["trained"]]
+    _taken_prefix(order, trained[:16], lines[1]["pending"])
+    _taken_prefix(order, trained, lines[2]["pending"])
+
+
+def _grpo_loader_order(tiny_model_dir: str, gsm8k_dir: str, n: int) -> list[int]:
+    """The first ``n`` prompt ids of the run's dataloader, built as RLTrainer builds it from the yaml's settings."""
+    from tandemrl.models.hf import load_hf_tokenizer, model_context_length
+
+    cfg = DatasetConfig(
+        path=gsm8k_dir, type="rl", split="train", batch_size=8, shuffle=True, drop_last=True, max_length=256
+    )
+    tok = load_hf_tokenizer(tiny_model_dir)
+    ds = dataset_from_config(cfg, tok, 0, 1, model_context_length(tiny_model_dir))
+    batches = cycle_batches(create_dataloader(ds, cfg, 0, 1, seed=1))
+    return [row["id"] for _ in range(n // 8) for row in next(batches)]
 
 
 # ------------------------------------------------------------------------------ fast checks
@@ -280,3 +303,25 @@ def test_async_resume_trains_every_row_once(gsm8k_rows: Any) -> None:
         resumed.destroy()
     assert len(trained) == 20 * BSZ
     assert _taken_prefix(order, trained, final) > len(gsm8k_rows)
+
+
+@pytest.mark.parametrize(("content", "needle"), [(None, "No such file"), ({"id": 1}, "must hold a list of rows")])
+def test_corrupt_pending_rows_are_a_one_line_error(tmp_path: Path, content: Any, needle: str) -> None:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    handler = _handler(tmp_path, "auto")
+    os.makedirs(handler.path)
+    state = {"global_step": 1, "version": 2, "world_size": 1, "weights_fingerprint": "x"}
+    Path(handler.path, LOOP_STATE_FILE).write_text(json.dumps(state))
+    loader = StatefulDataLoader(list(range(4)), batch_size=2)
+    torch.save(loader.state_dict(), Path(handler.path, "dataloader_rank0.pt"))
+    if content is not None:
+        torch.save(content, Path(handler.path, "pending_rows_rank0.pt"))
+    ex, _ = _executor(k=0)
+    try:
+        with pytest.raises(CorruptCheckpointError) as exc:
+            handler.load({}, None, loader, None, None, rollout=ex)
+    finally:
+        ex.destroy()
+    msg = str(exc.value)
+    assert "\n" not in msg and "pending_rows_rank0.pt" in msg and needle in msg, msg

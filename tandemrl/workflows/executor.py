@@ -8,6 +8,10 @@ that is needed for an older, still running rollout to be consumed in time. Toget
 this guarantees that a rollout started at weight version v is consumed by a trainer at
 version <= v + max_head_offpolicyness, provided the trainer consumes
 ``consumer_batch_size`` trajectories per version bump.
+
+``pending_rows`` lists the rows ``prepare_batch`` took from the dataloader that no batch has
+handed out yet; a recoverable checkpoint saves them and the resumed executor submits them
+first (``replay_first``), so a restart neither skips nor repeats a row.
 """
 
 from __future__ import annotations
