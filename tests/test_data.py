@@ -81,7 +81,7 @@ def test_two_ranks_get_disjoint_equal_halves(gsm8k_dir: str, tok: Any) -> None:
 def test_rl_dataset_rows_and_prompt_length_filter(gsm8k_dir: str, tok: Any) -> None:
     rows = _rows(gsm8k_dir, "test", 30)
     ds = get_gsm8k_rl_dataset(gsm8k_dir, "test", tok, 0, 1, max_samples=30)
-    assert len(ds) == 30 and set(ds.column_names) == {"messages", "question", "answer"}
+    assert len(ds) == 30 and set(ds.column_names) == {"id", "messages", "question", "answer"}
     assert ds[3]["messages"] == [{"role": "user", "content": rows[3]["question"]}]
     assert ds[3]["answer"] == rows[3]["answer"] and ds[3]["question"] == rows[3]["question"]
 
@@ -94,6 +94,7 @@ def test_rl_dataset_rows_and_prompt_length_filter(gsm8k_dir: str, tok: Any) -> N
     limit = sorted(lens)[15]
     short = get_gsm8k_rl_dataset(gsm8k_dir, "test", tok, 0, 1, max_length=limit, max_samples=30)
     assert short["question"] == [r["question"] for r, n in zip(rows, lens, strict=True) if n <= limit]
+    assert short["id"] == [i for i, n in enumerate(lens) if n <= limit]  # the split's row, kept through the filter
 
 
 @pytest.mark.parametrize(
@@ -222,3 +223,29 @@ def test_registry_dispatches_by_path_component(
     assert len(ds) == 4 and "messages" in ds.column_names
     with pytest.raises(ValueError, match="at least one of sft_fn, rl_fn"):
         register_dataset("empty")
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_restored_dataloader_matches_an_uninterrupted_one_at_every_position(shuffle: bool) -> None:
+    from tandemrl.workflows.executor import cycle_batches
+
+    cfg = DatasetConfig(batch_size=4, shuffle=shuffle, drop_last=True)
+    items = list(range(10))  # 2 full batches an epoch, 2 items dropped
+    n_batches = 7  # three and a half epochs
+    reference = cycle_batches(create_dataloader(items, cfg, 0, 1, seed=3))
+    expected = [next(reference) for _ in range(n_batches)]
+    assert len({tuple(b) for b in expected}) > (2 if shuffle else 1)  # later epochs really reshuffle
+    for saved_after in range(n_batches):  # epoch ends included (after batches 2, 4, 6)
+        dl = create_dataloader(items, cfg, 0, 1, seed=3)
+        batches = cycle_batches(dl)
+        head = [next(batches) for _ in range(saved_after)]
+        restored = create_dataloader(items, cfg, 0, 1, seed=3)
+        restored.load_state_dict(dl.state_dict())
+        rest = cycle_batches(restored)
+        assert head + [next(rest) for _ in range(n_batches - saved_after)] == expected, saved_after
+    # Saved after a finished pass (the loader's iterator ran to its end): the next epoch still matches.
+    dl = create_dataloader(items, cfg, 0, 1, seed=3)
+    assert list(dl) == expected[:2]
+    restored = create_dataloader(items, cfg, 0, 1, seed=3)
+    restored.load_state_dict(dl.state_dict())
+    assert list(restored) == expected[2:4] == list(dl)

@@ -1,24 +1,35 @@
 """Auto-resume of RL runs (``recover.mode``): a real 2-step GRPO run through the launcher, then the
-same command with one more step resumes at step 3 on the restored weights; plus the one-line
-errors for a missing or corrupt checkpoint and the staleness/dataloader pieces resuming relies on.
+same command with one more step resumes at step 3 on the restored weights and trains the prompts
+that were in flight at the stop, none skipped or repeated; plus the one-line errors for a missing or
+corrupt checkpoint and the staleness/dataloader/executor pieces resuming relies on.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
 import subprocess
 import sys
+import threading
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from test_executor import RandomDelayEngine, ToyWorkflow
 from utils import REPO_ROOT
 
+from tandemrl.configs.data import DatasetConfig
+from tandemrl.configs.rollout import InferenceEngineConfig
 from tandemrl.configs.utils import RecoverConfig
+from tandemrl.data.gsm8k import get_gsm8k_rl_dataset
+from tandemrl.data.loader import collate_as_list, create_dataloader, dataset_from_config
+from tandemrl.utils.prompt_log import read_prompt_log
 from tandemrl.utils.recover import LOOP_STATE_FILE, CorruptCheckpointError, RecoverHandler, weights_fingerprint
-from tandemrl.workflows.executor import cycle_batches
+from tandemrl.workflows.executor import WorkflowExecutor, cycle_batches
 from tandemrl.workflows.staleness import StalenessManager
 
 LAUNCH = [sys.executable, "-m", "tandemrl.launchers.local"]
@@ -53,6 +64,7 @@ def _grpo(tiny_model_dir: str, gsm8k_dir: str, root: Path, steps: int, *extra: s
         # The tiny model's GSM8K rewards are often all 0 (zero advantages, zero gradient); decoupled
         # weight decay still moves every weight, so "training changed them" holds on any sample.
         "actor.optimizer.weight_decay=0.1",
+        "stats_logger.prompt_ids=true",
         *extra,
     ]
     return subprocess.run(LAUNCH + args, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=1200)
@@ -94,6 +106,26 @@ def test_grpo_run_resumes_at_the_next_step_with_restored_weights(
     versions = _step_scalars(tb, "rollout_version_min")
     # Step 3's rollouts were sampled by the servers at the restored version 2 (pushed before the rollout).
     assert versions[2] == 2 and _step_scalars(tb, "rollout_version_max")[2] == 2, versions
+    # Prompts: the rows in flight at the kill (pending after step 2) are neither skipped nor trained twice.
+    lines = read_prompt_log(str(log.parent))
+    assert [line["global_step"] for line in lines] == [0, 1, 2] and all(len(x["trained"]) == 8 for x in lines)
+    order = _grpo_loader_order(tiny_model_dir, gsm8k_dir, 200)
+    trained = [i for line in lines for i in line["trained"]]
+    _taken_prefix(order, trained[:16], lines[1]["pending"])
+    _taken_prefix(order, trained, lines[2]["pending"])
+
+
+def _grpo_loader_order(tiny_model_dir: str, gsm8k_dir: str, n: int) -> list[int]:
+    """The first ``n`` prompt ids of the run's dataloader, built as RLTrainer builds it from the yaml's settings."""
+    from tandemrl.models.hf import load_hf_tokenizer, model_context_length
+
+    cfg = DatasetConfig(
+        path=gsm8k_dir, type="rl", split="train", batch_size=8, shuffle=True, drop_last=True, max_length=256
+    )
+    tok = load_hf_tokenizer(tiny_model_dir)
+    ds = dataset_from_config(cfg, tok, 0, 1, model_context_length(tiny_model_dir))
+    batches = cycle_batches(create_dataloader(ds, cfg, 0, 1, seed=1))
+    return [row["id"] for _ in range(n // 8) for row in next(batches)]
 
 
 # ------------------------------------------------------------------------------ fast checks
@@ -167,3 +199,129 @@ def test_cycle_batches_survives_a_loader_restored_at_an_epoch_end() -> None:
     assert [next(batches) for _ in range(4)] == [[0, 1], [2, 3], [4, 5], [0, 1]]  # ... the next pass starts
     with pytest.raises(ValueError, match="rollout_batch: the dataloader yielded no batches"):
         next(cycle_batches([], "rollout_batch"))
+
+
+# ------------------------------------------------------------------ rows in flight at a checkpoint
+
+BSZ = 4
+
+
+def _loader_order(ds: Any, n: int) -> list[int]:
+    """The ids of the first ``n`` rows an uninterrupted loader yields (epochs chained)."""
+    batches = cycle_batches(create_dataloader(ds, DatasetConfig(batch_size=BSZ, shuffle=True), 0, 1, seed=2))
+    return [row["id"] for _ in range(n // BSZ) for row in next(batches)]
+
+
+def _executor(k: int, version: int = 0) -> tuple[WorkflowExecutor, RandomDelayEngine]:
+    """An executor as a trainer resumed at ``version`` has it (servers at that version, capacity from it)."""
+    engine = RandomDelayEngine(seed=k)
+    engine.set_version(version)
+    ex = WorkflowExecutor(InferenceEngineConfig(consumer_batch_size=BSZ, max_head_offpolicyness=k), engine)
+    ex.staleness.set_base_version(version)
+    ex.initialize()
+    return ex, engine
+
+
+def _steps(ex: WorkflowExecutor, engine: RandomDelayEngine, loader: Any, n: int) -> list[list[int]]:
+    """``n`` trainer steps: a batch, then the weight update; the sorted ids of each step's rows."""
+    trained = []
+    for _ in range(n):
+        ex.prepare_batch(loader, ToyWorkflow(), timeout=60)
+        trained.append(sorted(row["id"] for row in ex.last_batch_rows))
+        ex.set_version(engine.get_version() + 1)
+    return trained
+
+
+@pytest.fixture(scope="module")
+def gsm8k_rows(gsm8k_dir: str) -> Any:
+    return get_gsm8k_rl_dataset(gsm8k_dir, "test", None, 0, 1, max_samples=48)
+
+
+def test_rows_in_flight_at_a_checkpoint_are_trained_first_after_resume(gsm8k_rows: Any) -> None:
+    """Synchronous staleness (k=0) makes the schedule exact: step i trains loader batch i, kill or not."""
+    order = _loader_order(gsm8k_rows, 4 * BSZ)
+    batch = [sorted(order[i : i + BSZ]) for i in range(0, len(order), BSZ)]
+    cfg = DatasetConfig(batch_size=BSZ, shuffle=True)
+    ex, engine = _executor(k=0)
+    gates = {pid: threading.Event() for pid in order[:BSZ]}
+    engine.gates.update(gates)
+    pulls = itertools.count()
+
+    def collate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if next(pulls) == 1:  # batch 0 finishes only once batch 1 is taken from the loader
+            for gate in gates.values():
+                gate.set()
+        return collate_as_list(rows)
+
+    loader = create_dataloader(gsm8k_rows, cfg, 0, 1, collate_fn=collate, seed=2)
+    try:
+        assert _steps(ex, engine, loader, 1) == [batch[0]]
+        pending = ex.pending_rows()  # batch 1: taken from the loader, queued behind version 1
+        assert [row["id"] for row in pending] == order[BSZ : 2 * BSZ]
+        state = loader.state_dict()
+    finally:
+        ex.destroy()  # the kill: batch 1's rollouts are lost
+    resumed, engine = _executor(k=0, version=1)
+    restored = create_dataloader(gsm8k_rows, cfg, 0, 1, seed=2)
+    restored.load_state_dict(state)
+    resumed.replay_first(pending)
+    try:
+        # Not batch 2: batch 1 is generated again with the restored weights and trained first.
+        assert _steps(resumed, engine, restored, 2) == [batch[1], batch[2]]
+    finally:
+        resumed.destroy()
+
+
+def _taken_prefix(order: list[int], trained: list[int], pending: list[int]) -> int:
+    """The rows trained plus those pending are, as a multiset, a prefix of the loader's order (its length):
+    no row trained twice (more often than the loader yielded it), none skipped."""
+    n = len(trained) + len(pending)
+    assert Counter(trained) + Counter(pending) == Counter(order[:n]), (trained, pending, order[:n])
+    return n
+
+
+def test_async_resume_trains_every_row_once(gsm8k_rows: Any) -> None:
+    """k=1: which in-flight rows fill a step depends on timing, the rows' accounting does not."""
+    order = _loader_order(gsm8k_rows, 60 * BSZ)
+    cfg = DatasetConfig(batch_size=BSZ, shuffle=True)
+    ex, engine = _executor(k=1)
+    loader = create_dataloader(gsm8k_rows, cfg, 0, 1, seed=2)
+    try:
+        trained = sum(_steps(ex, engine, loader, 5), [])
+        pending, state = ex.pending_rows(), loader.state_dict()
+    finally:
+        ex.destroy()
+    _taken_prefix(order, trained, [row["id"] for row in pending])
+    resumed, engine = _executor(k=1, version=5)
+    restored = create_dataloader(gsm8k_rows, cfg, 0, 1, seed=2)
+    restored.load_state_dict(state)
+    resumed.replay_first(pending)
+    try:
+        trained += sum(_steps(resumed, engine, restored, 15), [])  # past the 12-batch epoch end
+        final = [row["id"] for row in resumed.pending_rows()]
+    finally:
+        resumed.destroy()
+    assert len(trained) == 20 * BSZ
+    assert _taken_prefix(order, trained, final) > len(gsm8k_rows)
+
+
+@pytest.mark.parametrize(("content", "needle"), [(None, "No such file"), ({"id": 1}, "must hold a list of rows")])
+def test_corrupt_pending_rows_are_a_one_line_error(tmp_path: Path, content: Any, needle: str) -> None:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    handler = _handler(tmp_path, "auto")
+    os.makedirs(handler.path)
+    state = {"global_step": 1, "version": 2, "world_size": 1, "weights_fingerprint": "x"}
+    Path(handler.path, LOOP_STATE_FILE).write_text(json.dumps(state))
+    loader = StatefulDataLoader(list(range(4)), batch_size=2)
+    torch.save(loader.state_dict(), Path(handler.path, "dataloader_rank0.pt"))
+    if content is not None:
+        torch.save(content, Path(handler.path, "pending_rows_rank0.pt"))
+    ex, _ = _executor(k=0)
+    try:
+        with pytest.raises(CorruptCheckpointError) as exc:
+            handler.load({}, None, loader, None, None, rollout=ex)
+    finally:
+        ex.destroy()
+    msg = str(exc.value)
+    assert "\n" not in msg and "pending_rows_rank0.pt" in msg and needle in msg, msg

@@ -80,6 +80,13 @@ class StatsLoggerConfig:
     wandb: WandBConfig = field(default_factory=WandBConfig)
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
     console: bool = field(default=True, metadata={"help": "Print a table of statistics at each commit."})
+    prompt_ids: bool = field(
+        default=False,
+        metadata={
+            "help": "Append each RL step's trained prompt ids (the rows' 'id' field) and those taken from the "
+            "dataloader but not yet trained to <fileroot>/logs/<experiment>/<trial>/prompt_ids.jsonl."
+        },
+    )
 
 
 @dataclass

@@ -94,19 +94,21 @@ def get_gsm8k_rl_dataset(
     on_too_long: str = "drop",
     context_length: int | None = None,
 ) -> Dataset:
-    """Prompts {messages, question, answer}; the templated prompt's tokens are bounded by
-    ``max_length`` and ``context_length`` (over: dropped or refused, by ``on_too_long``)."""
+    """Prompts {id, messages, question, answer}; ``id`` is the 0-based row of the split, identical on
+    every rank and run. The templated prompt's tokens are bounded by ``max_length`` and
+    ``context_length`` (over: dropped or refused, by ``on_too_long``)."""
     limit = length_limit(max_length, context_length)
     ds, source = _load_valid(path, split, max_samples)
 
-    def process(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    def process(batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
         return {
+            "id": list(indices),
             "messages": [user_messages(q) for q in batch["question"]],
             "question": list(batch["question"]),
             "answer": list(batch["answer"]),
         }
 
-    ds = ds.map(process, batched=True, remove_columns=ds.column_names, keep_in_memory=True)
+    ds = ds.map(process, batched=True, with_indices=True, remove_columns=ds.column_names, keep_in_memory=True)
     lengths = [len(p) for p in render_prompts(tokenizer, ds["question"])] if limit is not None else []
     ds = enforce_length_limit(ds, lengths, limit, on_too_long, source, rank=rank, split=split)
     return shard_for_rank(_nonempty(ds, source, limit), rank, world_size, source)

@@ -366,9 +366,14 @@ def create_dataloader(
     *,
     seed: int = 1,
 ) -> StatefulDataLoader:
-    """A resumable dataloader over this rank's shard; per-rank batch = global batch / world size."""
+    """A resumable dataloader over this rank's shard; per-rank batch = global batch / world size.
+
+    Restored from its ``state_dict`` it yields exactly the batches an uninterrupted one would,
+    epoch ends and the reshuffles of later epochs included.
+    """
     import torch
     from torchdata.stateful_dataloader import StatefulDataLoader
+    from torchdata.stateful_dataloader.sampler import RandomSampler
 
     if world_size <= 0 or not 0 <= rank < world_size:
         raise ValueError(f"invalid rank={rank} for world_size={world_size}")
@@ -382,16 +387,20 @@ def create_dataloader(
             f"rank {rank} has {len(dataset)} samples, fewer than its batch size {batch_size} "
             f"(DatasetConfig.batch_size={config.batch_size} over {world_size} ranks) with drop_last=True"
         )
-    generator = torch.Generator()
-    generator.manual_seed(seed)
+    # The shuffle has its own generator. The loader draws a worker base seed from its ``generator``
+    # every epoch, after the permutation; a restored sampler replays only the permutation, so one
+    # shared generator would shuffle every epoch after a restore differently from an uninterrupted run.
+    sampler = None
+    if config.shuffle:
+        sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(seed))
     return StatefulDataLoader(
         dataset,
         batch_size=batch_size,
-        shuffle=config.shuffle,
+        sampler=sampler,
         drop_last=config.drop_last,
         num_workers=config.num_workers,
         collate_fn=collate_fn or collate_as_list,
-        generator=generator,
+        generator=torch.Generator().manual_seed(seed),
     )
 
 

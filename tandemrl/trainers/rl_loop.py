@@ -15,7 +15,7 @@ critic) and :func:`reinforce_train_step` (ReMax). Each step of the loop: rollout
 ``train_step(batch, global_step)`` -> pause / update_weights / set_version / resume ->
 save -> evaluate -> log -> recoverable checkpoint (``recover.mode`` auto/resume, every
 ``recover.freq_*``). A run restarted with a checkpoint present restores the engines, the
-dataloader position and the counters, pushes the restored weights to the servers (labelled
+dataloader position, the rows still in flight (generated again first) and the counters, pushes the restored weights to the servers (labelled
 with the restored version) and continues at the next step; see ``tandemrl.utils.recover``.
 """
 
@@ -47,6 +47,7 @@ from tandemrl.rewards.runner import RewardFn
 from tandemrl.utils import stats_tracker
 from tandemrl.utils.allocation import AllocationMode
 from tandemrl.utils.evaluator import Evaluator
+from tandemrl.utils.prompt_log import log_prompt_ids
 from tandemrl.utils.recover import RecoverHandler
 from tandemrl.utils.saver import Saver
 from tandemrl.utils.stats_logger import StatsLogger
@@ -235,7 +236,14 @@ class RLTrainer:
 
     def _maybe_resume(self) -> int:
         """Restore a recoverable checkpoint if ``recover.mode`` asks for it; the first step to run."""
-        state = self.recover.load(self._recoverable_engines(), self.actor, self.train_dl, self.saver, self.evaluator)
+        state = self.recover.load(
+            self._recoverable_engines(),
+            self.actor,
+            self.train_dl,
+            self.saver,
+            self.evaluator,
+            rollout=self.rollout.executor,
+        )
         if state is None:
             return 0
         # The servers started from the initial model: give them the restored weights, labelled with
@@ -302,6 +310,9 @@ class RLTrainer:
                         lambda gs=global_step + 1: self.evaluate(eval_workflow, gs), epoch, step, global_step
                     )
             self._commit(epoch, step, global_step)
+            executor = self.rollout.executor
+            if config.stats_logger.prompt_ids:
+                log_prompt_ids(self.logger.log_dir, global_step, executor.last_batch_rows, executor.pending_rows())
             self.recover.dump(
                 self._recoverable_engines(),
                 actor,
@@ -310,6 +321,7 @@ class RLTrainer:
                 global_step,
                 self.saver,
                 self.evaluator,
+                rollout=executor,
             )
             bar.update(1)
             reward = summary.rewards[-1] if summary.rewards else None

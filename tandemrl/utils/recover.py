@@ -9,6 +9,8 @@ Layout under ``<fileroot>/checkpoints/<experiment>/<trial>/recover``:
 * ``engines/<name>/``: each trainable engine's ``save(SaveLoadMeta(weight_format="dcp", with_optim=True))``
   (weights, optimizer, LR schedule, version);
 * ``dataloader_rank<r>.pt``: trainer rank r's dataloader position;
+* ``pending_rows_rank<r>.pt``: the rows rank r's rollout executor had taken from the dataloader
+  but not yet handed out in a trained batch (queued, generating, or generated and waiting);
 * ``loop_state.json``: the last finished global step, the weight version, the saver's and
   evaluator's counters, the trainer world size and a fingerprint of the pushed weights.
 
@@ -16,8 +18,10 @@ A save is written to ``recover.tmp`` and replaces ``recover`` only once complete
 mid-save leaves the previous checkpoint usable. Loading re-computes the weight fingerprint
 and refuses a checkpoint whose restored weights differ from the saved ones.
 
-Rollouts that were queued or running when the checkpoint was written are not saved: their
-dataloader rows count as consumed, as after any restart of an asynchronous run.
+Rollouts that were queued or running when the checkpoint was written are not saved (they
+came from older weights), but their rows are: the resumed run generates them again, with the
+restored weights, before it takes new rows from the dataloader. So every row is trained once,
+none skipped, in asynchronous runs too (a synchronous run has no such rows at a step's end).
 """
 
 from __future__ import annotations
@@ -60,6 +64,18 @@ class StatefulLoader(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class RowSource(Protocol):
+    """The rollout executor's rows taken from the dataloader but not yet trained (WorkflowExecutor)."""
+
+    def pending_rows(self) -> list[dict[str, Any]]: ...
+
+    def replay_first(self, rows: Iterable[dict[str, Any]]) -> None: ...
+
+
+def pending_rows_file(path: str) -> str:
+    return os.path.join(path, f"pending_rows_rank{_rank()}.pt")
 
 
 @dataclass
@@ -152,10 +168,12 @@ class RecoverHandler:
         global_step: int,
         saver: Any,
         evaluator: Any,
+        rollout: RowSource | None = None,
     ) -> bool:
         """Collective: write a checkpoint after ``global_step`` if due; returns whether one was written.
 
-        ``pushed`` is the engine whose weights the servers get (its ``iter_hf_params`` is fingerprinted).
+        ``pushed`` is the engine whose weights the servers get (its ``iter_hf_params`` is fingerprinted);
+        ``rollout`` is the executor whose pending rows the resumed run must generate again.
         """
         if not self.enabled:
             return False
@@ -173,6 +191,7 @@ class RecoverHandler:
             for name, engine in engines.items():
                 engine.save(SaveLoadMeta(path=os.path.join(tmp, "engines", name), weight_format="dcp", with_optim=True))
             torch.save(dataloader.state_dict(), os.path.join(tmp, f"dataloader_rank{_rank()}.pt"))
+            torch.save(rollout.pending_rows() if rollout is not None else [], pending_rows_file(tmp))
             fingerprint = self._fingerprint(pushed)
             _barrier()
             if _rank() == 0:
@@ -226,8 +245,11 @@ class RecoverHandler:
         dataloader: StatefulLoader,
         saver: Any,
         evaluator: Any,
+        rollout: RowSource | None = None,
     ) -> LoopState | None:
         """Collective: restore everything from the checkpoint (None: nothing to resume in mode auto/disabled).
+
+        ``rollout`` gets the checkpoint's pending rows to generate before new dataloader rows.
 
         Raises a one-line error when mode is ``resume`` and there is no checkpoint, or when the
         checkpoint is corrupt or was written by a different number of trainer ranks.
@@ -262,6 +284,8 @@ class RecoverHandler:
             raise CorruptCheckpointError(
                 f"recover: checkpoint {path} is corrupt: {loader_file}: {_first_line(e)}"
             ) from e
+        if rollout is not None:
+            rollout.replay_first(self._pending_rows(path))
         fingerprint = self._fingerprint(pushed)
         if fingerprint != state.weights_fingerprint:
             raise CorruptCheckpointError(
@@ -283,6 +307,17 @@ class RecoverHandler:
                 flush=True,
             )
         return state
+
+    @staticmethod
+    def _pending_rows(path: str) -> list[dict[str, Any]]:
+        file = pending_rows_file(path)
+        try:
+            rows = torch.load(file, weights_only=False)
+        except Exception as e:
+            raise CorruptCheckpointError(f"recover: checkpoint {path} is corrupt: {file}: {_first_line(e)}") from e
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise CorruptCheckpointError(f"recover: checkpoint {path} is corrupt: {file} must hold a list of rows")
+        return rows
 
     @staticmethod
     def _read_state(path: str) -> LoopState:

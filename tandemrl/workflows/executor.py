@@ -8,6 +8,10 @@ that is needed for an older, still running rollout to be consumed in time. Toget
 this guarantees that a rollout started at weight version v is consumed by a trainer at
 version <= v + max_head_offpolicyness, provided the trainer consumes
 ``consumer_batch_size`` trajectories per version bump.
+
+``pending_rows`` lists the rows ``prepare_batch`` took from the dataloader that no batch has
+handed out yet; a recoverable checkpoint saves them and the resumed executor submits them
+first (``replay_first``), so a restart neither skips nor repeats a row.
 """
 
 from __future__ import annotations
@@ -132,6 +136,7 @@ class _Task:
     should_accept_fn: ShouldAcceptFn | None
     tag: int | None  # the rollout_batch call it belongs to; None for submit()/prepare_batch()
     order: int  # submission order
+    pulled: bool = False  # prepare_batch took it from the dataloader
 
 
 @dataclass
@@ -142,6 +147,7 @@ class _Done:
     version: int  # weight version when the rollout started
     seq: int  # acceptance order
     order: int  # submission order
+    data: dict[str, Any]  # the row it was generated from
 
 
 @dataclass
@@ -219,6 +225,9 @@ class WorkflowExecutor:
         self._tags = itertools.count()
         self._data_iter: Iterator[Any] | None = None
         self._data_source: Any = None
+        self._pending: dict[int, dict[str, Any]] = {}  # order -> row pulled by prepare_batch, not handed out
+        self._replay: deque[dict[str, Any]] = deque()  # rows prepare_batch submits before pulling new ones
+        self.last_batch_rows: list[dict[str, Any]] = []  # the rows behind the last batch handed out
         self._last_launch_error = 0.0
         self._stall_since: float | None = None
         self._stall_warned = False
@@ -362,7 +371,7 @@ class WorkflowExecutor:
             self._running.pop(rid, None)
             if traj is not None:
                 self.staleness.on_accept()
-                done = _Done(traj, version, next(self._seqs), task.order)
+                done = _Done(traj, version, next(self._seqs), task.order, task.data)
                 if task.tag is None:
                     self._accepted.append(done)
                 elif task.tag in self._tag_results:
@@ -371,6 +380,7 @@ class WorkflowExecutor:
                 outcome = "accepted"
             else:
                 self.staleness.on_reject()
+                self._pending.pop(task.order, None)  # consumed untrained, as in any run
                 outcome = "rejected"
                 if exc is not None and not atask.cancelled():
                     outcome = "failed"
@@ -406,7 +416,12 @@ class WorkflowExecutor:
         self._wake()
 
     def _submit(
-        self, data: dict[str, Any], workflow: RolloutWorkflow, should_accept_fn: ShouldAcceptFn | None, tag: int | None
+        self,
+        data: dict[str, Any],
+        workflow: RolloutWorkflow,
+        should_accept_fn: ShouldAcceptFn | None,
+        tag: int | None,
+        pulled: bool = False,
     ) -> None:
         self._require_runner()
         if not hasattr(workflow, "arun_episode"):
@@ -417,7 +432,10 @@ class WorkflowExecutor:
                     f"rollout input queue is full ({self.queue_size} rows, InferenceEngineConfig.queue_size); "
                     "wait() for results before submitting more"
                 )
-            self._input.append(_Task(data, workflow, should_accept_fn, tag, next(self._orders)))
+            task = _Task(data, workflow, should_accept_fn, tag, next(self._orders), pulled)
+            self._input.append(task)
+            if pulled:
+                self._pending[task.order] = data
 
     def _raise_errors_locked(self) -> None:
         if not self._errors:
@@ -462,6 +480,9 @@ class WorkflowExecutor:
         if self._must_wait_for_older(rest, count, version):
             return None
         self._accepted = rest
+        for d in picked:
+            self._pending.pop(d.order, None)
+        self.last_batch_rows = [d.data for d in picked]
         tracker = stats_tracker.get(self.config.stats_name)
         lags = torch.tensor([float(version - d.version) for d in picked])
         tracker.denominator(n_consumed=torch.ones_like(lags, dtype=torch.bool))
@@ -569,18 +590,8 @@ class WorkflowExecutor:
             with self._cond:
                 refill = len(self._input) < batch_size and self.queue_size - len(self._input) >= batch_size
             if refill:
-                try:
-                    rows = next(self._data_iter)
-                except Exception:
-                    self._data_iter = None  # start over (a fresh pass) on the next call
-                    raise
-                if not isinstance(rows, list | tuple):
-                    raise TypeError(
-                        f"prepare_batch: the dataloader must yield lists of rows (collate_fn=collate_as_list), "
-                        f"got {type(rows).__name__}"
-                    )
-                for row in rows:
-                    self._submit(row, workflow, should_accept_fn, None)
+                for row in self._next_rows(batch_size):
+                    self._submit(row, workflow, should_accept_fn, None, pulled=True)
                 self._wake()
             with self._cond:
                 self._raise_errors_locked()
@@ -590,6 +601,39 @@ class WorkflowExecutor:
                 if not (len(self._input) < batch_size and self.queue_size - len(self._input) >= batch_size):
                     self._sleep_locked(deadline, f"prepare_batch(batch_size={batch_size}, timeout={timeout})")
         return concat_padded_tensors([d.traj for d in picked])
+
+    def _next_rows(self, batch_size: int) -> list[dict[str, Any]]:
+        """Up to ``batch_size`` rows to replay (see :meth:`replay_first`), else the dataloader's next batch."""
+        with self._cond:
+            if self._replay:
+                return [self._replay.popleft() for _ in range(min(batch_size, len(self._replay)))]
+        assert self._data_iter is not None
+        try:
+            rows = next(self._data_iter)
+        except Exception:
+            self._data_iter = None  # start over (a fresh pass) on the next call
+            raise
+        if not isinstance(rows, list | tuple):
+            raise TypeError(
+                f"prepare_batch: the dataloader must yield lists of rows (collate_fn=collate_as_list), "
+                f"got {type(rows).__name__}"
+            )
+        return list(rows)
+
+    def pending_rows(self) -> list[dict[str, Any]]:
+        """Rows prepare_batch took from the dataloader whose trajectories no batch has handed out yet
+        (queued, running, or accepted and waiting), oldest first; a rejected row counts as consumed.
+
+        With the dataloader's position, this is what a resumed run needs to train every row once:
+        pass it to :meth:`replay_first` of the new executor.
+        """
+        with self._cond:
+            return [self._pending[o] for o in sorted(self._pending)] + list(self._replay)
+
+    def replay_first(self, rows: Iterable[dict[str, Any]]) -> None:
+        """Make prepare_batch submit ``rows`` (e.g. a checkpoint's :meth:`pending_rows`) before new dataloader rows."""
+        with self._cond:
+            self._replay.extend(rows)
 
     def rollout_batch(
         self,
@@ -647,6 +691,7 @@ class WorkflowExecutor:
                 self._tag_results.pop(tag, None)
                 self._tag_rejections.pop(tag, None)
         results = sorted(results, key=lambda d: d.order)
+        self.last_batch_rows = [d.data for d in results]
         return concat_padded_tensors([d.traj for d in results])
 
     # ------------------------------------------------------------------ stats
