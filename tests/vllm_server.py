@@ -5,6 +5,7 @@ The transport here is deliberately minimal (``requests``); the real client lives
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -13,21 +14,26 @@ from typing import Any
 
 import requests
 import torch
+from utils import REPO_ROOT
+from vllm_gate import GATE_ENV, Gate
 
 from tandemrl.inference.server import ServerProcess, launch_server
 from tandemrl.inference.types import GenerateChunk, HttpRequest, ModelRequest
 from tandemrl.inference.vllm import VLLMBackend
 
-# The test server: bf16 like production, context small enough for a fast start.
-VLLM_EXTRA: dict[str, Any] = {"max_model_len": 1024, "dtype": "bfloat16"}
+# The test server: bf16 like production, context small enough for a fast start; the test-only
+# hook of vllm_gate lets a test hold a request between tokens (inactive unless a test arms it).
+VLLM_EXTRA: dict[str, Any] = {"max_model_len": 1024, "dtype": "bfloat16", "logits_processors": ["vllm_gate:HoldGate"]}
+TESTS_DIR = Path(__file__).resolve().parent
 START_TIMEOUT_S = 900.0
 
 
 class VLLMTestServer:
     """The session server plus what tests need to talk to it."""
 
-    def __init__(self, proc: ServerProcess, model_dir: str, start_seconds: float):
+    def __init__(self, proc: ServerProcess, model_dir: str, start_seconds: float, gate_dir: str):
         self.proc = proc
+        self.gate_dir = gate_dir
         self.backend = VLLMBackend(request_timeout=120.0, control_timeout=60.0, update_timeout=120.0)
         self.model_dir = model_dir
         self.start_seconds = start_seconds
@@ -35,6 +41,10 @@ class VLLMTestServer:
     @property
     def url(self) -> str:
         return self.proc.base_url
+
+    def gate(self, prompt: list[int]) -> Gate:
+        """Arm the server's hold hook for requests starting with ``prompt`` (disarm: leave the ``with``)."""
+        return Gate(self.gate_dir).arm(prompt)
 
     def call(self, req: HttpRequest) -> Any:
         """Send one built request; non-2xx raises with the status and a snippet of the body."""
@@ -67,13 +77,16 @@ class VLLMTestServer:
 
 def start_vllm_server(model_dir: str, log_file: str) -> VLLMTestServer:
     start = time.monotonic()
-    proc = launch_server(VLLMBackend(), model_dir, extra=dict(VLLM_EXTRA), log_file=log_file)
+    gate_dir = str(Path(log_file).parent / "gate")
+    path = os.pathsep.join(p for p in (str(TESTS_DIR), str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {GATE_ENV: gate_dir, "PYTHONPATH": path}
+    proc = launch_server(VLLMBackend(), model_dir, extra=dict(VLLM_EXTRA), log_file=log_file, env=env)
     try:
         proc.wait_healthy(START_TIMEOUT_S)
     except BaseException:
         proc.stop()
         raise
-    return VLLMTestServer(proc, model_dir, time.monotonic() - start)
+    return VLLMTestServer(proc, model_dir, time.monotonic() - start, gate_dir)
 
 
 def join(th: threading.Thread, box: dict[str, Any], timeout: float = 120.0) -> Any:
