@@ -159,6 +159,15 @@ class Gate:
         self.last_held = int(msg.split()[1])
         return conn
 
+    def advance(self, held: socket.socket, tokens: int) -> socket.socket:
+        """Grant one token at a time until the held request has ``tokens`` tokens; returns the new hold."""
+        while self.last_held < tokens:
+            held.sendall(b"g")
+            held.close()
+            self.granted += 1
+            held = self.wait_held()
+        return held
+
     def release_until(self, action: Callable[[], Any], held: socket.socket, max_tokens: int) -> Any:
         """Run ``action`` (e.g. a pause) in a thread, granting the held request one token at a time
         until ``action`` returns: the engine steps only when granted, and acts on the pause between

@@ -31,9 +31,9 @@ START_TIMEOUT_S = 900.0
 class VLLMTestServer:
     """The session server plus what tests need to talk to it."""
 
-    def __init__(self, proc: ServerProcess, model_dir: str, start_seconds: float, gate_dir: str):
+    def __init__(self, proc: ServerProcess, model_dir: str, start_seconds: float):
         self.proc = proc
-        self.gate_dir = gate_dir
+        self.gate_dir = gate_dir_for(proc.log_file)
         self.backend = VLLMBackend(request_timeout=120.0, control_timeout=60.0, update_timeout=120.0)
         self.model_dir = model_dir
         self.start_seconds = start_seconds
@@ -75,18 +75,27 @@ class VLLMTestServer:
         return th, box
 
 
+def gate_dir_for(log_file: str) -> str:
+    """Where a test server started by ``launch_test_server`` looks for an armed gate."""
+    return str(Path(log_file).parent / "gate")
+
+
+def launch_test_server(model_dir: str, log_file: str, **extra: Any) -> ServerProcess:
+    """``launch_server`` with ``VLLM_EXTRA`` (+ ``extra``) and the vllm_gate hook importable and pointed at its dir."""
+    path = os.pathsep.join(p for p in (str(TESTS_DIR), str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {GATE_ENV: gate_dir_for(log_file), "PYTHONPATH": path}
+    return launch_server(VLLMBackend(), model_dir, extra={**VLLM_EXTRA, **extra}, log_file=log_file, env=env)
+
+
 def start_vllm_server(model_dir: str, log_file: str) -> VLLMTestServer:
     start = time.monotonic()
-    gate_dir = str(Path(log_file).parent / "gate")
-    path = os.pathsep.join(p for p in (str(TESTS_DIR), str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {GATE_ENV: gate_dir, "PYTHONPATH": path}
-    proc = launch_server(VLLMBackend(), model_dir, extra=dict(VLLM_EXTRA), log_file=log_file, env=env)
+    proc = launch_test_server(model_dir, log_file)
     try:
         proc.wait_healthy(START_TIMEOUT_S)
     except BaseException:
         proc.stop()
         raise
-    return VLLMTestServer(proc, model_dir, time.monotonic() - start, gate_dir)
+    return VLLMTestServer(proc, model_dir, time.monotonic() - start)
 
 
 def join(th: threading.Thread, box: dict[str, Any], timeout: float = 120.0) -> Any:
