@@ -1,8 +1,21 @@
 #!/usr/bin/env bash
 # Install (or reuse) the pinned environment, then run the whole test suite.
+# --stress (or TANDEMRL_STRESS=1): a background process burns one CPU core for the whole run,
+# to show that no test depends on timing; it is stopped when pytest ends, however it ends.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+args=()
+stress="${TANDEMRL_STRESS:-0}"
+for a in "$@"; do
+    if [[ "$a" == "--stress" ]]; then stress=1; else args+=("$a"); fi
+done
 bash "$root/scripts/setup_env.sh"
 cd "$root"
 export WANDB_SILENT=true TOKENIZERS_PARALLELISM=false
-exec .venv/bin/python -m pytest tests -q -p no:cacheprovider --durations=15 "$@"
+if [[ "$stress" != "0" ]]; then
+    bash -c 'while :; do :; done' &
+    burner=$!
+    trap 'kill "$burner" 2>/dev/null || true' EXIT
+    echo "stress: pid $burner burns one CPU core during the tests"
+fi
+.venv/bin/python -m pytest tests -q -p no:cacheprovider --durations=15 ${args[@]+"${args[@]}"}

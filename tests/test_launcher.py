@@ -33,27 +33,28 @@ def _run(args: list[str], timeout: float, launcher: str = LAUNCHER) -> subproces
     return subprocess.run(cmd, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
+def _grpo_args(script: str, model: str, data: str, root: Path, steps: int, new_tokens: int) -> list[str]:
+    """A short GRPO run on GSM8K: SCRIPT, the example config and overrides (saves and evaluates at the end)."""
+    return [
+        script,
+        "--config",
+        "examples/gsm8k_grpo.yaml",
+        f"actor.path={model}",
+        f"train_dataset.path={data}",
+        f"cluster.fileroot={root}",
+        f"total_train_steps={steps}",
+        "rollout.max_head_offpolicyness=1",
+        "valid_dataset.max_samples=8",
+        f"gconfig.max_new_tokens={new_tokens}",
+        f"saver.freq_steps={steps}",
+        f"evaluator.freq_steps={steps}",
+    ]
+
+
 @pytest.mark.slow
 def test_grpo_gsm8k_sync_and_async(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
-    proc = _run(
-        [
-            "examples/gsm8k_grpo.py",
-            "--config",
-            "examples/gsm8k_grpo.yaml",
-            "--multirun",
-            "async_training=false,true",
-            f"actor.path={tiny_model_dir}",
-            f"train_dataset.path={gsm8k_dir}",
-            f"cluster.fileroot={tmp_path}",
-            "total_train_steps=3",
-            "rollout.max_head_offpolicyness=1",
-            "valid_dataset.max_samples=8",
-            "gconfig.max_new_tokens=32",
-            "saver.freq_steps=3",
-            "evaluator.freq_steps=3",
-        ],
-        timeout=1200,
-    )
+    args = _grpo_args("examples/gsm8k_grpo.py", tiny_model_dir, gsm8k_dir, tmp_path, steps=3, new_tokens=32)
+    proc = _run([*args, "--multirun", "async_training=false,true"], timeout=1200)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     for trial, bound in (("trial0_async_trainingfalse", 0), ("trial0_async_trainingtrue", 1)):
         stats = _scalars(tmp_path / "tensorboard" / "gsm8k-grpo" / trial)
@@ -82,26 +83,8 @@ def _two_async_grpo_steps(
     Checks what every backend and launcher must give: two updates and two weight pushes,
     the staleness bound, an eval reward, and a step-1 checkpoint that transformers loads.
     """
-    proc = _run(
-        [
-            "examples/gsm8k_grpo.py",
-            "--config",
-            "examples/gsm8k_grpo.yaml",
-            *backend_args,
-            f"actor.path={model}",
-            f"train_dataset.path={data}",
-            f"cluster.fileroot={tmp_path}",
-            "total_train_steps=2",
-            "async_training=true",
-            "rollout.max_head_offpolicyness=1",
-            "valid_dataset.max_samples=8",
-            "gconfig.max_new_tokens=32",
-            "saver.freq_steps=2",
-            "evaluator.freq_steps=2",
-        ],
-        timeout=1200,
-        launcher=launcher,
-    )
+    args = _grpo_args("examples/gsm8k_grpo.py", model, data, tmp_path, steps=2, new_tokens=32)
+    proc = _run([*args, *backend_args, "async_training=true"], timeout=1200, launcher=launcher)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     stats = _scalars(tmp_path / "tensorboard" / "gsm8k-grpo" / "trial0")
     assert len(stats["actor/ppo_actor/update/loss"]) == 2 and len(stats["timeperf/update_weights"]) == 2, sorted(stats)
@@ -117,24 +100,96 @@ def _two_async_grpo_steps(
     return (tmp_path / "logs" / "gsm8k-grpo" / "trial0" / "trainer.log").read_text()
 
 
-@pytest.mark.slow
-def test_grpo_gsm8k_async_on_deepspeed(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
-    """allocation_mode ``deepspeed:d1``: 2 async GRPO steps on ZeRO-3 with a user's DeepSpeed JSON."""
-    ds_json = tmp_path / "ds_config.json"  # the engine owns gradient_clipping: it warns and uses actor's 1.0
-    ds_json.write_text(json.dumps({"gradient_clipping": 5.0, "zero_optimization": {"stage": 3}}))
-    backend = ["allocation_mode=vllm:d1+deepspeed:d1", "actor.deepspeed.zero_stage=3"]
-    trainer_log = _two_async_grpo_steps(
-        [*backend, f"actor.deepspeed.config_path={ds_json}"], tiny_model_dir, gsm8k_dir, tmp_path
-    )
-    # The DeepSpeed engine trained: it read the user's JSON (and overrode the key it owns).
-    assert "deepspeed config: 'gradient_clipping' is set by the engine" in trainer_log, trainer_log[-3000:]
+PROBE = "tests/workers/grpo_dp_probe.py"  # the GRPO example, also recording each rank's batch
+
+
+def _check_dp_batches(probe_dir: Path, steps: int, batch_size: int, group_size: int) -> None:
+    """Both DP ranks trained every step, each on its own whole groups, together on the step's whole batch."""
+    records = [json.loads(line) for f in sorted(probe_dir.glob("rank*.jsonl")) for line in f.read_text().splitlines()]
+    assert sorted((r["step"], r["dp_rank"]) for r in records) == [(s, d) for s in range(steps) for d in (0, 1)]
+    for step in range(steps):
+        mine = {r["dp_rank"]: r for r in records if r["step"] == step}
+        groups: dict[int, list[tuple[int, ...]]] = {}
+        for dp_rank, r in mine.items():
+            assert r["dp_world"] == 2 and r["version"] == step, r | {"prompts": "..."}
+            rows = [tuple(p) for p in r["prompts"]]
+            assert rows and len(rows) % group_size == 0, (step, dp_rank, len(rows))
+            chunks = [rows[i : i + group_size] for i in range(0, len(rows), group_size)]
+            assert all(len(set(c)) == 1 for c in chunks), f"step {step} rank {dp_rank}: a group was split"
+            groups[dp_rank] = [c[0] for c in chunks]
+        # Different groups on the two ranks, and the step's prompts (each rank's client drew its own
+        # share of the dataset) all arrived exactly once.
+        assert not set(groups[0]) & set(groups[1]), f"step {step}: both ranks trained the same group"
+        everything = groups[0] + groups[1]
+        assert len(everything) == len(set(everything)) == batch_size, (step, [len(g) for g in groups.values()])
+
+
+def _grpo_dp2(
+    backend_args: list[str], model: str, data: str, tmp_path: Path, sweep: tuple[str, ...] = ("--multirun",)
+) -> dict[str, dict[str, list[float]]]:
+    """2 GRPO steps per trial on 2 data-parallel trainer ranks, by default one trial per
+    ``async_training=false,true``; returns each trial's tensorboard scalars by trial name.
+
+    Checks for every trial: the DP batches (``_check_dp_batches``), two updates and two weight
+    pushes, the staleness bound (sync: on-policy; async: 1), an eval reward and a checkpoint.
+    """
+    args = _grpo_args(PROBE, model, data, tmp_path, steps=2, new_tokens=16)
+    modes = ["async_training=false,true"] if sweep == ("--multirun",) else []
+    proc = _run([*args, "train_dataset.max_samples=64", *sweep, *modes, *backend_args], timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    trials = {}
+    for probe_dir in sorted((tmp_path / "dp_probe").iterdir()):
+        trial = probe_dir.name
+        _check_dp_batches(probe_dir, steps=2, batch_size=8, group_size=4)
+        stats = _scalars(tmp_path / "tensorboard" / "gsm8k-grpo" / trial)
+        assert len(stats["actor/ppo_actor/update/loss"]) == 2 and len(stats["timeperf/update_weights"]) == 2, trial
+        config = (tmp_path / "logs" / "gsm8k-grpo" / trial / "config.yaml").read_text()
+        bound = 1 if "async_training: true" in config else 0
+        lags = [s - v for s, v in enumerate(stats["rollout_version_min"])]
+        assert len(lags) == 2 and min(lags) >= 0 and max(lags) <= bound, (trial, lags)
+        if bound:
+            assert max(stats["rollout/staleness/max"]) <= bound, trial
+        else:  # on-policy: step 1's tokens came from the weights the trainer pushed to the server after step 0
+            assert stats["rollout_version_min"][1] == 1, (trial, stats["rollout_version_min"])
+        assert "eval-rollout/reward" in stats, trial
+        from transformers import AutoModelForCausalLM
+
+        ckpt = tmp_path / "checkpoints" / "gsm8k-grpo" / trial / "epoch0epochstep1globalstep1"
+        assert AutoModelForCausalLM.from_pretrained(ckpt).config.vocab_size > 0
+        trials[trial] = stats
+    return trials
 
 
 @pytest.mark.slow
-def test_grpo_gsm8k_async_on_megatron(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
-    """allocation_mode ``megatron:d1``: 2 async GRPO steps, weights pushed from the Megatron engine."""
-    trainer_log = _two_async_grpo_steps(["allocation_mode=vllm:d1+megatron:d1"], tiny_model_dir, gsm8k_dir, tmp_path)
-    assert "megatron" in trainer_log
+def test_grpo_dp2_sync_and_async_on_fsdp(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
+    """``vllm:d1+fsdp:d2``: each DP rank's client rolls out its own prompts; groups are dealt whole."""
+    trials = _grpo_dp2(["allocation_mode=vllm:d1+fsdp:d2"], tiny_model_dir, gsm8k_dir, tmp_path)
+    assert len(trials) == 2
+
+
+@pytest.mark.slow
+def test_grpo_dp2_sync_and_async_on_deepspeed(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
+    """``vllm:d1+deepspeed:d2``: sync on ZeRO-2, async on ZeRO-3, both with a user's DeepSpeed JSON."""
+    ds_json = tmp_path / "ds_config.json"  # the engine owns these two: it warns and uses its own values
+    ds_json.write_text(json.dumps({"gradient_clipping": 5.0, "zero_optimization": {"stage": 1}}))
+    backend = ["allocation_mode=vllm:d1+deepspeed:d2", f"actor.deepspeed.config_path={ds_json}"]
+    for stage, mode in ((2, "false"), (3, "true")):
+        run = [*backend, f"actor.deepspeed.zero_stage={stage}", f"async_training={mode}", f"trial_name=zero{stage}"]
+        trials = _grpo_dp2(run, tiny_model_dir, gsm8k_dir, tmp_path / f"zero{stage}", sweep=())
+        assert list(trials) == [f"zero{stage}"]
+        log = (tmp_path / f"zero{stage}" / "logs" / "gsm8k-grpo" / f"zero{stage}" / "trainer.log").read_text()
+        # The DeepSpeed engine trained on this stage: it read the user's JSON and overrode the keys it owns.
+        assert "deepspeed config: 'gradient_clipping' is set by the engine" in log, log[-3000:]
+        assert f"zero_optimization.stage comes from deepspeed.zero_stage={stage}" in log, log[-3000:]
+
+
+@pytest.mark.slow
+def test_grpo_dp2_sync_and_async_on_megatron(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
+    """``vllm:d1+megatron:d2``: two DP replicas of one rank each, both heads of their replica."""
+    trials = _grpo_dp2(["allocation_mode=vllm:d1+megatron:d2"], tiny_model_dir, gsm8k_dir, tmp_path)
+    assert len(trials) == 2
+    for trial in trials:
+        assert "megatron" in (tmp_path / "logs" / "gsm8k-grpo" / trial / "trainer.log").read_text()
 
 
 @pytest.mark.slow
@@ -225,7 +280,13 @@ def test_killing_the_trainer_leaves_no_process(tiny_model_dir: str, gsm8k_dir: s
         time.sleep(2)
         workers = [p for p in me.children(recursive=True) if _is_worker(p)]
     assert workers, "no trainer worker process appeared"
-    time.sleep(20)  # let it get into rollout/training
+    tb_dir = tmp_path / "tensorboard" / "gsm8k-grpo" / "trial0"
+    while time.monotonic() < deadline + 600:  # into training: the first step's stats are logged
+        if tb_dir.is_dir() and "actor/ppo_actor/update/loss" in _scalars(tb_dir):
+            break
+        time.sleep(1)
+    else:
+        pytest.fail("the trainer logged no training step")
     family = me.children(recursive=True)
     assert any("vllm" in " ".join(p.cmdline()) for p in family)
     for w in workers:  # the trainer dies mid-run

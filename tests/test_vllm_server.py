@@ -189,7 +189,7 @@ def test_launch_wait_healthy_and_stop_leaves_no_orphans(tmp_path: Path) -> None:
         assert srv.address == f"127.0.0.1:{srv.port}"
         srv.wait_healthy(timeout=60, poll_interval=0.2)
         pgid = srv.proc.pid
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 120  # generous: only a broken fake server gets near it
         while "child" not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.1)
         child = int(log.read_text().split("child ")[1].split()[0])
@@ -309,38 +309,42 @@ def test_collective_update_bucketed(vllm_server: VLLMTestServer, tiny_model_dir:
 
 @pytest.mark.slow
 def test_pause_abort_resume_and_version(vllm_server: VLLMTestServer) -> None:
+    """A pause aborts a decoding request with its partial output; requests sent while paused wait.
+
+    The server's test hook (tests/vllm_gate.py) holds the request before every token after its
+    first until the test grants one, so the pause always lands mid-decode, however fast or
+    loaded the machine is, and after exactly the tokens granted.
+    """
     server, b = vllm_server, vllm_server.backend
     prompt = [11, 22, 33, 44, 55, 66, 77, 88]
-    long_budget = 1000  # max_model_len is 1024
+    budget = 64
     old_label = server.call(b.build_version_get())["weight_version"]
     req = ModelRequest(input_ids=prompt, metadata={"ignore_eos": True})
     try:
-        # On an idle machine the tiny model can finish the whole budget before the pause lands: then
-        # resume and pause sooner. Some attempt must end in "abort" with a partial output.
-        for decode_s in (1.0, 0.3, 0.1):
-            th, box = server.call_in_thread(b.build_generate(req, [], long_budget, 0))
-            time.sleep(decode_s)  # let it decode for a while
-            start = time.perf_counter()
-            server.call(b.build_pause())
-            print(f"\npause(abort) after {decode_s}s of decoding: {time.perf_counter() - start:.3f}s")
+        with server.gate(prompt) as gate:
+            th, box = server.call_in_thread(b.build_generate(req, [], budget, 0))
+            held = gate.wait_held()  # decoding: >= 1 token out, the next one waits for the test
+            first = gate.last_held
+            gate.release_until(lambda: server.call(b.build_pause()), held, max_tokens=budget - 1)
             partial = b.parse_generate(join(th, box, timeout=60))
-            if partial.stop_reason != "length":
-                break
-            server.call(b.build_resume())
-        assert partial.stop_reason == "abort"
-        assert 0 < len(partial.output_tokens) < long_budget
-        assert len(partial.output_logprobs) == len(partial.output_tokens)
+            assert partial.stop_reason == "abort"
+            # Exactly the tokens the hook let through: the one it held at, plus one per grant.
+            assert first >= 1 and len(partial.output_tokens) == gate.last_held + 1 < budget
+            assert len(partial.output_logprobs) == len(partial.output_tokens)
 
-        # While paused, new requests are held, not served.
-        held_th, held_box = server.call_in_thread(b.build_generate(ModelRequest(input_ids=prompt), [], 8, 0))
-        time.sleep(1.0)
+            # While paused, a new request waits: it has reached the server (the hook saw it arrive),
+            # the label changes, and only after resume is it served, all of it under the new label.
+            body = b.build_generate(ModelRequest(input_ids=[9, 8, 7]), [], 8, 0)
+            body.json["sampling_params"]["extra_args"] = {"tandemrl_witness": True}
+            held_th, held_box = server.call_in_thread(body)
+            gate.expect("arrived")[1].close()
         assert held_th.is_alive(), "a request sent while paused was served"
-
         server.call(b.build_set_version(7))
         assert b.parse_version(server.call(b.build_version_get())) == 7
         server.call(b.build_resume())
-        held = b.parse_generate(join(held_th, held_box, timeout=60))
-        assert held.stop_reason in ("length", "stop") and held.output_tokens
+        held_out = b.parse_generate(join(held_th, held_box, timeout=60))
+        assert held_out.stop_reason in ("length", "stop") and held_out.output_tokens
+        assert held_out.token_versions(fallback=-1) == [7] * len(held_out.output_tokens)
 
         # Continue the aborted request from its partial output, as the client does.
         rest = b.parse_generate(server.call(b.build_generate(req, partial.output_tokens, 16, 0)))

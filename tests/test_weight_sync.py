@@ -25,7 +25,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +34,12 @@ import torch
 from conftest import gsm8k_path, tiny_model_cache_dir
 from utils import free_port, run_torchrun
 from vllm_server import (
-    VLLM_EXTRA,
     VLLMTestServer,
     assert_greedy_matches,
     decisive_prompt,
     hf_greedy,
     join,
+    launch_test_server,
     load_hf,
     restore_original,
 )
@@ -48,9 +48,8 @@ from tandemrl.configs.rollout import InferenceEngineConfig
 from tandemrl.engines.types import TensorDict
 from tandemrl.inference.http import HttpClient
 from tandemrl.inference.remote import RemoteVLLMEngine, ServerUnavailableError
-from tandemrl.inference.server import ServerProcess, launch_server
+from tandemrl.inference.server import ServerProcess
 from tandemrl.inference.types import HttpRequest, ModelRequest, ModelResponse, WeightUpdateMeta
-from tandemrl.inference.vllm import VLLMBackend
 from tandemrl.inference.weight_group import (
     broadcast_buckets,
     create_trainer_weight_group,
@@ -150,8 +149,7 @@ def big_server_proc(
         return
     log = tmp_path_factory.mktemp("vllm-big") / "server.log"
     # fp32: the trainer's fp32 weights arrive exactly, so greedy equality holds on every prompt.
-    extra = {**VLLM_EXTRA, "dtype": "float32"}
-    proc = launch_server(VLLMBackend(), big_model_dir(), extra=extra, log_file=str(log))
+    proc = launch_test_server(big_model_dir(), str(log), dtype="float32")
     try:
         yield proc
     finally:
@@ -344,37 +342,21 @@ def test_interrupted_generation_switches_version(
     """pause -> disk update + version -> resume mid-generation: old tokens by old weights, new by new."""
     label = weight_label(vllm_server)
     old, new = load_hf(tiny_model_dir), perturbed_dir(tiny_model_dir, tmp_path / "v1")
-    n, min_side = 1000, 20  # tokens in all (prompt + n fits max_model_len 1024); at least this many per version
+    n, min_side = 64, 20  # tokens in all; at least this many per version
+    prompt = [5, 17, 42, 99, 100, 7, 301, 12]
     client = ReplyRecorder()
     engine = RemoteVLLMEngine(InferenceEngineConfig(request_retries=1, setup_timeout=60.0), http_client=client)
     engine.initialize([vllm_server.proc.address])
 
-    async def switch_midway(req: ModelRequest) -> ModelResponse | None:
-        """Pause (the in-flight call returns its partial output) until >= min_side tokens exist,
-        then update the weights and the version and resume; None if the generation ended first."""
-        task = asyncio.ensure_future(engine.agenerate(req))
-        deadline = time.monotonic() + 120
-
-        async def until(cond: Callable[[], bool], limit: float) -> None:
-            end = min(deadline, time.monotonic() + limit)
-            while not cond() and not task.done() and time.monotonic() < end:
-                await asyncio.sleep(0.02)
-
-        while True:
-            assert time.monotonic() < deadline, "no interruptible generation within 120 s"
-            await asyncio.sleep(0.3)
-            await until(lambda: client.in_flight(req.rid), 60)
-            seen = len(client.of(req.rid))
-            await asyncio.to_thread(engine.pause_generation)
-            # A call that reached the server returns its partial output; one still on its way
-            # is held until the resume, so do not wait for it forever.
-            await until(lambda seen=seen: len(client.of(req.rid)) > seen, 10)
-            if task.done():
-                await asyncio.to_thread(engine.continue_generation)
-                return None
-            if sum(r[1] for r in client.of(req.rid)) >= min_side:
-                break
-            await asyncio.to_thread(engine.continue_generation)
+    async def switch_midway(req: ModelRequest) -> ModelResponse:
+        """The server's test hook holds the request between tokens (tests/vllm_gate.py): let it decode
+        ``min_side`` tokens, pause (the call returns its partial output), update the weights and the
+        version, resume. No timing: the pause always lands after exactly the tokens granted."""
+        with vllm_server.gate(prompt) as gate:
+            task = asyncio.ensure_future(engine.agenerate(req))
+            held = await asyncio.to_thread(gate.wait_held)
+            held = await asyncio.to_thread(gate.advance, held, min_side)
+            await asyncio.to_thread(gate.release_until, engine.pause_generation, held, n - min_side)
         start = time.perf_counter()
         meta = WeightUpdateMeta(type="disk", path=str(tmp_path / "v1"), version=1)
         await asyncio.to_thread(lambda: engine.update_weights_from_disk(meta).result())
@@ -383,15 +365,10 @@ def test_interrupted_generation_switches_version(
         return await task
 
     try:
-        for attempt in range(3):  # the weights change only once a switch is certain to land midway
-            req = ModelRequest(rid=f"switch-{attempt}", input_ids=[5, 17, 42, 99, 100, 7, 301, 12])
-            req.metadata["ignore_eos"] = True
-            req.gconfig = req.gconfig.new(temperature=1.0, max_new_tokens=n)
-            resp = asyncio.run(switch_midway(req))
-            if resp is not None:
-                break
-            print(f"attempt {attempt}: the generation finished before the pause")
-        assert resp is not None
+        req = ModelRequest(rid="switch", input_ids=list(prompt))
+        req.metadata["ignore_eos"] = True
+        req.gconfig = req.gconfig.new(temperature=1.0, max_new_tokens=n)
+        resp = asyncio.run(switch_midway(req))
         assert resp.output_len == n and resp.stop_reason == "length"
         assert len(resp.output_logprobs) == n
         versions = resp.output_versions
@@ -399,7 +376,7 @@ def test_interrupted_generation_switches_version(
         assert versions == [0] * k + [1] * (n - k), f"versions must be old then new, monotone: {versions}"
         assert min_side <= k <= n - min_side, k
         # Interrupted and resubmitted: the first new-version token came from a later call.
-        assert [r[2] for r in client.of(req.rid)][-1] == "length" and len(client.of(req.rid)) >= 2
+        assert [r[2] for r in client.of(req.rid)] == ["abort", "length"]
         server = torch.tensor(resp.output_logprobs)
         lp_old, lp_new = output_logprobs(old, resp), output_logprobs(new, resp)
         diffs = {
@@ -438,6 +415,9 @@ class RecordingClient(HttpClient):
         return {rid for a, rid in list(self.generate_calls) if a == addr}
 
 
+KILL_PROMPT = [17, 42, 99, 100, 7]  # every request of the kill test starts with it (the gate's key)
+
+
 class NumberedWorkflow(RolloutWorkflow):
     """One sampled completion of a row-specific prompt; the row id travels with the trajectory."""
 
@@ -446,7 +426,7 @@ class NumberedWorkflow(RolloutWorkflow):
 
     async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> TensorDict:
         i = int(data["id"])
-        req = ModelRequest(rid=f"kill-{i}", input_ids=[3 + i, 17, 42, 99, 100, 7], metadata={"ignore_eos": True})
+        req = ModelRequest(rid=f"kill-{i}", input_ids=[*KILL_PROMPT, 3 + i], metadata={"ignore_eos": True})
         req.gconfig = req.gconfig.new(max_new_tokens=self.new_tokens)
         resp = await engine.agenerate(req)
         ids = resp.input_tokens + resp.output_tokens
@@ -478,7 +458,7 @@ def test_killed_server_mid_rollout_fails_over(vllm_server: VLLMTestServer, big_s
     only.initialize([dead])
 
     def lonely() -> tuple[BaseException | None, float]:
-        req = ModelRequest(rid="lonely", input_ids=[9, 8, 7, 6], metadata={"ignore_eos": True})
+        req = ModelRequest(rid="lonely", input_ids=[*KILL_PROMPT, 9], metadata={"ignore_eos": True})
         req.gconfig = req.gconfig.new(max_new_tokens=900)
         try:
             asyncio.run(only.agenerate(req))
@@ -487,6 +467,7 @@ def test_killed_server_mid_rollout_fails_over(vllm_server: VLLMTestServer, big_s
         return None, time.monotonic()
 
     pool = concurrent.futures.ThreadPoolExecutor(2)
+    gate = big_server.gate(KILL_PROMPT)  # the 25M server decodes one token of each, then waits on the test
     try:
         batch_f = pool.submit(
             both.rollout_batch, [{"id": i} for i in range(rows)], NumberedWorkflow(new_tokens), None, 300
@@ -497,16 +478,19 @@ def test_killed_server_mid_rollout_fails_over(vllm_server: VLLMTestServer, big_s
             time.sleep(0.05)
         sent_to_dead = client.rids_on(dead)
         assert len(sent_to_dead) == rows // 2, sent_to_dead
-        time.sleep(1.0)  # well into decoding (the 25M server needs several seconds for these)
-        assert not batch_f.done() and not lonely_f.done(), "rollouts finished before the kill; raise new_tokens"
+        held = gate.wait_held()  # decoding on the dead server, and none of its requests can finish now
+        assert not batch_f.done() and not lonely_f.done()
         killed_at = time.monotonic()
         os.killpg(big_server.proc.proc.pid, signal.SIGKILL)
+        held.close()
+        gate.disarm()
 
         batch = batch_f.result(timeout=300)
         print(f"\nbatch done {time.monotonic() - killed_at:.1f}s after the kill")
         err, failed_at = lonely_f.result(timeout=120)
         marked_dead = both.pool.dead()
     finally:
+        gate.disarm()
         pool.shutdown(wait=False, cancel_futures=True)
         both.destroy()
         only.destroy()

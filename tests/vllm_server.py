@@ -14,14 +14,18 @@ from typing import Any
 
 import requests
 import torch
+from utils import REPO_ROOT
+from vllm_gate import GATE_ENV, Gate
 
 from tandemrl.inference.server import ServerProcess, launch_server
 from tandemrl.inference.server_auth import TOKEN_ENV, auth_headers, new_token
 from tandemrl.inference.types import GenerateChunk, HttpRequest, ModelRequest
 from tandemrl.inference.vllm import VLLMBackend
 
-# The test server: bf16 like production, context small enough for a fast start.
-VLLM_EXTRA: dict[str, Any] = {"max_model_len": 1024, "dtype": "bfloat16"}
+# The test server: bf16 like production, context small enough for a fast start; the test-only
+# hook of vllm_gate lets a test hold a request between tokens (inactive unless a test arms it).
+VLLM_EXTRA: dict[str, Any] = {"max_model_len": 1024, "dtype": "bfloat16", "logits_processors": ["vllm_gate:HoldGate"]}
+TESTS_DIR = Path(__file__).resolve().parent
 START_TIMEOUT_S = 900.0
 
 
@@ -30,6 +34,7 @@ class VLLMTestServer:
 
     def __init__(self, proc: ServerProcess, model_dir: str, start_seconds: float):
         self.proc = proc
+        self.gate_dir = gate_dir_for(proc.log_file)
         self.backend = VLLMBackend(request_timeout=120.0, control_timeout=60.0, update_timeout=120.0)
         self.model_dir = model_dir
         self.start_seconds = start_seconds
@@ -37,6 +42,10 @@ class VLLMTestServer:
     @property
     def url(self) -> str:
         return self.proc.base_url
+
+    def gate(self, prompt: list[int]) -> Gate:
+        """Arm the server's hold hook for requests starting with ``prompt`` (disarm: leave the ``with``)."""
+        return Gate(self.gate_dir).arm(prompt)
 
     def call(self, req: HttpRequest) -> Any:
         """Send one built request; non-2xx raises with the status and a snippet of the body."""
@@ -69,13 +78,25 @@ class VLLMTestServer:
         return th, box
 
 
+def gate_dir_for(log_file: str) -> str:
+    """Where a test server started by ``launch_test_server`` looks for an armed gate."""
+    return str(Path(log_file).parent / "gate")
+
+
+def launch_test_server(model_dir: str, log_file: str, token: str | None = None, **extra: Any) -> ServerProcess:
+    """``launch_server`` with ``VLLM_EXTRA`` (+ ``extra``) and the vllm_gate hook importable and pointed at its dir."""
+    path = os.pathsep.join(p for p in (str(TESTS_DIR), str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {GATE_ENV: gate_dir_for(log_file), "PYTHONPATH": path}
+    return launch_server(
+        VLLMBackend(), model_dir, extra={**VLLM_EXTRA, **extra}, log_file=log_file, env=env, token=token
+    )
+
+
 def start_vllm_server(model_dir: str, log_file: str) -> VLLMTestServer:
     start = time.monotonic()
     # Like the launchers: a per-run token the server requires and this process's clients send.
     os.environ[TOKEN_ENV] = new_token()
-    proc = launch_server(
-        VLLMBackend(), model_dir, extra=dict(VLLM_EXTRA), log_file=log_file, token=os.environ[TOKEN_ENV]
-    )
+    proc = launch_test_server(model_dir, log_file, token=os.environ[TOKEN_ENV])
     try:
         proc.wait_healthy(START_TIMEOUT_S)
     except BaseException:

@@ -327,7 +327,8 @@ class BaseTrainEngine(TrainEngine):
         return self._version
 
     def is_data_parallel_head(self) -> bool:
-        return self.data_parallel_rank == 0 and self._is_model_parallel_head()
+        """The first rank of this rank's model-parallel group: one per DP replica, every rank without TP/PP."""
+        return self._is_model_parallel_head()
 
     def _is_model_parallel_head(self) -> bool:
         """Overridden by backends with TP/PP: only one rank per DP replica is the head."""

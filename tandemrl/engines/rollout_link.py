@@ -87,8 +87,8 @@ class RolloutLink:
 
     # --------------------------------------------------------------- batches
     def _collect(self, produce: Callable[[], TensorDict], granularity: int) -> TensorDict:
-        # Every trainer rank is a DP head under FSDP/DeepSpeed; with TP/PP only the head of
-        # each DP replica produces, and the others receive its batch.
+        # The head of every DP replica produces from its own client and prompts (every rank under
+        # FSDP/DeepSpeed); its TP/PP peers receive that batch; then groups are dealt over DP ranks.
         eng = self.engine
         batch = produce() if eng.is_data_parallel_head() else None
         batch = eng.broadcast_in_model_parallel_group(batch)
