@@ -18,4 +18,5 @@ if [[ "$stress" != "0" ]]; then
     trap 'kill "$burner" 2>/dev/null || true' EXIT
     echo "stress: pid $burner burns one CPU core during the tests"
 fi
-.venv/bin/python -m pytest tests -q -p no:cacheprovider --durations=15 ${args[@]+"${args[@]}"}
+# No path given: pytest runs its testpaths (tests/); paths given: only those.
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 ${args[@]+"${args[@]}"}
