@@ -75,6 +75,9 @@ def _listen(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port`` only; a port in use is a one-line error naming it."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
+    # A reconnect reuses the port of the group just closed, whose connections may sit in TIME_WAIT;
+    # a port with a live listener still fails to bind.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
         sock.listen(128)
