@@ -117,7 +117,7 @@ async def direct_round(a: argparse.Namespace, addr: str, prompts: list[list[int]
 
 
 async def client_round(a: argparse.Namespace, engine: Any, prompts: list[list[int]], tag: str) -> int:
-    from tandemrl.inference.types import ModelRequest
+    from tandemrl.api.inference import ModelRequest
 
     async def one(i: int) -> int:
         req = ModelRequest(rid=f"{tag}-{i}", input_ids=prompts[i], metadata={"ignore_eos": True})

@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 
 from tandemrl.actors.fsdp import FSDPLMEngine
+from tandemrl.api.types import FinetuneSpec, TensorDict
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from tandemrl.engines.teardown import destroy_process_groups
-from tandemrl.engines.types import FinetuneSpec, TensorDict
-from tandemrl.utils.functional import gather_logprobs
+from tandemrl.models.functional import gather_logprobs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO_ROOT.parent / "shared" / "data" / "gsm8k"

@@ -13,8 +13,8 @@ ppo_update, then push the new weights to the servers, save, evaluate and log.
 from __future__ import annotations
 
 from tandemrl.configs import GRPOConfig
-from tandemrl.configs.loader import load_config_or_exit
 from tandemrl.rewards.gsm8k import gsm8k_reward_fn
+from tandemrl.trainers.entry import load_config_or_exit
 from tandemrl.trainers.rl_loop import RLTrainer, ppo_train_step
 from tandemrl.utils.cli import run_main
 

@@ -12,8 +12,8 @@ ppo_update, critic ppo_update on the returns.
 from __future__ import annotations
 
 from tandemrl.configs import PPOConfig
-from tandemrl.configs.loader import load_config_or_exit
 from tandemrl.rewards.gsm8k import gsm8k_reward_fn
+from tandemrl.trainers.entry import load_config_or_exit
 from tandemrl.trainers.rl_loop import RLTrainer, ppo_train_step
 from tandemrl.utils.cli import run_main
 

@@ -13,8 +13,8 @@ The loop is the shared one (tandemrl/trainers/rl_loop.py).
 from __future__ import annotations
 
 from tandemrl.configs import GRPOConfig
-from tandemrl.configs.loader import load_config_or_exit
 from tandemrl.rewards.gsm8k import gsm8k_reward_fn
+from tandemrl.trainers.entry import load_config_or_exit
 from tandemrl.trainers.rl_loop import RLTrainer, reinforce_train_step
 from tandemrl.utils.cli import run_main
 from tandemrl.workflows.remax import ReMaxRLVRWorkflow

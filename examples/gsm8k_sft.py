@@ -10,20 +10,21 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from tandemrl.actors.registry import engine_class
+from tandemrl.api.allocation import AllocationMode
+from tandemrl.api.types import FinetuneSpec
 from tandemrl.configs import SFTConfig
-from tandemrl.configs.loader import load_config_or_exit, save_config
+from tandemrl.configs.loader import save_config
 from tandemrl.data.loader import create_dataloader, dataset_from_config, pad_sequences_to_tensors
 from tandemrl.engines.teardown import destroy_process_groups
-from tandemrl.engines.types import FinetuneSpec
 from tandemrl.models.hf import load_hf_tokenizer, model_context_length
 from tandemrl.models.resolve import resolve_model_path
+from tandemrl.trainers.entry import load_config_or_exit
+from tandemrl.trainers.evaluator import Evaluator
+from tandemrl.trainers.recover import RecoverHandler
+from tandemrl.trainers.saver import Saver
+from tandemrl.trainers.stats_logger import StatsLogger
 from tandemrl.utils import stats_tracker
-from tandemrl.utils.allocation import AllocationMode
 from tandemrl.utils.cli import run_main
-from tandemrl.utils.evaluator import Evaluator
-from tandemrl.utils.recover import RecoverHandler
-from tandemrl.utils.saver import Saver
-from tandemrl.utils.stats_logger import StatsLogger
 from tandemrl.workflows.executor import cycle_batches
 
 
@@ -69,7 +70,7 @@ def main(argv: list[str]) -> None:
         stats_tracker.scalar(eval_loss=total / max(n, 1))
 
     # recover.mode=auto|resume: continue after the last recoverable checkpoint (weights, optimizer,
-    # LR schedule, dataloader position, saver/evaluator counters); see tandemrl.utils.recover.
+    # LR schedule, dataloader position, saver/evaluator counters); see tandemrl.trainers.recover.
     recover = RecoverHandler(config.recover, ft_spec)
     state = recover.load({"model": engine}, engine, train_dl, saver, evaluator)
     first_step = 0 if state is None else state.global_step + 1

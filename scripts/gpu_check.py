@@ -149,7 +149,7 @@ def parity_table() -> tuple[list[dict[str, Any]], float, tuple[str, ...]]:
 
 def parity_checks(n_dev: int) -> list[Check]:
     """The table's rows fitted to ``n_dev`` devices (see the module docstring)."""
-    from tandemrl.utils.allocation import AllocationMode
+    from tandemrl.api.allocation import AllocationMode
 
     out = []
     for case in parity_table()[0]:

@@ -141,8 +141,8 @@ def run_mfu(out_dir: str, cpu: bool) -> dict[str, Any]:
     import torch.distributed as dist
 
     from tandemrl.actors.fsdp import FSDPLMEngine
+    from tandemrl.api.types import FinetuneSpec
     from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
-    from tandemrl.engines.types import FinetuneSpec
 
     shape = CPU_SHAPE if cpu else GPU_SHAPE
     world = dist.get_world_size()

@@ -57,8 +57,8 @@ def sft_batch(vocab: int, seed: int, n: int = 8, max_len: int = 128) -> dict[str
 
 def build_engine(algorithm: str, allocation: str, cfg: Any, steps: int) -> Any:
     from tandemrl.actors.registry import engine_class
-    from tandemrl.engines.types import FinetuneSpec
-    from tandemrl.utils.allocation import AllocationMode
+    from tandemrl.api.allocation import AllocationMode
+    from tandemrl.api.types import FinetuneSpec
 
     component = AllocationMode.from_str(allocation).train
     assert component is not None, allocation

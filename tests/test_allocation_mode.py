@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from tandemrl.engines.types import ParallelStrategy
-from tandemrl.utils.allocation import (
+from tandemrl.api.allocation import (
     AllocationComponent,
     AllocationMode,
     AllocationValidationError,
 )
+from tandemrl.api.types import ParallelStrategy
 
 
 @dataclass

@@ -20,7 +20,7 @@ import pytest
 import torch
 from utils import run_torchrun
 
-from tandemrl.utils.allocation import AllocationMode
+from tandemrl.api.allocation import AllocationMode
 
 WORKER = Path(__file__).parent / "workers" / "parity_checks.py"
 ENV = {"TANDEMRL_DIST_TIMEOUT": "120"}

@@ -18,11 +18,11 @@ from tandemrl.configs import (
     config_to_dict,
     exit_on_config_error,
     load_config,
-    load_config_or_exit,
     register_configs,
     save_config,
 )
 from tandemrl.configs.loader import list_presets
+from tandemrl.trainers.entry import load_config_or_exit
 
 GRPO_YAML = {
     "experiment_name": "exp-a",

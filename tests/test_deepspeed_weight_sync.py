@@ -19,7 +19,7 @@ from test_weight_sync import check_update_record, random_prompts, restore_sessio
 from utils import run_torchrun
 from vllm_server import VLLMTestServer, load_hf
 
-from tandemrl.inference.types import HttpRequest
+from tandemrl.api.inference import HttpRequest
 
 WORKER = Path(__file__).resolve().parent / "workers" / "deepspeed_sync_checks.py"
 

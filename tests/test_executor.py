@@ -18,12 +18,12 @@ import pytest
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from tandemrl.api.inference import ModelRequest, ModelResponse
+from tandemrl.api.types import TensorDict
+from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
 from tandemrl.configs.rollout import InferenceEngineConfig
+from tandemrl.data.batch import concat_padded_tensors
 from tandemrl.data.loader import collate_as_list
-from tandemrl.engines.types import TensorDict
-from tandemrl.inference.types import ModelRequest, ModelResponse
-from tandemrl.utils.batch import concat_padded_tensors
-from tandemrl.workflows.api import GenerationEngine, RolloutWorkflow
 from tandemrl.workflows.executor import WorkflowExecutor
 from tandemrl.workflows.rlvr import completion_row
 

@@ -23,11 +23,13 @@ from utils import REPO_ROOT
 from tandemrl.configs import GRPOConfig, SFTConfig
 from tandemrl.configs.checks import CHECK_ONLY_ENV, InputsChecked
 from tandemrl.configs.data import DatasetConfig
-from tandemrl.configs.loader import ConfigError, load_config
-from tandemrl.data.loader import check_dataset_inputs, dataset_from_config, load_split
+from tandemrl.configs.loader import ConfigError
+from tandemrl.data.loader import check_dataset_inputs, dataset_from_config
+from tandemrl.data.rows import load_split
 from tandemrl.models.hf import load_hf_tokenizer, model_context_length
+from tandemrl.trainers.entry import load_script_config as load_config
+from tandemrl.trainers.saver import Saver
 from tandemrl.utils import stats_tracker
-from tandemrl.utils.saver import Saver
 
 SFT_YAML = str(REPO_ROOT / "examples" / "gsm8k_sft.yaml")
 GOOD = {"question": "Tom has 3 apples and buys 2 more. How many apples does he have?", "answer": "3+2=5\n#### 5"}

@@ -13,10 +13,7 @@ from typing import Any
 
 import pytest
 
-from tandemrl.configs.rollout import GenerationHyperparameters
-from tandemrl.engines.types import ParallelStrategy
-from tandemrl.inference import (
-    BadServerPayload,
+from tandemrl.api import (
     GenerateChunk,
     InferenceBackend,
     ModelRequest,
@@ -24,12 +21,14 @@ from tandemrl.inference import (
     ParamSpec,
     VersionSpan,
     WeightUpdateMeta,
-    get_backend,
 )
+from tandemrl.api.allocation import AllocationMode
+from tandemrl.api.types import ParallelStrategy
+from tandemrl.configs.rollout import GenerationHyperparameters
+from tandemrl.inference import BadServerPayload, get_backend
 from tandemrl.inference.sglang import SGLangBackend
 from tandemrl.inference.vllm import WORKER_EXTENSION, VLLMBackend
 from tandemrl.inference.weight_group import parse_buckets_json
-from tandemrl.utils.allocation import AllocationMode
 
 PROMPT = [5, 17, 42, 99]
 SAMPLED = GenerationHyperparameters(

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandemrl.utils.functional import next_token_labels, next_token_mask
-from tandemrl.utils.packing import plan_micro_batches, split_padded_batch, unpack_to_padded
+from tandemrl.engines.packing import plan_micro_batches, split_padded_batch, unpack_to_padded
+from tandemrl.models.functional import next_token_labels, next_token_mask
 
 
 def _batch() -> dict[str, torch.Tensor]:

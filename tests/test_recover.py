@@ -27,8 +27,8 @@ from tandemrl.configs.rollout import InferenceEngineConfig
 from tandemrl.configs.utils import RecoverConfig
 from tandemrl.data.gsm8k import get_gsm8k_rl_dataset
 from tandemrl.data.loader import collate_as_list, create_dataloader, dataset_from_config
-from tandemrl.utils.prompt_log import read_prompt_log
-from tandemrl.utils.recover import LOOP_STATE_FILE, CorruptCheckpointError, RecoverHandler, weights_fingerprint
+from tandemrl.trainers.prompt_log import read_prompt_log
+from tandemrl.trainers.recover import LOOP_STATE_FILE, CorruptCheckpointError, RecoverHandler, weights_fingerprint
 from tandemrl.workflows.executor import WorkflowExecutor, cycle_batches
 from tandemrl.workflows.staleness import StalenessManager
 

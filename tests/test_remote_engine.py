@@ -23,6 +23,8 @@ import torch
 from aiohttp import web
 from utils import free_port
 
+from tandemrl.api.inference import HttpRequest, ModelRequest, ModelResponse, ParamSpec, WeightUpdateMeta
+from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
 from tandemrl.configs.rollout import InferenceEngineConfig
 from tandemrl.inference.http import HttpClient, InferenceServerError, send, send_sync
 from tandemrl.inference.remote import (
@@ -32,8 +34,6 @@ from tandemrl.inference.remote import (
     RemoteVLLMEngine,
     ServerUnavailableError,
 )
-from tandemrl.inference.types import HttpRequest, ModelRequest, ModelResponse, ParamSpec, WeightUpdateMeta
-from tandemrl.workflows.api import GenerationEngine, RolloutWorkflow
 
 PROMPT = [11, 5, 8]
 

@@ -12,16 +12,16 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.configs.utils import EvaluatorConfig, SaverConfig
-from tandemrl.engines.types import FinetuneSpec, SaveLoadMeta
-from tandemrl.utils import freq
-from tandemrl.utils.evaluator import Evaluator
-from tandemrl.utils.freq import FreqControl
-from tandemrl.utils.saver import Saver
+from tandemrl.trainers.evaluator import Evaluator
+from tandemrl.trainers.freq import FreqControl
+from tandemrl.trainers.saver import Saver
+from tandemrl.trainers import freq
 
 
 class FakeClock:
-    """Stands in for the ``time`` module inside tandemrl.utils.freq."""
+    """Stands in for the ``time`` module inside tandemrl.trainers.freq."""
 
     def __init__(self) -> None:
         self.now = 1000.0
@@ -174,7 +174,7 @@ class FailingEngine(RecordingEngine):
 def test_unwritable_checkpoint_dir_is_one_line_naming_it(tmp_path: Path):
     """A fileroot whose checkpoints dir cannot be created (its parent is a regular file, which
     stops root too, unlike chmod): one line naming the path; nothing half-written."""
-    from tandemrl.utils.saver import CheckpointWriteError
+    from tandemrl.trainers.saver import CheckpointWriteError
 
     (tmp_path / "checkpoints").write_text("not a directory")
     saver = Saver(_saver_cfg(tmp_path), SPEC)

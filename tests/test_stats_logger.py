@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tandemrl.api.types import FinetuneSpec
 from tandemrl.configs.utils import StatsLoggerConfig, TensorBoardConfig, WandBConfig
-from tandemrl.engines.types import FinetuneSpec
-from tandemrl.utils.stats_logger import StatsLogger, format_table
+from tandemrl.trainers.stats_logger import StatsLogger, format_table
 
 
 def _config(tmp_path: Path, wandb_mode: str = "disabled", tb: bool = False) -> StatsLoggerConfig:

@@ -28,9 +28,9 @@ from vllm_server import (
     restore_original,
 )
 
-from tandemrl.engines.types import ParallelStrategy
+from tandemrl.api.inference import HttpRequest, ModelRequest, WeightUpdateMeta
+from tandemrl.api.types import ParallelStrategy
 from tandemrl.inference.server import ServerError, launch_server
-from tandemrl.inference.types import HttpRequest, ModelRequest, WeightUpdateMeta
 from tandemrl.inference.weight_group import (
     broadcast_buckets,
     buckets_to_json,

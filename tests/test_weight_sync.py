@@ -44,12 +44,13 @@ from vllm_server import (
     restore_original,
 )
 
+from tandemrl.api.inference import HttpRequest, ModelRequest, ModelResponse, WeightUpdateMeta
+from tandemrl.api.types import TensorDict
+from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
 from tandemrl.configs.rollout import InferenceEngineConfig
-from tandemrl.engines.types import TensorDict
 from tandemrl.inference.http import HttpClient
 from tandemrl.inference.remote import RemoteVLLMEngine, ServerUnavailableError
 from tandemrl.inference.server import ServerProcess
-from tandemrl.inference.types import HttpRequest, ModelRequest, ModelResponse, WeightUpdateMeta
 from tandemrl.inference.weight_group import (
     broadcast_buckets,
     create_trainer_weight_group,
@@ -57,7 +58,6 @@ from tandemrl.inference.weight_group import (
     pack_bucket,
     split_buckets,
 )
-from tandemrl.workflows.api import GenerationEngine, RolloutWorkflow
 
 WORKER = Path(__file__).resolve().parent / "workers" / "sync_checks.py"
 WORKER_ENV = {"TANDEMRL_DIST_TIMEOUT": "300"}  # a hung collective fails after 5 min, not 30

@@ -16,13 +16,13 @@ from typing import Any
 import pytest
 import torch
 
+from tandemrl.api.inference import ModelRequest, ModelResponse
 from tandemrl.configs.rollout import GenerationHyperparameters, InferenceEngineConfig
+from tandemrl.data.batch import concat_padded_tensors
 from tandemrl.data.gsm8k import user_messages
-from tandemrl.inference.types import ModelRequest, ModelResponse
 from tandemrl.models.hf import load_hf_tokenizer
 from tandemrl.rewards.gsm8k import gsm8k_reward_fn
 from tandemrl.utils import stats_tracker
-from tandemrl.utils.batch import concat_padded_tensors
 from tandemrl.workflows.executor import WorkflowExecutor
 from tandemrl.workflows.multi_turn import DEFAULT_FEEDBACK, MultiTurnWorkflow
 from tandemrl.workflows.remax import ReMaxRLVRWorkflow

@@ -17,9 +17,9 @@ import torch
 from utils import REPO_ROOT
 from vllm_gate import GATE_ENV, Gate
 
+from tandemrl.api.inference import GenerateChunk, HttpRequest, ModelRequest
 from tandemrl.inference.server import ServerProcess, launch_server
 from tandemrl.inference.server_auth import TOKEN_ENV, auth_headers, new_token
-from tandemrl.inference.types import GenerateChunk, HttpRequest, ModelRequest
 from tandemrl.inference.vllm import VLLMBackend
 
 # The test server: bf16 like production, context small enough for a fast start; the test-only
@@ -186,7 +186,7 @@ def assert_greedy_matches(chunk: GenerateChunk, ref: GreedyRef) -> None:
 
 def restore_original(server: VLLMTestServer) -> None:
     """Back to the original weights, unpaused (every test ends with this)."""
-    from tandemrl.inference.types import WeightUpdateMeta
+    from tandemrl.api.inference import WeightUpdateMeta
 
     b = server.backend
     for req in b.build_update_from_disk(WeightUpdateMeta(type="disk", path=server.model_dir)):

@@ -1,7 +1,7 @@
 """Bind a backend-agnostic algorithm class to a training backend (the two-class pattern).
 
 An algorithm such as ``LMEngine(engine)`` or ``PPOActor(config, engine)`` is written only
-against :class:`~tandemrl.engines.api.TrainEngine`. ``@binds(LMEngine, attr="lm")`` on a
+against :class:`~tandemrl.api.engine.TrainEngine`. ``@binds(LMEngine, attr="lm")`` on a
 subclass of a backend engine adds ``self.lm`` (built on first use) and exposes each public
 method of the algorithm on the engine with the algorithm's own signature and docstring,
 so ``FSDPLMEngine(config).train_lm(batch)`` works without hand-written forwarding.

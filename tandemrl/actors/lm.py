@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from tandemrl.algorithms.sft import sft_loss, sft_loss_weight, sft_token_logprobs
-from tandemrl.engines.api import TrainEngine
-from tandemrl.engines.types import TensorDict
+from tandemrl.api.engine import TrainEngine
+from tandemrl.api.types import TensorDict
 from tandemrl.utils import stats_tracker
 
 

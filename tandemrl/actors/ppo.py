@@ -30,11 +30,11 @@ from tandemrl.algorithms.rewards import (
     shape_rewards,
 )
 from tandemrl.algorithms.value_loss import value_loss
+from tandemrl.api.engine import TrainEngine
+from tandemrl.api.types import TensorDict
 from tandemrl.configs.ppo import PPOActorConfig
-from tandemrl.engines.api import TrainEngine
-from tandemrl.engines.types import TensorDict
+from tandemrl.models.functional import gather_logprobs, gather_logprobs_entropy, next_token_labels
 from tandemrl.utils import stats_tracker
-from tandemrl.utils.functional import gather_logprobs, gather_logprobs_entropy, next_token_labels
 
 
 def require_fields(batch: TensorDict, names: tuple[str, ...], where: str, hint: str = "") -> None:

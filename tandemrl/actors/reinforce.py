@@ -7,10 +7,10 @@ import torch
 from tandemrl.actors.ppo import action_mask_of, require_fields
 from tandemrl.algorithms.layout import shift_left
 from tandemrl.algorithms.policy_loss import reinforce_loss
-from tandemrl.engines.api import TrainEngine
-from tandemrl.engines.types import TensorDict
+from tandemrl.api.engine import TrainEngine
+from tandemrl.api.types import TensorDict
+from tandemrl.models.functional import gather_logprobs, next_token_labels
 from tandemrl.utils import stats_tracker
-from tandemrl.utils.functional import gather_logprobs, next_token_labels
 
 
 def _loss(logits: torch.Tensor, mb: TensorDict) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tandemrl.utils.functional import gather_logprobs, next_token_labels, next_token_mask
+from tandemrl.models.functional import gather_logprobs, next_token_labels, next_token_mask
 
 
 def sft_token_logprobs(

@@ -41,7 +41,6 @@ from tandemrl.configs.loader import (  # noqa: E402
     config_to_dict,
     exit_on_config_error,
     load_config,
-    load_config_or_exit,
     register_configs,
     save_config,
 )
@@ -51,7 +50,6 @@ __all__ += [
     "config_to_dict",
     "exit_on_config_error",
     "load_config",
-    "load_config_or_exit",
     "register_configs",
     "save_config",
 ]

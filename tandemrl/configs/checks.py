@@ -6,8 +6,9 @@ one line naming the key and where it was set.
 
 ``check_inputs(config)`` looks at what a config points to: model directories and dataset files.
 The launchers run it before starting any server or trainer, by running the training script with
-``TANDEMRL_CHECK_ONLY=1``: ``load_config`` then checks the inputs and raises :class:`InputsChecked`
-instead of returning, so the script stops before doing any work (see ``tandemrl.launchers.check``).
+``TANDEMRL_CHECK_ONLY=1``: ``load_config`` raises :class:`InputsChecked` instead of returning, so the
+script stops before doing any work; the script's entry point checks the inputs on the way out
+(``tandemrl.trainers.entry``; see ``tandemrl.launchers.check``).
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ CHECK_ONLY_ENV = "TANDEMRL_CHECK_ONLY"
 # (dotted key, what is wrong with its value): the loader adds the key's source.
 Problem = tuple[str, str]
 
-_ENGINE_KEYS = ("actor", "model", "ref", "critic")
-_REQUIRED_ENGINES = ("actor", "model")  # ref and critic default to the actor's path
 _DATASET_KEYS = ("train_dataset", "valid_dataset")
 
 
@@ -39,17 +38,22 @@ configs_seen = [0]
 
 
 class InputsChecked(BaseException):
-    """Raised by ``load_config`` in check-only mode once the config and its inputs are fine."""
+    """Raised by ``load_config`` in check-only mode once the config is fine; carries the config.
 
-    def __init__(self, config_path: str) -> None:
+    ``tandemrl.trainers.entry.load_script_config`` catches it, checks the model paths and data
+    files the config names, and raises it again, so the script stops before doing any work.
+    """
+
+    def __init__(self, config_path: str, config: Any = None) -> None:
         super().__init__(config_path)
+        self.config = config
 
 
 def _data_parallel_size(config: Any) -> tuple[int | None, Problem | None]:
     mode = getattr(config, "allocation_mode", None)
     if not isinstance(mode, str):
         return None, None
-    from tandemrl.utils.allocation import AllocationMode
+    from tandemrl.api.allocation import AllocationMode
 
     try:
         alloc = AllocationMode.from_str(mode)
@@ -107,23 +111,3 @@ def first_problem(config: Any) -> Problem | None:
     if problem is not None or dp is None:
         return problem
     return _batch_splits(config, dp) or _groups_fit(config, dp)
-
-
-def check_inputs(config: Any) -> None:
-    """Model paths and dataset files the config points to; raises one line naming the key or file."""
-    from tandemrl.data.loader import check_dataset_inputs
-    from tandemrl.models.resolve import TINY_PREFIX, resolve_model_path
-
-    for key in _ENGINE_KEYS:
-        path = getattr(getattr(config, key, None), "path", None)
-        if not isinstance(path, str) or path.startswith(TINY_PREFIX):
-            continue
-        if path or key in _REQUIRED_ENGINES:
-            resolve_model_path(path, f"{key}.path")
-    for key in _DATASET_KEYS:
-        ds = getattr(config, key, None)
-        if isinstance(ds, DatasetConfig):
-            try:
-                check_dataset_inputs(ds)
-            except FileNotFoundError as err:
-                raise FileNotFoundError(f"{key}.path: {err}") from None

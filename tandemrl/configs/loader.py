@@ -32,7 +32,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from tandemrl.configs.checks import InputsChecked, check_inputs, check_only, configs_seen, first_problem
+from tandemrl.configs.checks import InputsChecked, check_only, configs_seen, first_problem
 from tandemrl.configs.data import DatasetConfig
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from tandemrl.configs.experiment import GRPOConfig, PPOConfig, SFTConfig
@@ -58,7 +58,6 @@ __all__ = [
     "exit_on_config_error",
     "list_presets",
     "load_config",
-    "load_config_or_exit",
     "preset_path",
     "register_configs",
     "save_config",
@@ -547,8 +546,8 @@ def load_config(argv: list[str], schema: type[T]) -> tuple[T, str]:
     ``argv`` holds an optional ``--config FILE.yaml`` (or ``--config preset:NAME``) and hydra-style
     overrides.  Returns the dataclass with interpolations resolved, and the absolute YAML path ("" if none).
     Values must also fit together (``tandemrl.configs.checks.first_problem``). With
-    ``TANDEMRL_CHECK_ONLY=1`` (the launchers' pre-flight) it then checks the model paths and data
-    files the config names and raises ``InputsChecked`` instead of returning.
+    ``TANDEMRL_CHECK_ONLY=1`` (the launchers' pre-flight) it raises ``InputsChecked`` instead of
+    returning; scripts load through ``tandemrl.trainers.entry``, which then checks the inputs too.
     """
     if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
         raise TypeError(f"load_config needs a dataclass schema, got {schema!r}")
@@ -581,17 +580,8 @@ def load_config(argv: list[str], schema: type[T]) -> tuple[T, str]:
         key, message = problem
         raise ConfigError(f"Config key '{key}' {origins.where(key)} {message}")
     if check_only():
-        check_inputs(obj)
-        raise InputsChecked(config_path)
+        raise InputsChecked(config_path, obj)
     return typing.cast(T, obj), config_path
-
-
-def load_config_or_exit(argv: list[str], schema: type[T]) -> tuple[T, str]:
-    """:func:`load_config` for ``main()``: a bad config prints ``error: <one line>`` and exits with status 2."""
-    try:
-        return load_config(argv, schema)
-    except ConfigError as err:
-        exit_with_error(err)
 
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -9,12 +9,10 @@ from tandemrl.data.loader import (
     create_dataloader,
     dataset_from_config,
     get_custom_dataset,
-    load_split,
     pad_sequences_to_tensors,
     register_dataset,
-    shard_for_rank,
-    validate_rows,
 )
+from tandemrl.data.rows import load_split, shard_for_rank, validate_rows
 
 __all__ = [
     "collate_as_list",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tandemrl.data.loader import (
+from tandemrl.data.rows import (
     dataset_source,
     enforce_length_limit,
     length_limit,

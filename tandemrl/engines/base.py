@@ -18,13 +18,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandemrl.api.engine import LossFn, LossWeightFn, PostHook, TrainEngine
+from tandemrl.api.inference import ParamSpec, WeightUpdateMeta
+from tandemrl.api.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta, TensorDict
 from tandemrl.configs.engine import OptimizerConfig, TrainEngineConfig
-from tandemrl.engines.api import LossFn, LossWeightFn, PostHook, TrainEngine
+from tandemrl.engines.packing import MicroBatches, pack_groups, plan_padded_batch, unpack_to_padded
 from tandemrl.engines.rollout_link import RolloutClient, RolloutLink
-from tandemrl.engines.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta, TensorDict
-from tandemrl.inference.types import ParamSpec, WeightUpdateMeta
 from tandemrl.utils import stats_tracker
-from tandemrl.utils.packing import MicroBatches, pack_groups, plan_padded_batch, unpack_to_padded
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

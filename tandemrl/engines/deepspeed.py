@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandemrl.api.inference import ParamSpec
+from tandemrl.api.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta, TensorDict
 from tandemrl.configs.engine import TrainEngineConfig
 from tandemrl.engines.base import (
     DTYPES,
@@ -31,8 +33,6 @@ from tandemrl.engines.engine_state import load_engine_state, read_engine_meta, s
 from tandemrl.engines.hf_io import read_hf_state_dict, save_hf_dir
 from tandemrl.engines.hf_model import build_hf_model, packed_logits
 from tandemrl.engines.teardown import drop_module_groups, register_group_releaser
-from tandemrl.engines.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta, TensorDict
-from tandemrl.inference.types import ParamSpec
 
 logger = logging.getLogger(__name__)
 

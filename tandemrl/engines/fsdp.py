@@ -22,14 +22,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from tandemrl.api.inference import ParamSpec
+from tandemrl.api.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta, TensorDict
 from tandemrl.configs.engine import TrainEngineConfig
 from tandemrl.engines.base import DTYPES, BaseTrainEngine, data_parallel_only, default_device
 from tandemrl.engines.engine_state import load_engine_state, read_engine_meta, save_engine_state
 from tandemrl.engines.hf_io import read_hf_state_dict, save_hf_dir
 from tandemrl.engines.hf_model import build_hf_model, packed_logits
 from tandemrl.engines.teardown import register_group_releaser
-from tandemrl.engines.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta, TensorDict
-from tandemrl.inference.types import ParamSpec
 
 
 def clip_grad_norm_by_mesh(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
+from tandemrl.api.types import SaveLoadMeta
 from tandemrl.configs.engine import TrainEngineConfig
 from tandemrl.engines.base import DTYPES
 from tandemrl.engines.hf_model import auto_model_class
-from tandemrl.engines.types import SaveLoadMeta
 
 
 def save_hf_dir(sd: dict[str, torch.Tensor], model_config: Any, cfg: TrainEngineConfig, meta: SaveLoadMeta) -> None:

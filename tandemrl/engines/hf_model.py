@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
+from tandemrl.api.types import TensorDict
 from tandemrl.configs.engine import TrainEngineConfig
-from tandemrl.engines.types import TensorDict
 from tandemrl.models.varlen_attention import VARLEN_SDPA, register_varlen_attention
 
 

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.distributed as dist
 
-from tandemrl.engines.types import SaveLoadMeta, TensorDict
-from tandemrl.inference.types import ParamSpec, WeightUpdateMeta
-from tandemrl.utils.batch import concat_padded_tensors
-from tandemrl.utils.packing import balanced_partition
+from tandemrl.api.inference import ParamSpec, WeightUpdateMeta
+from tandemrl.api.types import SaveLoadMeta, TensorDict
+from tandemrl.data.batch import concat_padded_tensors
+from tandemrl.engines.packing import balanced_partition
 
 if TYPE_CHECKING:
     from tandemrl.engines.base import BaseTrainEngine

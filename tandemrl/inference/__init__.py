@@ -1,30 +1,10 @@
-"""Client side of the inference servers: protocol types and per-server request builders.
+"""Client side of the inference servers: per-server request builders, the HTTP client, weight receive.
 
-Importing this package is cheap (no vllm, sglang or HTTP libraries).
+Importing this package is cheap (no vllm, sglang or HTTP libraries). The protocol and its
+value types live in ``tandemrl.api``.
 """
 
-from tandemrl.inference.backend import BadServerPayload, InferenceBackend, get_backend
-from tandemrl.inference.types import (
-    GenerateChunk,
-    HttpRequest,
-    ModelRequest,
-    ModelResponse,
-    ParamSpec,
-    StopReason,
-    VersionSpan,
-    WeightUpdateMeta,
-)
+from tandemrl.inference.backend import BadServerPayload
+from tandemrl.inference.registry import get_backend
 
-__all__ = [
-    "BadServerPayload",
-    "GenerateChunk",
-    "HttpRequest",
-    "InferenceBackend",
-    "ModelRequest",
-    "ModelResponse",
-    "ParamSpec",
-    "StopReason",
-    "VersionSpan",
-    "WeightUpdateMeta",
-    "get_backend",
-]
+__all__ = ["BadServerPayload", "get_backend"]

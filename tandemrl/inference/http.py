@@ -24,8 +24,8 @@ import threading
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from tandemrl.api.inference import HttpRequest
 from tandemrl.inference.server_auth import auth_headers
-from tandemrl.inference.types import HttpRequest
 
 if TYPE_CHECKING:
     import aiohttp

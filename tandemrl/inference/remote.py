@@ -39,10 +39,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Concatenate, Generic, TypeVar, overload
 
+from tandemrl.api.backend import InferenceBackend
+from tandemrl.api.inference import HttpRequest, ModelRequest, ModelResponse, ParamSpec, StopReason, WeightUpdateMeta
 from tandemrl.configs.rollout import InferenceEngineConfig
-from tandemrl.inference.backend import InferenceBackend
 from tandemrl.inference.http import HttpClient, InferenceServerError, shared_client
-from tandemrl.inference.types import HttpRequest, ModelRequest, ModelResponse, ParamSpec, StopReason, WeightUpdateMeta
 from tandemrl.workflows.executor import WorkflowExecutor
 
 logger = logging.getLogger(__name__)

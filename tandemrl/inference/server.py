@@ -24,12 +24,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from tandemrl.engines.types import ParallelStrategy
+from tandemrl.api.types import ParallelStrategy
 from tandemrl.inference.server_auth import TOKEN_ENV, TokenMiddleware
 from tandemrl.utils.lifeline import lifeline_command
 
 if TYPE_CHECKING:
-    from tandemrl.inference.backend import InferenceBackend
+    from tandemrl.api.backend import InferenceBackend
 
 _PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])  # so workers can import the extension
 _LIVE: set[ServerProcess] = set()

@@ -14,6 +14,15 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
+from tandemrl.api.inference import (
+    GenerateChunk,
+    HttpRequest,
+    ModelRequest,
+    ParamSpec,
+    StopReason,
+    VersionSpan,
+    WeightUpdateMeta,
+)
 from tandemrl.inference.backend import (
     BadServerPayload,
     TimeoutsMixin,
@@ -28,18 +37,9 @@ from tandemrl.inference.backend import (
     require_list,
     server_error,
 )
-from tandemrl.inference.types import (
-    GenerateChunk,
-    HttpRequest,
-    ModelRequest,
-    ParamSpec,
-    StopReason,
-    VersionSpan,
-    WeightUpdateMeta,
-)
 
 if TYPE_CHECKING:
-    from tandemrl.engines.types import ParallelStrategy
+    from tandemrl.api.types import ParallelStrategy
 
 _FINISH: dict[str, StopReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 _FIXED_FLAGS = {"model_path", "host", "port", "tp_size", "dp_size", "pp_size"}

@@ -18,6 +18,15 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
+from tandemrl.api.inference import (
+    GenerateChunk,
+    HttpRequest,
+    ModelRequest,
+    ParamSpec,
+    StopReason,
+    VersionSpan,
+    WeightUpdateMeta,
+)
 from tandemrl.inference.backend import (
     BadServerPayload,
     TimeoutsMixin,
@@ -32,19 +41,10 @@ from tandemrl.inference.backend import (
     require_list,
     server_error,
 )
-from tandemrl.inference.types import (
-    GenerateChunk,
-    HttpRequest,
-    ModelRequest,
-    ParamSpec,
-    StopReason,
-    VersionSpan,
-    WeightUpdateMeta,
-)
 from tandemrl.inference.weight_group import buckets_to_json
 
 if TYPE_CHECKING:
-    from tandemrl.engines.types import ParallelStrategy
+    from tandemrl.api.types import ParallelStrategy
 
 WORKER_EXTENSION = "tandemrl.inference.vllm_ext.TandemWorkerExtension"
 # vLLM finish reasons -> ours; "repetition" is the model ending itself, like a stop.

@@ -36,7 +36,7 @@ from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from tandemrl.inference.types import ParamSpec
+from tandemrl.api.inference import ParamSpec
 
 if TYPE_CHECKING:
     import torch

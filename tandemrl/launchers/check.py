@@ -20,8 +20,7 @@ import tempfile
 from pathlib import Path
 
 from tandemrl.configs.checks import CHECK_ONLY_ENV, InputsChecked, configs_seen
-from tandemrl.launchers.common import LaunchError
-from tandemrl.utils.launch_config import script_config
+from tandemrl.launchers.launch_config import LaunchError, script_config
 
 NOT_CHECKED = 3
 CHECK_TIMEOUT = 600.0

@@ -22,12 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from tandemrl.utils.launch_config import LaunchSpec, read_launch_spec
+from tandemrl.launchers.check import check_script
+from tandemrl.launchers.launch_config import LaunchError, LaunchSpec, read_launch_spec
 from tandemrl.utils.lifeline import exit_status
-
-
-class LaunchError(RuntimeError):
-    """The launcher itself cannot go on (no cluster, no ``sbatch``): one line, exit code 1."""
 
 
 @dataclass
@@ -145,8 +142,6 @@ def check_script_inputs(args: LaunchArgs, specs: list[tuple[list[str], LaunchSpe
 
     A bad key, value or dataset row raises ValueError with the script's one-line error.
     """
-    from tandemrl.launchers.check import check_script
-
     for combo, _ in specs:
         if not check_script(args.script, args.config_path, combo):
             print(f"[launcher] note: {args.script} does not build its config with load_config; not checked", flush=True)

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandemrl.api.allocation import AllocationMode
 from tandemrl.inference.remote import SERVER_ADDRS_ENV
 from tandemrl.inference.server_auth import TOKEN_ENV, new_token
 from tandemrl.launchers import common
@@ -35,9 +36,8 @@ from tandemrl.launchers.common import (
     torchrun_log_args,
     trainer_failure,
 )
+from tandemrl.launchers.launch_config import LaunchSpec
 from tandemrl.launchers.server_watch import wait_trainer
-from tandemrl.utils.allocation import AllocationMode
-from tandemrl.utils.launch_config import LaunchSpec
 from tandemrl.utils.lifeline import lifeline_command
 
 
@@ -60,8 +60,8 @@ def start_servers(
     spec: LaunchSpec, alloc: AllocationMode, run_dir: Path, children: _Children, token: str | None
 ) -> list[str]:
     """One server per inference data-parallel replica; returns their addresses."""
-    from tandemrl.engines.types import ParallelStrategy
-    from tandemrl.inference.backend import get_backend
+    from tandemrl.api.types import ParallelStrategy
+    from tandemrl.inference.registry import get_backend
     from tandemrl.inference.server import launch_server
 
     gen = alloc.gen

@@ -45,7 +45,7 @@ from tandemrl.inference.remote import SERVER_ADDRS_ENV
 from tandemrl.inference.server_auth import TOKEN_ENV, new_token
 from tandemrl.launchers import common
 from tandemrl.launchers.common import LaunchError, TrialResult, first_line, guarded_trial, kill_group, write_prefixed
-from tandemrl.utils.launch_config import LaunchSpec
+from tandemrl.launchers.launch_config import LaunchSpec
 
 # Driver variables every actor gets (a remote node's actor starts from its raylet's env).
 FORWARD_PREFIXES = (
@@ -88,8 +88,8 @@ class ServerHost:
     def start(self, backend: str, model_path: str, tp: int, pp: int, extra: dict[str, Any], log_file: str) -> str:
         import ray
 
-        from tandemrl.engines.types import ParallelStrategy
-        from tandemrl.inference.backend import get_backend
+        from tandemrl.api.types import ParallelStrategy
+        from tandemrl.inference.registry import get_backend
         from tandemrl.inference.server import launch_server
 
         self._server = launch_server(

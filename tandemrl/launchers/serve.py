@@ -39,8 +39,8 @@ def _args(argv: list[str]) -> argparse.Namespace:
 
 def serve(args: argparse.Namespace) -> int:
     """Start, wait healthy, publish the address, then supervise until the server ends or we are told to stop."""
-    from tandemrl.engines.types import ParallelStrategy
-    from tandemrl.inference.backend import get_backend
+    from tandemrl.api.types import ParallelStrategy
+    from tandemrl.inference.registry import get_backend
     from tandemrl.inference.server import launch_server
 
     server = None

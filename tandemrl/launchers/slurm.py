@@ -41,7 +41,7 @@ from tandemrl.inference.remote import SERVER_ADDRS_ENV
 from tandemrl.inference.server_auth import TOKEN_ENV
 from tandemrl.launchers import common
 from tandemrl.launchers.common import LaunchError
-from tandemrl.utils.launch_config import LaunchSpec, _get, _load, script_config
+from tandemrl.launchers.launch_config import LaunchSpec, _get, _load, script_config
 
 OPTIONS = ("--partition", "--gpus-per-node", "--time", "--account")
 # Launcher environment the job script re-exports (sbatch also copies the submitter's env).

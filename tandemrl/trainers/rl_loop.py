@@ -16,7 +16,7 @@ critic) and :func:`reinforce_train_step` (ReMax). Each step of the loop: rollout
 save -> evaluate -> log -> recoverable checkpoint (``recover.mode`` auto/resume, every
 ``recover.freq_*``). A run restarted with a checkpoint present restores the engines, the
 dataloader position, the rows still in flight (generated again first) and the counters, pushes the restored weights to the servers (labelled
-with the restored version) and continues at the next step; see ``tandemrl.utils.recover``.
+with the restored version) and continues at the next step; see ``tandemrl.trainers.recover``.
 """
 
 from __future__ import annotations
@@ -32,26 +32,26 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from tandemrl.actors.registry import engine_class
+from tandemrl.api.allocation import AllocationMode
+from tandemrl.api.inference import WeightUpdateMeta
+from tandemrl.api.types import FinetuneSpec, TensorDict
+from tandemrl.api.workflow import RolloutWorkflow
 from tandemrl.configs import GRPOConfig
 from tandemrl.configs.engine import TrainEngineConfig
 from tandemrl.configs.loader import save_config
 from tandemrl.configs.ppo import PPOActorConfig
 from tandemrl.data.loader import create_dataloader, dataset_from_config
 from tandemrl.engines.teardown import destroy_process_groups
-from tandemrl.engines.types import FinetuneSpec, TensorDict
 from tandemrl.inference.remote import remote_engine_for
-from tandemrl.inference.types import WeightUpdateMeta
 from tandemrl.models.hf import load_hf_tokenizer, model_context_length
 from tandemrl.models.resolve import resolve_model_path
 from tandemrl.rewards.runner import RewardFn
+from tandemrl.trainers.evaluator import Evaluator
+from tandemrl.trainers.prompt_log import log_prompt_ids
+from tandemrl.trainers.recover import RecoverHandler
+from tandemrl.trainers.saver import Saver
+from tandemrl.trainers.stats_logger import StatsLogger
 from tandemrl.utils import stats_tracker
-from tandemrl.utils.allocation import AllocationMode
-from tandemrl.utils.evaluator import Evaluator
-from tandemrl.utils.prompt_log import log_prompt_ids
-from tandemrl.utils.recover import RecoverHandler
-from tandemrl.utils.saver import Saver
-from tandemrl.utils.stats_logger import StatsLogger
-from tandemrl.workflows.api import RolloutWorkflow
 from tandemrl.workflows.executor import cycle_batches
 from tandemrl.workflows.rlvr import RLVRWorkflow
 

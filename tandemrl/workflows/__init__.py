@@ -6,8 +6,8 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "RolloutWorkflow": "tandemrl.workflows.api",
-    "GenerationEngine": "tandemrl.workflows.api",
+    "RolloutWorkflow": "tandemrl.api.workflow",
+    "GenerationEngine": "tandemrl.api.workflow",
     "StalenessManager": "tandemrl.workflows.staleness",
     "RolloutStat": "tandemrl.workflows.staleness",
     "WorkflowExecutor": "tandemrl.workflows.executor",

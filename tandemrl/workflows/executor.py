@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
+from tandemrl.api.types import TensorDict
+from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
 from tandemrl.configs.rollout import InferenceEngineConfig
-from tandemrl.engines.types import TensorDict
+from tandemrl.data.batch import concat_padded_tensors
 from tandemrl.utils import stats_tracker
-from tandemrl.utils.batch import concat_padded_tensors
-from tandemrl.workflows.api import GenerationEngine, RolloutWorkflow
 from tandemrl.workflows.staleness import RolloutStat, StalenessManager
 
 logger = logging.getLogger(__name__)

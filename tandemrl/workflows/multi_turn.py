@@ -19,13 +19,13 @@ import asyncio
 import uuid
 from typing import Any
 
+from tandemrl.api.inference import ModelResponse
+from tandemrl.api.types import TensorDict
+from tandemrl.api.workflow import GenerationEngine
 from tandemrl.configs.rollout import GenerationHyperparameters
-from tandemrl.engines.types import TensorDict
-from tandemrl.inference.types import ModelResponse
+from tandemrl.data.batch import concat_padded_tensors
 from tandemrl.rewards.runner import RewardFn, RewardRunner
 from tandemrl.utils import stats_tracker
-from tandemrl.utils.batch import concat_padded_tensors
-from tandemrl.workflows.api import GenerationEngine
 from tandemrl.workflows.rlvr import RLVRWorkflow, build_row, check_response
 
 DEFAULT_FEEDBACK = "Your answer is either wrong or not parsable to the reward function. Please try to answer it again."

@@ -12,10 +12,10 @@ import asyncio
 import uuid
 from typing import Any
 
-from tandemrl.engines.types import TensorDict
+from tandemrl.api.types import TensorDict
+from tandemrl.api.workflow import GenerationEngine
+from tandemrl.data.batch import concat_padded_tensors
 from tandemrl.utils import stats_tracker
-from tandemrl.utils.batch import concat_padded_tensors
-from tandemrl.workflows.api import GenerationEngine
 from tandemrl.workflows.rlvr import RLVRWorkflow, check_response, completion_row
 
 

@@ -8,7 +8,7 @@ Trajectory layout (one row per sample, right-padded to the group's longest row):
   log-prob of *that* token, i.e. ``logprobs[i, t] = log pi_old(input_ids[i, t] | input_ids[i, :t])``.
   Token-aligned, like ``loss_mask``: a trainer computing next-token log-probs from the
   logits at position t - 1 compares them with ``logprobs[:, t]`` (shift left by one, as
-  ``tandemrl.utils.functional.next_token_mask`` does for the mask).
+  ``tandemrl.models.functional.next_token_mask`` does for the mask).
 * ``versions``   [n, L] long: weight version that sampled each completion token; -1 on
   prompt and padding.
 * ``attention_mask`` [n, L] bool; ``rewards`` [n] float32.
@@ -26,13 +26,13 @@ from typing import Any
 
 import torch
 
+from tandemrl.api.inference import ModelRequest, ModelResponse
+from tandemrl.api.types import TensorDict
+from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
 from tandemrl.configs.rollout import GenerationHyperparameters
-from tandemrl.engines.types import TensorDict
-from tandemrl.inference.types import ModelRequest, ModelResponse
+from tandemrl.data.batch import concat_padded_tensors
 from tandemrl.rewards.runner import RewardFn, RewardRunner
 from tandemrl.utils import stats_tracker
-from tandemrl.utils.batch import concat_padded_tensors
-from tandemrl.workflows.api import GenerationEngine, RolloutWorkflow
 
 # Arguments the workflow passes to reward functions itself; dataset columns of the same
 # name are not forwarded.

@@ -20,11 +20,11 @@ from ppo_checks import GROUP, make_rollout_batch
 
 from tandemrl.actors.deepspeed import DeepSpeedLMEngine, DeepSpeedPPOActor, DeepSpeedPPOCritic
 from tandemrl.actors.ppo import PPOActor
+from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.configs.engine import DeepSpeedEngineConfig, MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from tandemrl.configs.ppo import PPOActorConfig
 from tandemrl.engines.base import init_default_process_group
 from tandemrl.engines.teardown import destroy_process_groups
-from tandemrl.engines.types import FinetuneSpec, SaveLoadMeta
 
 STAGES = (1, 2, 3)
 # Micro-batch split of the two first steps, per stage: the update must not depend on it.

@@ -26,13 +26,13 @@ import torch.distributed as dist
 from sync_checks import RecordingClient, greedy_outputs, make_rollout, memorize_batch, version_label
 
 from tandemrl.actors.deepspeed import DeepSpeedLMEngine
+from tandemrl.api.allocation import AllocationMode
+from tandemrl.api.inference import WeightUpdateMeta
+from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.configs.engine import DeepSpeedEngineConfig, OptimizerConfig, TrainEngineConfig
 from tandemrl.engines.teardown import destroy_process_groups
-from tandemrl.engines.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.inference.remote import RemoteVLLMEngine
-from tandemrl.inference.types import WeightUpdateMeta
 from tandemrl.inference.weight_group import parse_buckets_json
-from tandemrl.utils.allocation import AllocationMode
 
 
 def make_engine(model: str, lr: float) -> DeepSpeedLMEngine:

@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 
 from tandemrl.actors.fsdp import FSDPLMEngine
+from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from tandemrl.engines.base import init_default_process_group
 from tandemrl.engines.teardown import destroy_process_groups
-from tandemrl.engines.types import FinetuneSpec, SaveLoadMeta
 
 VOCAB = 200
 

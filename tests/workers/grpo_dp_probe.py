@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from tandemrl.configs import GRPOConfig
-from tandemrl.configs.loader import load_config_or_exit
 from tandemrl.rewards.gsm8k import gsm8k_reward_fn
+from tandemrl.trainers.entry import load_config_or_exit
 from tandemrl.trainers.rl_loop import RLTrainer, TrainStep, ppo_train_step
 from tandemrl.utils.cli import run_main
 

@@ -27,12 +27,12 @@ from fsdp_checks import make_batch
 from parity_checks import dp_slice
 
 from tandemrl.actors.megatron import MegatronLMEngine
+from tandemrl.api.allocation import AllocationMode
+from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from tandemrl.engines.base import init_default_process_group
 from tandemrl.engines.megatron.checkpoint import CKPT_SUBDIR
 from tandemrl.engines.teardown import destroy_process_groups
-from tandemrl.engines.types import FinetuneSpec, SaveLoadMeta
-from tandemrl.utils.allocation import AllocationMode
 
 FIRST_SEED = 100
 CONTINUED_SEEDS = (300, 301, 302)

@@ -26,8 +26,8 @@ from megatron_checks import engine
 from parity_checks import dp_slice
 
 from tandemrl.engines.base import init_default_process_group
+from tandemrl.engines.packing import plan_padded_batch
 from tandemrl.engines.teardown import destroy_process_groups
-from tandemrl.utils.packing import plan_padded_batch
 
 SEEDS = (200, 201, 202)
 

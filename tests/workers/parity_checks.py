@@ -27,12 +27,12 @@ from ppo_checks import CONFIGS, GROUP, make_rollout_batch
 from tandemrl.actors.lm import LMEngine
 from tandemrl.actors.ppo import PPOActor
 from tandemrl.actors.registry import engine_class
+from tandemrl.api.allocation import AllocationMode
+from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig
 from tandemrl.configs.ppo import PPOActorConfig
 from tandemrl.engines.base import init_default_process_group
 from tandemrl.engines.teardown import destroy_process_groups
-from tandemrl.engines.types import FinetuneSpec, SaveLoadMeta
-from tandemrl.utils.allocation import AllocationMode
 
 SFT_STEPS = 5
 PPO_STEPS = 3

@@ -25,16 +25,16 @@ import torch.distributed as dist
 
 from tandemrl.actors.fsdp import FSDPLMEngine
 from tandemrl.actors.registry import engine_class
+from tandemrl.api.allocation import AllocationMode
+from tandemrl.api.inference import HttpRequest, ModelRequest, ModelResponse, WeightUpdateMeta
+from tandemrl.api.types import FinetuneSpec, SaveLoadMeta, TensorDict
 from tandemrl.configs.engine import OptimizerConfig, TrainEngineConfig
 from tandemrl.configs.rollout import InferenceEngineConfig
 from tandemrl.engines.teardown import destroy_process_groups
-from tandemrl.engines.types import FinetuneSpec, SaveLoadMeta, TensorDict
 from tandemrl.inference.http import HttpClient
 from tandemrl.inference.remote import RemoteVLLMEngine
-from tandemrl.inference.types import HttpRequest, ModelRequest, ModelResponse, WeightUpdateMeta
 from tandemrl.inference.weight_group import parse_buckets_json
-from tandemrl.utils.allocation import AllocationMode
-from tandemrl.utils.functional import gather_logprobs, next_token_labels
+from tandemrl.models.functional import gather_logprobs, next_token_labels
 
 GREEDY_TOKENS = 12  # greedy continuation length compared with transformers
 

@@ -27,16 +27,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandemrl.api.engine import LossFn
+from tandemrl.api.inference import ParamSpec
+from tandemrl.api.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta, TensorDict
 from tandemrl.configs.engine import TrainEngineConfig
-from tandemrl.engines.api import LossFn
 from tandemrl.engines.base import DTYPES, BaseTrainEngine, _filler_guard, default_device, init_default_process_group
 from tandemrl.engines.engine_state import load_engine_state, read_engine_meta, save_engine_state
 from tandemrl.engines.hf_io import save_hf_dir
 from tandemrl.engines.hf_model import load_model_config
+from tandemrl.engines.packing import MicroBatches
 from tandemrl.engines.teardown import register_group_releaser
-from tandemrl.engines.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta, TensorDict
-from tandemrl.inference.types import ParamSpec
-from tandemrl.utils.packing import MicroBatches
 
 BACKEND = "megatron"
 _LIVE_ENGINES = 0  # megatron's parallel_state is process-global: engines of one process share it

@@ -27,7 +27,7 @@ from tandemrl.engines.megatron.model import head_dim, moe_layer_pattern, padded_
 from tandemrl.engines.megatron.value_head import NUM_LABELS, OUTPUT_LAYER, head_bias, initial_head_weights
 
 if TYPE_CHECKING:
-    from tandemrl.inference.types import ParamSpec
+    from tandemrl.api.inference import ParamSpec
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,7 @@ def _entries(hf_config: Any, critic: bool = False) -> list[_Entry]:
 
 def hf_param_specs(hf_config: Any, dtype: torch.dtype | None = None, *, critic: bool = False) -> list[ParamSpec]:
     """(name, shape, dtype) of every tensor iter_hf_weights yields, in its order (dtype: the model's params)."""
-    from tandemrl.inference.types import ParamSpec
+    from tandemrl.api.inference import ParamSpec
 
     if dtype is None:
         dtype = _hf_dtype(hf_config)

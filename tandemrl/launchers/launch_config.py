@@ -11,10 +11,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandemrl.utils.allocation import AllocationMode
+from tandemrl.api.allocation import AllocationMode
 
 # Keys that may hold the policy model, in the order they are looked for.
 MODEL_KEYS = ("actor.path", "model.path")
+
+
+class LaunchError(RuntimeError):
+    """The launcher itself cannot go on (no cluster, no ``sbatch``): one line, exit code 1."""
 
 
 @dataclass

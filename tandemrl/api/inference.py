@@ -12,10 +12,10 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from tandemrl.configs.rollout import GenerationHyperparameters
+from tandemrl.api.generation import GenerationHyperparameters
 
 if TYPE_CHECKING:
-    from tandemrl.utils.allocation import AllocationMode
+    from tandemrl.api.allocation import AllocationMode
 
 StopReason = Literal["stop", "length", "abort", "tool_calls"]
 HttpMethod = Literal["GET", "POST"]

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 # A batch: named tensors. Padded batches are [B, L] with an `attention_mask`;
-# packed micro-batches are 1-D over tokens with `cu_seqlens` (see utils/packing.py).
+# packed micro-batches are 1-D over tokens with `cu_seqlens` (see tandemrl/engines/packing.py).
 TensorDict = dict[str, torch.Tensor]
 
 

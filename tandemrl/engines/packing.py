@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandemrl.engines.types import TensorDict
+from tandemrl.api.types import TensorDict
 
 
 def _is_per_token(value: torch.Tensor, batch_size: int, seq_len: int) -> bool:

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from tandemrl.api.types import FinetuneSpec
 from tandemrl.configs.utils import FreqConfig
-from tandemrl.engines.types import FinetuneSpec
 
 
 def _check_freq(name: str, value: int | None) -> int | None:

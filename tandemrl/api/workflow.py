@@ -6,8 +6,8 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from tandemrl.engines.types import TensorDict
-    from tandemrl.inference.types import ModelRequest, ModelResponse
+    from tandemrl.api.inference import ModelRequest, ModelResponse
+    from tandemrl.api.types import TensorDict
 
 
 @runtime_checkable

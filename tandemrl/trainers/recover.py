@@ -37,10 +37,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.configs.utils import RecoverConfig
-from tandemrl.engines.types import FinetuneSpec, SaveLoadMeta
-from tandemrl.utils.freq import FreqControl, agree_with_rank0, epochs_finished
-from tandemrl.utils.saver import Saver, writing_checkpoint
+from tandemrl.trainers.freq import FreqControl, agree_with_rank0, epochs_finished
+from tandemrl.trainers.saver import Saver, writing_checkpoint
 
 RECOVER_MODES = ("disabled", "auto", "resume")
 LOOP_STATE_FILE = "loop_state.json"

@@ -10,9 +10,9 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.configs.utils import SaverConfig
-from tandemrl.engines.types import FinetuneSpec, SaveLoadMeta
-from tandemrl.utils.freq import FreqControl, agree_with_rank0, epochs_finished
+from tandemrl.trainers.freq import FreqControl, agree_with_rank0, epochs_finished
 
 
 class CheckpointWriteError(ValueError):

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from tandemrl.engines.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta, TensorDict
+from tandemrl.api.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta, TensorDict
 
 # loss_fn(logits [T, V] of a packed micro-batch, the micro-batch) -> scalar loss
 LossFn = Callable[[torch.Tensor, TensorDict], torch.Tensor]

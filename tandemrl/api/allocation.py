@@ -34,7 +34,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from tandemrl.engines.types import ParallelStrategy
+from tandemrl.api.types import ParallelStrategy
 
 INFERENCE_BACKENDS: tuple[str, ...] = ("sglang", "vllm")
 TRAINING_BACKENDS: tuple[str, ...] = ("fsdp", "megatron", "deepspeed")

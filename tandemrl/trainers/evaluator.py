@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from tandemrl.api.types import FinetuneSpec
 from tandemrl.configs.utils import EvaluatorConfig
-from tandemrl.engines.types import FinetuneSpec
-from tandemrl.utils.freq import FreqControl, agree_with_rank0, epochs_finished
+from tandemrl.trainers.freq import FreqControl, agree_with_rank0, epochs_finished
 
 
 class Evaluator:

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandemrl.api.types import FinetuneSpec
 from tandemrl.configs.utils import StatsLoggerConfig
-from tandemrl.engines.types import FinetuneSpec
 
 _WANDB_MODES = ("online", "offline", "disabled")
 

@@ -1,0 +1,77 @@
+"""The inference-backend protocol: build HTTP requests and parse server replies, nothing else.
+
+A backend never opens a socket. The shared client (``tandemrl/inference/http.py``) sends
+the ``HttpRequest`` objects a backend builds and hands the decoded JSON back to it, so
+retries, failover and interruption handling are written once for every server kind.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from tandemrl.api.inference import GenerateChunk, HttpRequest, ModelRequest, ParamSpec, WeightUpdateMeta
+from tandemrl.api.types import ParallelStrategy
+
+
+@runtime_checkable
+class InferenceBackend(Protocol):
+    """Request builder / response parser of one inference-server kind."""
+
+    name: str
+    # True: one ``build_update_from_collective`` request may carry every bucket of an update
+    # (the server receives them all inside that call). False: the server API takes one
+    # bucket per request, so the client sends one request per bucket, in order.
+    multi_bucket_collective: bool
+
+    def build_generate(self, req: ModelRequest, output_so_far: list[int], remaining: int, version: int) -> HttpRequest:
+        """Continue ``req.input_ids + output_so_far`` for at most ``remaining`` new tokens."""
+        ...
+
+    def parse_generate(self, payload: dict[str, Any]) -> GenerateChunk: ...
+
+    def build_pause(self) -> HttpRequest:
+        """Stop generating; in-flight requests return their partial output as "abort"."""
+        ...
+
+    def build_resume(self) -> HttpRequest: ...
+
+    def build_health(self) -> HttpRequest: ...
+
+    def build_version_get(self) -> HttpRequest: ...
+
+    def parse_version(self, payload: dict[str, Any]) -> int | None:
+        """The server's weight version from a ``build_version_get`` reply; None if not an integer."""
+        ...
+
+    def build_set_version(self, version: int) -> HttpRequest: ...
+
+    def build_update_from_disk(self, meta: WeightUpdateMeta) -> list[HttpRequest]:
+        """Ordered steps that load ``meta.path`` into a (paused) server."""
+        ...
+
+    def build_init_weight_group(self, meta: WeightUpdateMeta, rank_offset: int) -> HttpRequest:
+        """Join the server's ranks to the update group; its first rank is ``rank_offset``."""
+        ...
+
+    def build_update_from_collective(self, meta: WeightUpdateMeta, buckets: list[list[ParamSpec]]) -> HttpRequest:
+        """Receive ``buckets`` of broadcast tensors (rank 0 broadcasts one flat tensor per bucket, in order).
+
+        Called with a single bucket unless ``multi_bucket_collective`` is True.
+        """
+        ...
+
+    def build_flush_cache(self) -> HttpRequest:
+        """Drop cached KV computed with old weights."""
+        ...
+
+    def build_abort_all(self) -> HttpRequest: ...
+
+    def server_command(
+        self, model_path: str, host: str, port: int, strategy: ParallelStrategy, extra: dict[str, Any]
+    ) -> list[str]:
+        """argv that starts one server of this kind with ``strategy``'s tp/pp/dp."""
+        ...
+
+    def server_env(self) -> dict[str, str]:
+        """Environment variables the server process needs on top of the caller's."""
+        ...

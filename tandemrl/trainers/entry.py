@@ -1,0 +1,58 @@
+"""A training script's entry: load its config, and in the launchers' pre-flight check what it points to.
+
+``load_script_config`` is ``tandemrl.configs.loader.load_config`` plus, in a check-only run
+(``TANDEMRL_CHECK_ONLY=1``, see ``tandemrl.launchers.check``), a look at the model directories
+and dataset files the config names before the script stops. It lives above ``configs`` because
+those checks need ``data`` and ``models``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from tandemrl.configs.checks import InputsChecked
+from tandemrl.configs.data import DatasetConfig
+from tandemrl.configs.loader import ConfigError, load_config
+from tandemrl.data.loader import check_dataset_inputs
+from tandemrl.models.resolve import TINY_PREFIX, resolve_model_path
+from tandemrl.utils.cli import exit_with_error
+
+T = TypeVar("T")
+
+_ENGINE_KEYS = ("actor", "model", "ref", "critic")
+_REQUIRED_ENGINES = ("actor", "model")  # ref and critic default to the actor's path
+_DATASET_KEYS = ("train_dataset", "valid_dataset")
+
+
+def check_inputs(config: Any) -> None:
+    """Model paths and dataset files the config points to; raises one line naming the key or file."""
+    for key in _ENGINE_KEYS:
+        path = getattr(getattr(config, key, None), "path", None)
+        if not isinstance(path, str) or path.startswith(TINY_PREFIX):
+            continue
+        if path or key in _REQUIRED_ENGINES:
+            resolve_model_path(path, f"{key}.path")
+    for key in _DATASET_KEYS:
+        ds = getattr(config, key, None)
+        if isinstance(ds, DatasetConfig):
+            try:
+                check_dataset_inputs(ds)
+            except FileNotFoundError as err:
+                raise FileNotFoundError(f"{key}.path: {err}") from None
+
+
+def load_script_config(argv: list[str], schema: type[T]) -> tuple[T, str]:
+    """``load_config``; in a check-only run it also checks the inputs, then stops with ``InputsChecked``."""
+    try:
+        return load_config(argv, schema)
+    except InputsChecked as done:
+        check_inputs(done.config)
+        raise
+
+
+def load_config_or_exit(argv: list[str], schema: type[T]) -> tuple[T, str]:
+    """:func:`load_script_config` for ``main()``: a bad config prints ``error: <one line>`` and exits with status 2."""
+    try:
+        return load_script_config(argv, schema)
+    except ConfigError as err:
+        exit_with_error(err)
