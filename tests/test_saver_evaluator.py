@@ -5,19 +5,19 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from utils import free_port
 
 from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.configs.utils import EvaluatorConfig, SaverConfig
+from tandemrl.trainers import freq
 from tandemrl.trainers.evaluator import Evaluator
 from tandemrl.trainers.freq import FreqControl
 from tandemrl.trainers.saver import Saver
-from tandemrl.trainers import freq
 
 
 class FakeClock:
@@ -234,12 +234,6 @@ def test_evaluator_epochs(tmp_path: Path):
 
 
 # ------------------------------------------------ 2 ranks: wall-time decisions agree
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _secs_worker(rank: int, port: int, out_dir: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     dist.init_process_group(
@@ -262,7 +256,7 @@ def _secs_worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_wall_time_saves_follow_rank0(tmp_path: Path):
-    mp.spawn(_secs_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_secs_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result == {"fired": [True, False], "saves": 1}

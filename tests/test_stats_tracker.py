@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import threading
 import time
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from utils import free_port
 
 from tandemrl.utils import stats_tracker
 from tandemrl.utils.stats_tracker import ReduceType, StatsTracker
@@ -227,12 +227,6 @@ def test_thread_records_while_main_exports():
 
 
 # ----------------------------------------------------------------- 2 ranks (gloo)
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, port: int, out_dir: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -278,7 +272,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_two_rank_gloo_reduction_is_exact(tmp_path: Path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     r0 = json.loads((tmp_path / "rank0.json").read_text())
     r1 = json.loads((tmp_path / "rank1.json").read_text())
     assert r0 == r1  # every rank receives identical results

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from tandemrl.api.generation import GenerationHyperparameters
+from tandemrl.api.net import free_port
 
 if TYPE_CHECKING:
     from tandemrl.api.allocation import AllocationMode
@@ -185,7 +186,7 @@ class WeightUpdateMeta:
             type="collective",
             bucket_size_mb=bucket_size_mb,
             group_addr=group_addr or _host_ip(),
-            group_port=group_port or _free_port(),
+            group_port=group_port or free_port(),
             group_name=group_name,
             world_size=1 + gen.world_size,
             comm_backend=comm_backend,
@@ -198,9 +199,3 @@ def _host_ip() -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])

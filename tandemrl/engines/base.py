@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from tandemrl.api.engine import LossFn, LossWeightFn, PostHook, TrainEngine
 from tandemrl.api.inference import ParamSpec, WeightUpdateMeta
+from tandemrl.api.net import free_port
 from tandemrl.api.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta, TensorDict
 from tandemrl.configs.engine import OptimizerConfig, TrainEngineConfig
 from tandemrl.engines.packing import MicroBatches, pack_groups, plan_padded_batch, unpack_to_padded
@@ -69,7 +70,7 @@ def init_default_process_group() -> None:
     if "RANK" not in os.environ:
         # Not under torchrun: a world of one, so the same code path runs in notebooks/tests.
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port("127.0.0.1")))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -88,14 +89,6 @@ def data_parallel_only(strategy: ParallelStrategy | None, backend: str) -> Paral
     if strategy.dp != world:
         raise ValueError(f"allocation gives {backend} d={strategy.dp} but the torchrun world size is {world}")
     return strategy
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _filler_guard(group: list[int]) -> contextlib.AbstractContextManager[None]:

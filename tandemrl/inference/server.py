@@ -14,7 +14,6 @@ import atexit
 import json
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from tandemrl.api.net import free_port
 from tandemrl.api.types import ParallelStrategy
 from tandemrl.inference.server_auth import TOKEN_ENV, TokenMiddleware
 from tandemrl.utils.lifeline import lifeline_command
@@ -162,7 +162,7 @@ def launch_server(
     if not os.path.exists(model_path):
         raise FileNotFoundError(f"launch_server: model_path {model_path!r} does not exist")
     strategy = strategy or ParallelStrategy()
-    port = port or _free_port(host)
+    port = port or free_port(host)
     flags = dict(extra or {})
     child_env = dict(os.environ)
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, child_env.get("PYTHONPATH")) if p)
@@ -213,13 +213,6 @@ def _cuda_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
-
-
-def _free_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _http_ok(url: str, method: str, timeout: float) -> bool:

@@ -24,6 +24,7 @@ from typing import IO
 
 from tandemrl.launchers.check import check_script
 from tandemrl.launchers.launch_config import LaunchError, LaunchSpec, read_launch_spec
+from tandemrl.utils.cli import first_line
 from tandemrl.utils.lifeline import exit_status
 
 
@@ -179,12 +180,6 @@ def summary_table(results: list[TrialResult]) -> str:
         )
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
-
-
-def first_line(err: BaseException) -> str:
-    """The one line of an error a launcher reports (full detail stays in the logs)."""
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 TORCHRUN_LOG_DIR = "torchrun"  # under the run directory: torchrun's per-rank error files

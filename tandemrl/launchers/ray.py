@@ -32,7 +32,6 @@ from __future__ import annotations
 import collections
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -41,11 +40,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tandemrl.api.net import free_port
 from tandemrl.inference.remote import SERVER_ADDRS_ENV
 from tandemrl.inference.server_auth import TOKEN_ENV, new_token
 from tandemrl.launchers import common
-from tandemrl.launchers.common import LaunchError, TrialResult, first_line, guarded_trial, kill_group, write_prefixed
+from tandemrl.launchers.common import LaunchError, TrialResult, guarded_trial, kill_group, write_prefixed
 from tandemrl.launchers.launch_config import LaunchSpec
+from tandemrl.utils.cli import first_line
 
 # Driver variables every actor gets (a remote node's actor starts from its raylet's env).
 FORWARD_PREFIXES = (
@@ -69,12 +70,6 @@ POLL_INTERVAL = 0.5
 
 def forwarded_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith(FORWARD_PREFIXES)}
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class ServerHost:
@@ -145,7 +140,7 @@ class RankHost:
             "node_id": ray.get_runtime_context().get_node_id(),
             "ip": ip,
             "gpus": [str(g) for g in ray.get_gpu_ids()],
-            "port": _free_port(ip),
+            "port": free_port(ip),
         }
 
     def start(self, args: list[str], env: dict[str, str], cwd: str) -> int:

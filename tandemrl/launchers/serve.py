@@ -19,7 +19,8 @@ import sys
 import time
 
 from tandemrl.inference.server_auth import TOKEN_ENV
-from tandemrl.launchers.common import first_line, signals_interrupt
+from tandemrl.launchers.common import signals_interrupt
+from tandemrl.utils.cli import first_line
 
 
 def _args(argv: list[str]) -> argparse.Namespace:

@@ -41,9 +41,15 @@ from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.configs.utils import RecoverConfig
 from tandemrl.trainers.freq import FreqControl, agree_with_rank0, epochs_finished
 from tandemrl.trainers.saver import Saver, writing_checkpoint
+from tandemrl.utils.cli import first_line
 
 RECOVER_MODES = ("disabled", "auto", "resume")
 LOOP_STATE_FILE = "loop_state.json"
+
+
+def _reason(e: BaseException) -> str:
+    """What a corrupt-checkpoint message quotes of the error: its type and first line."""
+    return first_line(e, with_type=True, limit=300)
 
 
 class CorruptCheckpointError(ValueError):
@@ -132,11 +138,6 @@ def _rank0_value(value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0][:300]}" if text else type(e).__name__
 
 
 class RecoverHandler:
@@ -275,15 +276,13 @@ class RecoverHandler:
                 engine.load(SaveLoadMeta(path=engine_dir, weight_format="dcp", with_optim=True))
             except Exception as e:
                 raise CorruptCheckpointError(
-                    f"recover: checkpoint {path} is corrupt: cannot load engine '{name}' ({_first_line(e)})"
+                    f"recover: checkpoint {path} is corrupt: cannot load engine '{name}' ({_reason(e)})"
                 ) from e
         loader_file = os.path.join(path, f"dataloader_rank{_rank()}.pt")
         try:
             dataloader.load_state_dict(torch.load(loader_file, weights_only=False))
         except Exception as e:
-            raise CorruptCheckpointError(
-                f"recover: checkpoint {path} is corrupt: {loader_file}: {_first_line(e)}"
-            ) from e
+            raise CorruptCheckpointError(f"recover: checkpoint {path} is corrupt: {loader_file}: {_reason(e)}") from e
         if rollout is not None:
             rollout.replay_first(self._pending_rows(path))
         fingerprint = self._fingerprint(pushed)
@@ -314,7 +313,7 @@ class RecoverHandler:
         try:
             rows = torch.load(file, weights_only=False)
         except Exception as e:
-            raise CorruptCheckpointError(f"recover: checkpoint {path} is corrupt: {file}: {_first_line(e)}") from e
+            raise CorruptCheckpointError(f"recover: checkpoint {path} is corrupt: {file}: {_reason(e)}") from e
         if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
             raise CorruptCheckpointError(f"recover: checkpoint {path} is corrupt: {file} must hold a list of rows")
         return rows
@@ -327,4 +326,4 @@ class RecoverHandler:
                 raw = json.load(f)
             return LoopState.from_json(raw, file)
         except (OSError, json.JSONDecodeError, TypeError, ValueError) as e:
-            raise CorruptCheckpointError(f"recover: checkpoint {path} is corrupt: {_first_line(e)}") from None
+            raise CorruptCheckpointError(f"recover: checkpoint {path} is corrupt: {_reason(e)}") from None

@@ -12,6 +12,18 @@ from typing import NoReturn
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, KeyError)
 
 
+def first_line(err: BaseException, *, with_type: bool = False, limit: int | None = None) -> str:
+    """The first line of ``err``'s message (at most ``limit`` characters), or its type's name if it has none.
+
+    ``with_type`` prefixes the type's name (``ValueError: ...``), for messages that wrap an unexpected error.
+    """
+    text = str(err).strip()
+    if not text:
+        return type(err).__name__
+    line = text.splitlines()[0][:limit]
+    return f"{type(err).__name__}: {line}" if with_type else line
+
+
 def record_error(err: BaseException) -> None:
     """Write ``err`` to this rank's torchrun error file (``TORCHELASTIC_ERROR_FILE``), if there is one.
 

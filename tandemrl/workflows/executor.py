@@ -36,6 +36,7 @@ from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
 from tandemrl.configs.rollout import InferenceEngineConfig
 from tandemrl.data.batch import concat_padded_tensors
 from tandemrl.utils import stats_tracker
+from tandemrl.utils.cli import first_line
 from tandemrl.workflows.staleness import RolloutStat, StalenessManager
 
 logger = logging.getLogger(__name__)
@@ -156,11 +157,6 @@ class _Running:
     tag: int | None
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
-
-
 def _check_trajectory(traj: Any, workflow: RolloutWorkflow) -> None:
     mask = traj.get("attention_mask") if isinstance(traj, dict) else None
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
@@ -252,7 +248,7 @@ class WorkflowExecutor:
         try:
             runner.run_coroutine(self._cancel_all()).result(timeout)
         except Exception as e:  # shutting down regardless
-            logger.warning("WorkflowExecutor.destroy: cancelling episodes failed: %s", _first_line(e))
+            logger.warning("WorkflowExecutor.destroy: cancelling episodes failed: %s", first_line(e, with_type=True))
         runner.stop(timeout)
         self._runner = None
         with self._cond:
@@ -325,7 +321,7 @@ class WorkflowExecutor:
             now = time.monotonic()
             if now - self._last_launch_error > 10.0:
                 self._last_launch_error = now
-                logger.error("rollout launch loop: %s", _first_line(e))
+                logger.error("rollout launch loop: %s", first_line(e, with_type=True))
 
     def _launch_ready_unsafe(self) -> None:
         loop = asyncio.get_running_loop()
@@ -395,7 +391,7 @@ class WorkflowExecutor:
                 "rollout %d: %s raised %s (%s; %d failures so far)",
                 rid,
                 type(task.workflow).__name__,
-                _first_line(exc),  # type: ignore[arg-type]
+                first_line(exc, with_type=True),  # type: ignore[arg-type]
                 "re-raised at the next wait()" if self.error_policy == "raise" else "dropped",
                 self._n_failed,
             )
@@ -444,7 +440,7 @@ class WorkflowExecutor:
         first = errors[0]
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         raise RuntimeError(
-            f"rollout workflow failed: {_first_line(first)}{more}; "
+            f"rollout workflow failed: {first_line(first, with_type=True)}{more}; "
             "set InferenceEngineConfig.workflow_error_policy='drop' to skip failed rollouts"
         ) from first
 
