@@ -1,8 +1,9 @@
-"""Logic shared by every training backend: micro-batching, packing, loss weighting,
-optimizer and LR schedule, versioning and checkpoint dispatch.
+"""Logic shared by every training backend: build and teardown order, micro-batching, packing, loss
+weighting, optimizer and LR schedule, versioning, HF export and checkpoint bookkeeping.
 
 Public methods hold the guards and the shared algorithm; a backend implements only the
-``_hooks`` (build, forward on a packed micro-batch, backward, optimizer step, save/load).
+``_hooks`` (process groups, build, forward on a packed micro-batch, backward, optimizer step,
+full weights, its own checkpoint files) and the weight-export pair ``hf_param_specs``/``iter_hf_params``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 from abc import abstractmethod
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -23,11 +24,11 @@ from tandemrl.api.inference import ParamSpec, WeightUpdateMeta
 from tandemrl.api.net import free_port
 from tandemrl.api.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta, TensorDict
 from tandemrl.configs.engine import OptimizerConfig, TrainEngineConfig
+from tandemrl.engines.engine_state import load_engine_state, read_engine_meta, save_engine_state
+from tandemrl.engines.hf_model import packed_logits, save_hf_dir
 from tandemrl.engines.packing import MicroBatches, pack_groups, plan_padded_batch, unpack_to_padded
 from tandemrl.engines.rollout_link import RolloutClient, RolloutLink
 from tandemrl.utils import stats_tracker
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def lr_lambda(cfg: OptimizerConfig, total_steps: int) -> Callable[[int], float]:
@@ -99,19 +100,33 @@ def _filler_guard(group: list[int]) -> contextlib.AbstractContextManager[None]:
 class BaseTrainEngine(TrainEngine):
     """Shared engine logic; backends subclass it and implement the ``_hooks``."""
 
+    backend: ClassVar[str]  # names the backend in recoverable checkpoints (a checkpoint loads only into it)
+
     def __init__(self, config: TrainEngineConfig):
         self.config = config
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.ft_spec: FinetuneSpec | None = None
+        self.parallel_strategy = ParallelStrategy()
+        self.model_config: Any = None  # the HF config of the model, on every backend
+        self._device = default_device()
+        self._groups_ready = False  # set by create_process_group
         self._version = 0
         self._initialized = False
 
     # ------------------------------------------------------------------ hooks
     @abstractmethod
+    def _build_model(self, ft_spec: FinetuneSpec | None) -> torch.nn.Module:
+        """The (sharded, wrapped) model to train; also builds ``self.optimizer`` and ``self.lr_scheduler``
+        when ``config.optimizer`` is set. Process groups exist already."""
+
+    def _release(self) -> None:
+        """Free what the backend holds beyond model/optimizer/schedule (called by ``destroy``)."""
+
     def _forward_logits(self, mb: TensorDict) -> torch.Tensor:
-        """Logits [T, V] of a packed micro-batch already on ``self.device``."""
+        """Logits [T, V] of a packed micro-batch already on ``self.device`` (default: the HF model)."""
+        return packed_logits(self.model, mb, self.config.attn_impl)
 
     def _backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -121,16 +136,20 @@ class BaseTrainEngine(TrainEngine):
         """Clip, step if the grad norm is finite, zero grads; returns (grad_norm, stepped)."""
 
     @abstractmethod
-    def _save_hf(self, meta: SaveLoadMeta) -> None: ...
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: full HF-named CPU weights on rank 0 (an empty dict on the other ranks)."""
 
     @abstractmethod
-    def _load_hf(self, meta: SaveLoadMeta) -> None: ...
+    def _load_hf(self, meta: SaveLoadMeta) -> None:
+        """Collective: weights from the HF directory ``meta.path`` into the (sharded) model."""
 
     @abstractmethod
-    def _save_recoverable(self, meta: SaveLoadMeta) -> None: ...
+    def _save_checkpoint(self, meta: SaveLoadMeta) -> bool:
+        """Collective: the backend's resumable files under ``meta.path``; returns whether they hold the optimizer."""
 
     @abstractmethod
-    def _load_recoverable(self, meta: SaveLoadMeta) -> None: ...
+    def _load_checkpoint(self, meta: SaveLoadMeta, with_optim: bool) -> None:
+        """Collective: restore what ``_save_checkpoint`` wrote (the optimizer too when ``with_optim``)."""
 
     # ------------------------------------------------------------- utilities
     def _require_initialized(self, what: str) -> None:
@@ -205,6 +224,29 @@ class BaseTrainEngine(TrainEngine):
             with _filler_guard(group):
                 outs.append(fn(self._forward_logits(mb), mb))
         return outs
+
+    # ----------------------------------------------------------- build/teardown
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def initialize(self, addr: str | None, ft_spec: FinetuneSpec | None) -> None:
+        """Join the process groups if not done yet, build the model (and optimizer), enter train mode."""
+        if not self._groups_ready:
+            self.create_process_group()
+        self.ft_spec = ft_spec
+        self.model = self._build_model(ft_spec)
+        self._initialized = True
+        self.model.train()
+
+    def destroy(self) -> None:
+        """Drop the model, optimizer and schedule (process groups stay: see ``teardown``)."""
+        self.disconnect_engine()
+        self._release()
+        self.model = None
+        self.optimizer = None
+        self.lr_scheduler = None
+        self._initialized = False
 
     # --------------------------------------------------------------- public
     def train(self, mode: bool = True) -> BaseTrainEngine:
@@ -312,6 +354,24 @@ class BaseTrainEngine(TrainEngine):
             self._load_recoverable(meta)
         else:
             raise ValueError(f"SaveLoadMeta.weight_format: unknown format '{meta.weight_format}' (hf or dcp)")
+
+    def _save_hf(self, meta: SaveLoadMeta) -> None:
+        sd = self.full_state_dict()
+        if dist.get_rank() == 0:
+            save_hf_dir(sd, self.model_config, self.config, meta)
+
+    def _save_recoverable(self, meta: SaveLoadMeta) -> None:
+        """The backend's files, then (once they are complete on every rank) version and LR schedule."""
+        with_optim = self._save_checkpoint(meta)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            save_engine_state(meta.path, self.backend, self._version, self.lr_scheduler, with_optim=with_optim)
+
+    def _load_recoverable(self, meta: SaveLoadMeta) -> None:
+        info = read_engine_meta(meta.path, self.backend)
+        with_optim = bool(info["with_optim"]) and meta.with_optim and self.optimizer is not None
+        self._load_checkpoint(meta, with_optim)
+        self._version = load_engine_state(meta.path, self.lr_scheduler)
 
     def set_version(self, version: int) -> None:
         self._version = version

@@ -21,22 +21,14 @@ import torch
 import torch.distributed as dist
 
 from tandemrl.api.inference import ParamSpec
-from tandemrl.api.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta, TensorDict
+from tandemrl.api.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta
 from tandemrl.configs.engine import TrainEngineConfig
-from tandemrl.engines.base import (
-    DTYPES,
-    BaseTrainEngine,
-    data_parallel_only,
-    default_device,
-)
-from tandemrl.engines.engine_state import load_engine_state, read_engine_meta, save_engine_state
-from tandemrl.engines.hf_io import read_hf_state_dict, save_hf_dir
-from tandemrl.engines.hf_model import build_hf_model, packed_logits
+from tandemrl.engines.base import BaseTrainEngine, data_parallel_only
+from tandemrl.engines.hf_model import build_hf_model, read_hf_state_dict
 from tandemrl.engines.teardown import drop_module_groups, register_group_releaser
 
 logger = logging.getLogger(__name__)
 
-BACKEND = "deepspeed"
 CKPT_TAG = "engine"  # one DeepSpeed tag per checkpoint directory: the directory is the checkpoint
 
 # Keys of a DeepSpeed config that follow from TrainEngineConfig; a user's values are replaced.
@@ -137,12 +129,7 @@ def _skip_cpu_op_builds() -> None:
 class DeepSpeedEngine(BaseTrainEngine):
     """An HF causal LM trained with DeepSpeed ZeRO over all ranks as one data-parallel group."""
 
-    def __init__(self, config: TrainEngineConfig):
-        super().__init__(config)
-        self._device = default_device()
-        self.parallel_strategy = ParallelStrategy()
-        self.model_config: Any = None
-        self._ds_ready = False
+    backend = "deepspeed"
 
     # ------------------------------------------------------------ groups/ids
     def create_process_group(self, parallel_strategy: ParallelStrategy | None = None) -> None:
@@ -152,60 +139,42 @@ class DeepSpeedEngine(BaseTrainEngine):
         _skip_cpu_op_builds()
         deepspeed.init_distributed(dist_backend=dist.get_backend())  # wraps the existing default group
         register_group_releaser(_drop_deepspeed_groups)
-        self._ds_ready = True
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
+        self._groups_ready = True
 
     @property
     def data_parallel_group(self) -> dist.ProcessGroup | None:
-        return dist.group.WORLD if self._ds_ready else None
+        return dist.group.WORLD if self._groups_ready else None
 
     @property
     def data_parallel_rank(self) -> int:
-        return dist.get_rank() if self._ds_ready else 0
+        return dist.get_rank() if self._groups_ready else 0
 
     @property
     def data_parallel_world_size(self) -> int:
-        return dist.get_world_size() if self._ds_ready else 1
+        return dist.get_world_size() if self._groups_ready else 1
 
     @property
     def zero_stage(self) -> int:
         return self.config.deepspeed.zero_stage
 
     # ------------------------------------------------------------------ build
-    def initialize(self, addr: str | None, ft_spec: FinetuneSpec | None) -> None:
+    def _build_model(self, ft_spec: FinetuneSpec | None) -> torch.nn.Module:
         import deepspeed
 
-        if not self._ds_ready:
-            self.create_process_group()
-        cfg = self.config
-        ds_config = deepspeed_config(cfg, self.data_parallel_world_size)
-        model, self.model_config = build_hf_model(cfg, self._device, DTYPES[cfg.dtype])
-        self.ft_spec = ft_spec
+        ds_config = deepspeed_config(self.config, self.data_parallel_world_size)
+        model, self.model_config = build_hf_model(self.config, self._device)
         # The base's AdamW + LambdaLR: DeepSpeed steps this optimizer on its (sharded) fp32
         # partitions, reusing its param_groups, so the schedule's lr reaches every step.
         self.build_optimizer(list(model.parameters()), ft_spec)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=ds_config)
-        self.model = engine
-        self._initialized = True
-        self.model.train()
+        return engine
 
-    def destroy(self) -> None:
-        self.disconnect_engine()
+    def _release(self) -> None:
         if self.model is not None:
             _forget_zero3_module(self.model.module)
             self.model.destroy()
-        self.model = None
-        self.optimizer = None
-        self.lr_scheduler = None
-        self._initialized = False
 
     # ---------------------------------------------------------------- compute
-    def _forward_logits(self, mb: TensorDict) -> torch.Tensor:
-        return packed_logits(self.model, mb, self.config.attn_impl)
-
     def _backward(self, loss: torch.Tensor) -> None:
         # The base already weighted the loss for this micro-batch: no 1/GAS scaling.
         self.model.backward(loss, scale_wrt_gas=False)
@@ -268,11 +237,6 @@ class DeepSpeedEngine(BaseTrainEngine):
         return {k: v.detach().cpu().clone() for k, v in self.model.module.state_dict().items()}
 
     # ----------------------------------------------------------- checkpoints
-    def _save_hf(self, meta: SaveLoadMeta) -> None:
-        sd = self.full_state_dict()
-        if dist.get_rank() == 0:
-            save_hf_dir(sd, self.model_config, self.config, meta)
-
     def _load_hf(self, meta: SaveLoadMeta) -> None:
         sd = read_hf_state_dict(meta.path, self.model_config)
         entries = [(n, t) for n, t in self._named_hf_tensors() if isinstance(t, torch.nn.Parameter)]
@@ -287,25 +251,20 @@ class DeepSpeedEngine(BaseTrainEngine):
         if hasattr(optimizer, "refresh_fp32_params"):  # the fp32 master partitions follow the weights
             optimizer.refresh_fp32_params()
 
-    def _save_recoverable(self, meta: SaveLoadMeta) -> None:
-        """DeepSpeed's own sharded checkpoint (weights + optimizer; always both) plus version and schedule."""
+    def _save_checkpoint(self, meta: SaveLoadMeta) -> bool:
+        """DeepSpeed's own sharded checkpoint: weights and optimizer, always both."""
         if self.optimizer is None and self.zero_stage == 3:
             raise ValueError("a forward-only ZeRO-3 engine has no recoverable state; save it with weight_format='hf'")
         self.model.save_checkpoint(meta.path, tag=CKPT_TAG, save_latest=False)
-        if dist.get_rank() == 0:
-            with_optim = self.optimizer is not None
-            save_engine_state(meta.path, BACKEND, self._version, self.lr_scheduler, with_optim)
+        return self.optimizer is not None
 
-    def _load_recoverable(self, meta: SaveLoadMeta) -> None:
-        info = read_engine_meta(meta.path, BACKEND)
-        with_optim = bool(info["with_optim"]) and meta.with_optim and self.optimizer is not None
+    def _load_checkpoint(self, meta: SaveLoadMeta, with_optim: bool) -> None:
         # Without optimizer states DeepSpeed still restores the fp32 master weights (Adam state stays fresh).
         path, _ = self.model.load_checkpoint(
             meta.path, tag=CKPT_TAG, load_optimizer_states=with_optim, load_lr_scheduler_states=False
         )
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint (tag '{CKPT_TAG}') under {meta.path}")
-        self._version = load_engine_state(meta.path, self.lr_scheduler)
 
 
 def _forget_zero3_module(module: torch.nn.Module) -> None:

@@ -23,12 +23,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from tandemrl.api.inference import ParamSpec
-from tandemrl.api.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta, TensorDict
+from tandemrl.api.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta
 from tandemrl.configs.engine import TrainEngineConfig
-from tandemrl.engines.base import DTYPES, BaseTrainEngine, data_parallel_only, default_device
-from tandemrl.engines.engine_state import load_engine_state, read_engine_meta, save_engine_state
-from tandemrl.engines.hf_io import read_hf_state_dict, save_hf_dir
-from tandemrl.engines.hf_model import build_hf_model, packed_logits
+from tandemrl.engines.base import BaseTrainEngine, data_parallel_only
+from tandemrl.engines.hf_model import DTYPES, build_hf_model, read_hf_state_dict
 from tandemrl.engines.teardown import register_group_releaser
 
 
@@ -66,12 +64,11 @@ def _clear_dtensor_caches() -> None:
 class FSDPEngine(BaseTrainEngine):
     """An HF causal LM sharded with FSDP2 over a 1-D data-parallel mesh."""
 
+    backend = "fsdp"
+
     def __init__(self, config: TrainEngineConfig):
         super().__init__(config)
-        self._device = default_device()
         self.mesh: DeviceMesh | None = None
-        self.parallel_strategy = ParallelStrategy()
-        self.model_config = None
 
     # ------------------------------------------------------------ groups/ids
     def create_process_group(self, parallel_strategy: ParallelStrategy | None = None) -> None:
@@ -79,10 +76,7 @@ class FSDPEngine(BaseTrainEngine):
         world = dist.get_world_size()
         self.mesh = init_device_mesh(self._device.type, (world,), mesh_dim_names=("dp",))
         register_group_releaser(_clear_dtensor_caches)
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
+        self._groups_ready = True
 
     @property
     def data_parallel_group(self) -> dist.ProcessGroup | None:
@@ -97,11 +91,9 @@ class FSDPEngine(BaseTrainEngine):
         return self.mesh.size() if self.mesh is not None else 1
 
     # ------------------------------------------------------------------ build
-    def initialize(self, addr: str | None, ft_spec: FinetuneSpec | None) -> None:
-        if self.mesh is None:
-            self.create_process_group()
+    def _build_model(self, ft_spec: FinetuneSpec | None) -> torch.nn.Module:
         cfg = self.config
-        model, self.model_config = build_hf_model(cfg, self._device, DTYPES[cfg.dtype])
+        model, self.model_config = build_hf_model(cfg, self._device)
         mp = None
         if cfg.mixed_precision:
             mp = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.mixed_precision], reduce_dtype=torch.float32)
@@ -109,23 +101,10 @@ class FSDPEngine(BaseTrainEngine):
         for layer in model.model.layers:
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)  # root keeps embeddings, final norm and lm_head
-        self.model = model
-        self.ft_spec = ft_spec
         self.build_optimizer(list(model.parameters()), ft_spec)
-        self._initialized = True
-        self.model.train()
-
-    def destroy(self) -> None:
-        self.disconnect_engine()
-        self.model = None
-        self.optimizer = None
-        self.lr_scheduler = None
-        self._initialized = False
+        return model
 
     # ---------------------------------------------------------------- compute
-    def _forward_logits(self, mb: TensorDict) -> torch.Tensor:
-        return packed_logits(self.model, mb, self.config.attn_impl)
-
     def _optimizer_step(self) -> tuple[float, bool]:
         params = list(self.model.parameters())
         norm = float(clip_grad_norm_by_mesh(params, self.config.optimizer.gradient_clipping))
@@ -152,27 +131,20 @@ class FSDPEngine(BaseTrainEngine):
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.model, options=opts)
 
-    def _save_hf(self, meta: SaveLoadMeta) -> None:
-        sd = self.full_state_dict()
-        if dist.get_rank() == 0:
-            save_hf_dir(sd, self.model_config, self.config, meta)
-
     def _load_hf(self, meta: SaveLoadMeta) -> None:
         sd = read_hf_state_dict(meta.path, self.model_config)
         set_model_state_dict(self.model, sd, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    def _save_recoverable(self, meta: SaveLoadMeta) -> None:
+    def _save_checkpoint(self, meta: SaveLoadMeta) -> bool:
+        """A torch DCP checkpoint of the sharded model (and optimizer)."""
         msd, osd = get_state_dict(self.model, self.optimizer) if self.optimizer else (None, None)
         state = {"model": msd if msd is not None else get_model_state_dict(self.model)}
         if osd is not None and meta.with_optim:
             state["optim"] = osd
         dcp.save(state, checkpoint_id=meta.path)
-        if dist.get_rank() == 0:
-            save_engine_state(meta.path, "fsdp", self._version, self.lr_scheduler, with_optim="optim" in state)
+        return "optim" in state
 
-    def _load_recoverable(self, meta: SaveLoadMeta) -> None:
-        info = read_engine_meta(meta.path, "fsdp")
-        with_optim = info["with_optim"] and meta.with_optim and self.optimizer is not None
+    def _load_checkpoint(self, meta: SaveLoadMeta, with_optim: bool) -> None:
         if with_optim:
             msd, osd = get_state_dict(self.model, self.optimizer)
             state = {"model": msd, "optim": osd}
@@ -183,4 +155,3 @@ class FSDPEngine(BaseTrainEngine):
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         else:
             set_model_state_dict(self.model, state["model"])
-        self._version = load_engine_state(meta.path, self.lr_scheduler)

@@ -1,7 +1,9 @@
-"""The HF model every backend trains: built from a TrainEngineConfig, run on packed micro-batches.
+"""The HF model every backend trains and exports: built from a TrainEngineConfig, run on packed
+micro-batches, written to and read from HF checkpoint directories.
 
-Backends differ in how they shard and step this model, not in how it is built or called,
-so both live here once (FSDP and DeepSpeed use them; Megatron converts from it).
+Backends differ in how they shard and step this model, not in how it is built, called or saved,
+so all of it lives here once (FSDP and DeepSpeed train it; Megatron converts from and to it).
+Tokenizer and config loading for the rest of the library is in ``tandemrl.models.hf``.
 """
 
 from __future__ import annotations
@@ -11,9 +13,12 @@ from typing import Any
 
 import torch
 
-from tandemrl.api.types import TensorDict
+from tandemrl.api.types import SaveLoadMeta, TensorDict
 from tandemrl.configs.engine import TrainEngineConfig
+from tandemrl.models.hf import load_hf_config
 from tandemrl.models.varlen_attention import VARLEN_SDPA, register_varlen_attention
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def auto_model_class(is_critic: bool) -> type:
@@ -25,13 +30,11 @@ def auto_model_class(is_critic: bool) -> type:
 
 def load_model_config(cfg: TrainEngineConfig) -> Any:
     """The HF config at ``cfg.path`` adjusted for packed training (and a value head for critics)."""
-    from transformers import AutoConfig
-
     if not cfg.path:
         raise ValueError("TrainEngineConfig.path: empty; set it to an HF model directory")
     if not os.path.isdir(cfg.path) and os.path.sep in cfg.path:
         raise FileNotFoundError(f"TrainEngineConfig.path: model directory not found: {cfg.path}")
-    model_config = AutoConfig.from_pretrained(cfg.path)
+    model_config = load_hf_config(cfg.path)
     # Packed inputs need no KV cache: with a cache, HF does not detect packing from
     # position_ids and lets tokens attend across sequence boundaries.
     model_config.use_cache = False
@@ -41,11 +44,12 @@ def load_model_config(cfg: TrainEngineConfig) -> Any:
     return model_config
 
 
-def build_hf_model(cfg: TrainEngineConfig, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:
+def build_hf_model(cfg: TrainEngineConfig, device: torch.device) -> tuple[torch.nn.Module, Any]:
     """(model on ``device`` in train mode, its HF config): weights from ``cfg.path`` or random (seeded)."""
     model_config = load_model_config(cfg)
     torch.manual_seed(cfg.seed)
     auto_cls = auto_model_class(cfg.is_critic)
+    dtype = DTYPES[cfg.dtype]
     if cfg.attn_impl == VARLEN_SDPA:  # our per-sequence SDPA; HF must know the name before the build
         register_varlen_attention()
     if cfg.init_from_scratch:
@@ -72,3 +76,33 @@ def packed_logits(model: torch.nn.Module, mb: TensorDict, attn_impl: str) -> tor
         **varlen,
     )
     return out.logits.squeeze(0)
+
+
+def save_hf_dir(sd: dict[str, torch.Tensor], model_config: Any, cfg: TrainEngineConfig, meta: SaveLoadMeta) -> None:
+    """Write ``sd`` (full HF-named weights) as safetensors + config + tokenizer; call on one rank only."""
+    from transformers import AutoTokenizer
+
+    os.makedirs(meta.path, exist_ok=True)
+    with torch.device("meta"):  # no memory: the weights come from sd
+        fresh = auto_model_class(cfg.is_critic).from_config(model_config, dtype=DTYPES[cfg.dtype])
+    fresh.load_state_dict(sd, assign=True)
+    fresh.config.use_cache = True  # the exported model is for generation
+    fresh.save_pretrained(meta.path, state_dict=sd)
+    tok_path = meta.tokenizer_path or cfg.tokenizer_path or cfg.path
+    if tok_path:
+        AutoTokenizer.from_pretrained(tok_path).save_pretrained(meta.path)
+
+
+def read_hf_state_dict(path: str, model_config: Any) -> dict[str, torch.Tensor]:
+    """All ``*.safetensors`` tensors under ``path`` on the CPU, with a tied ``lm_head.weight`` restored."""
+    from safetensors.torch import load_file
+
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {path}")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(load_file(os.path.join(path, f)))
+    if "lm_head.weight" not in sd and getattr(model_config, "tie_word_embeddings", False):
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    return sd

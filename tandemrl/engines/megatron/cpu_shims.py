@@ -74,6 +74,14 @@ def apply_cpu_shims() -> None:
     if _APPLIED or torch.cuda.is_available():
         return
     _APPLIED = True
+    _shim_cuda_runtime()
+    _shim_device_literals()
+    _shim_moe()
+    _shim_uneven_split_collectives()
+
+
+def _shim_cuda_runtime() -> None:
+    """Device queries, RNG state and ``.cuda()`` answer for the CPU; DistributedOptimizer's type check passes."""
     # Base: mcore passes torch.cuda.current_device() as device= everywhere (rotary, embeddings, router, ...),
     # calls .cuda() on modules/tensors and seeds/saves CUDA RNG state in its RNG tracker (used by attention).
     torch.cuda.current_device = lambda: "cpu"
@@ -87,18 +95,6 @@ def apply_cpu_shims() -> None:
 
     mc_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mc_random._set_cuda_rng_state = lambda s, *a, **k: torch.set_rng_state(s)
-
-    # Optimizer / schedules / grad buffers / MoE: torch.tensor(..., device='cuda') literals. Patched through a
-    # proxy `torch` in megatron's own modules only: wrapping the global torch.tensor breaks transformers' loading
-    # (it then leaves non-persistent buffers such as rotary inv_freq uninitialised).
-    proxy = _TorchProxy("torch")
-    for name in _DEVICE_FNS:
-        setattr(proxy, name, _cpu_device(getattr(torch, name)))
-    for mod_name in _CUDA_LITERAL_MODULES:
-        importlib.import_module(mod_name)
-    for mod_name, mod in list(sys.modules.items()):
-        if mod_name.startswith("megatron.core") and getattr(mod, "torch", None) is torch:
-            mod.torch = proxy
     # DistributedOptimizer only accepts params whose type() is 'torch.cuda.FloatTensor' (and friends).
     orig_type = torch.Tensor.type
 
@@ -110,6 +106,24 @@ def apply_cpu_shims() -> None:
 
     torch.Tensor.type = _type
 
+
+def _shim_device_literals() -> None:
+    """megatron-core's own ``torch.tensor(..., device='cuda')`` calls allocate on the CPU."""
+    # Optimizer / schedules / grad buffers / MoE: torch.tensor(..., device='cuda') literals. Patched through a
+    # proxy `torch` in megatron's own modules only: wrapping the global torch.tensor breaks transformers' loading
+    # (it then leaves non-persistent buffers such as rotary inv_freq uninitialised).
+    proxy = _TorchProxy("torch")
+    for name in _DEVICE_FNS:
+        setattr(proxy, name, _cpu_device(getattr(torch, name)))
+    for mod_name in _CUDA_LITERAL_MODULES:
+        importlib.import_module(mod_name)
+    for mod_name, mod in list(sys.modules.items()):
+        if mod_name.startswith("megatron.core") and getattr(mod, "torch", None) is torch:
+            mod.torch = proxy
+
+
+def _shim_moe() -> None:
+    """The MoE alltoall dispatcher: no TransformerEngine gemm, fake CUDA streams, numpy split sizes."""
     # MoE: mcore 0.16.1 references te_general_gemm without defining it when TransformerEngine is absent.
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
@@ -132,6 +146,9 @@ def apply_cpu_shims() -> None:
     moe_utils.maybe_move_tensor_to_cpu = _move
     token_dispatcher.maybe_move_tensor_to_cpu = _move
 
+
+def _shim_uneven_split_collectives() -> None:
+    """Gathers and reduce-scatters with per-rank split sizes, which gloo lacks."""
     # Expert-TP (and TP + sequence parallel) gathers/reduce-scatters routed tokens with per-rank split sizes;
     # gloo's all_gather needs equal sizes and it has no list reduce_scatter.
     from megatron.core.tensor_parallel import mappings

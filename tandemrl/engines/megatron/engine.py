@@ -31,14 +31,11 @@ from tandemrl.api.engine import LossFn
 from tandemrl.api.inference import ParamSpec
 from tandemrl.api.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta, TensorDict
 from tandemrl.configs.engine import TrainEngineConfig
-from tandemrl.engines.base import DTYPES, BaseTrainEngine, _filler_guard, default_device, init_default_process_group
-from tandemrl.engines.engine_state import load_engine_state, read_engine_meta, save_engine_state
-from tandemrl.engines.hf_io import save_hf_dir
-from tandemrl.engines.hf_model import load_model_config
+from tandemrl.engines.base import BaseTrainEngine, _filler_guard, init_default_process_group
+from tandemrl.engines.hf_model import DTYPES, load_model_config
 from tandemrl.engines.packing import MicroBatches
 from tandemrl.engines.teardown import register_group_releaser
 
-BACKEND = "megatron"
 _LIVE_ENGINES = 0  # megatron's parallel_state is process-global: engines of one process share it
 
 
@@ -72,13 +69,11 @@ def _init_parallel_state(s: ParallelStrategy, timeout_minutes: int) -> None:
 class MegatronEngine(BaseTrainEngine):
     """An HF-architecture causal LM trained as a megatron-core GPTModel."""
 
+    backend = "megatron"
+
     def __init__(self, config: TrainEngineConfig):
         super().__init__(config)
-        self._device = default_device()
-        self.parallel_strategy = ParallelStrategy()
-        self.model_config: Any = None  # the HF config (as on the other backends)
         self.tf_config: Any = None
-        self._groups_ready = False
         self._lr_holder: torch.optim.Optimizer | None = None
 
     # ------------------------------------------------------------ groups/ids
@@ -96,10 +91,6 @@ class MegatronEngine(BaseTrainEngine):
         _init_parallel_state(s, int(os.environ.get("TANDEMRL_DIST_TIMEOUT", "1800")) // 60 or 1)
         self.parallel_strategy = s
         self._groups_ready = True
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
 
     @property
     def data_parallel_group(self) -> dist.ProcessGroup | None:
@@ -142,7 +133,7 @@ class MegatronEngine(BaseTrainEngine):
         return self.parallel_strategy.pp
 
     # ------------------------------------------------------------------ build
-    def initialize(self, addr: str | None, ft_spec: FinetuneSpec | None) -> None:
+    def _build_model(self, ft_spec: FinetuneSpec | None) -> torch.nn.Module:
         global _LIVE_ENGINES
         from megatron.core import tensor_parallel
 
@@ -150,8 +141,6 @@ class MegatronEngine(BaseTrainEngine):
         from tandemrl.engines.megatron.model import build_gpt_model, transformer_config_from_hf
         from tandemrl.engines.megatron.value_head import install_value_head
 
-        if not self._groups_ready:
-            self.create_process_group()
         cfg = self.config
         if cfg.mixed_precision:
             raise ValueError("TrainEngineConfig.mixed_precision: not supported by the megatron engine; set dtype")
@@ -175,13 +164,10 @@ class MegatronEngine(BaseTrainEngine):
             install_value_head(model, self.model_config, self.tf_config, cfg.seed)
         if not cfg.init_from_scratch:
             load_hf_weights(model, cfg.path, self.model_config, critic=cfg.is_critic, seed=cfg.seed)
-        self.ft_spec = ft_spec
         if cfg.optimizer is not None:
             model = self._wrap_and_build_optimizer(model, ft_spec)
-        self.model = model
         _LIVE_ENGINES += 1
-        self._initialized = True
-        self.model.train()
+        return model
 
     def _wrap_and_build_optimizer(self, model: torch.nn.Module, ft_spec: FinetuneSpec | None) -> torch.nn.Module:
         """Megatron DDP + (distributed) Adam with our AdamW settings; LR comes from our schedule each step."""
@@ -241,16 +227,11 @@ class MegatronEngine(BaseTrainEngine):
         assert self.model is not None
         return getattr(self.model, "module", self.model)
 
-    def destroy(self) -> None:
+    def _release(self) -> None:
         global _LIVE_ENGINES
-        self.disconnect_engine()
         if self._initialized:
             _LIVE_ENGINES -= 1
-        self.model = None
-        self.optimizer = None
-        self.lr_scheduler = None
         self._lr_holder = None
-        self._initialized = False
 
     # ---------------------------------------------------------------- compute
     def _model_inputs(self, mb: TensorDict) -> dict[str, Any]:
@@ -463,11 +444,6 @@ class MegatronEngine(BaseTrainEngine):
         return sd
 
     # ----------------------------------------------------------- checkpoints
-    def _save_hf(self, meta: SaveLoadMeta) -> None:
-        sd = self.full_state_dict()
-        if dist.get_rank() == 0:
-            save_hf_dir(sd, self.model_config, self.config, meta)
-
     def _load_hf(self, meta: SaveLoadMeta) -> None:
         from tandemrl.engines.megatron.hf_convert import load_hf_weights
 
@@ -475,22 +451,20 @@ class MegatronEngine(BaseTrainEngine):
         if self.optimizer is not None:  # fp32 main copies of 16-bit weights follow the new weights
             self.optimizer.reload_model_params()
 
-    def _save_recoverable(self, meta: SaveLoadMeta) -> None:
-        """A megatron-core dist checkpoint (layout-free: resumes on another DP/TP/PP split) plus engine state."""
+    def _save_checkpoint(self, meta: SaveLoadMeta) -> bool:
+        """A megatron-core dist checkpoint (layout-free: resumes on another DP/TP/PP split)."""
         from tandemrl.engines.megatron.checkpoint import save_checkpoint
 
         with_optim = self.optimizer is not None and meta.with_optim
         save_checkpoint(meta.path, self.module, self.optimizer, with_optim)
-        dist.barrier()
-        if dist.get_rank() == 0:
-            save_engine_state(meta.path, BACKEND, self._version, self.lr_scheduler, with_optim=with_optim)
+        return with_optim
 
-    def _load_recoverable(self, meta: SaveLoadMeta) -> None:
+    def _load_checkpoint(self, meta: SaveLoadMeta, with_optim: bool) -> None:
         from tandemrl.engines.megatron.checkpoint import load_checkpoint
 
-        info = read_engine_meta(meta.path, BACKEND)
-        with_optim = bool(info["with_optim"]) and meta.with_optim and self.optimizer is not None
         load_checkpoint(meta.path, self.module, self.optimizer, with_optim)
-        self._version = load_engine_state(meta.path, self.lr_scheduler)
-        if self.optimizer is not None:
+
+    def _load_recoverable(self, meta: SaveLoadMeta) -> None:
+        super()._load_recoverable(meta)
+        if self.optimizer is not None:  # megatron's param groups follow the restored schedule
             self._apply_lr()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -47,88 +47,85 @@ class _Entry:
 def _entries(hf_config: Any, critic: bool = False) -> list[_Entry]:
     """All parameters of the model (the critic's, with a value head instead of lm_head) in HF export order."""
     c = hf_config
-    H, D, V = c.hidden_size, head_dim(c), c.vocab_size
-    nq, nkv = c.num_attention_heads * D, c.num_key_value_heads * D
-    tied = bool(getattr(c, "tie_word_embeddings", False))
-    qkv_bias = c.model_type in ("qwen2", "qwen2_moe")
-    qk_norm = c.model_type in ("qwen3", "qwen3_moe")
+    H, V = c.hidden_size, c.vocab_size
     out = [_Entry(("model.embed_tokens.weight",), ((V, H),), ("embedding.word_embeddings.weight",), "vocab", "first")]
     pattern = moe_layer_pattern(c)
     for li in range(c.num_hidden_layers):
-        p, m = f"model.layers.{li}.", "decoder.layers.{l}."
-
-        def e(
-            hf: tuple[str, ...],
-            shapes: tuple[tuple[int, ...], ...],
-            mc: tuple[str, ...],
-            kind: str,
-            p: str = p,
-            m: str = m,
-            li: int = li,
-            **kw: Any,
-        ) -> None:
-            out.append(_Entry(tuple(p + n for n in hf), shapes, tuple(m + n for n in mc), kind, "layer", li, **kw))
-
-        e(
-            ("input_layernorm.weight",),
-            ((H,),),
-            ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
-            "rep",
-        )
-        qkv = tuple(f"self_attn.{x}_proj.weight" for x in "qkv")
-        e(qkv, ((nq, H), (nkv, H), (nkv, H)), ("self_attention.linear_qkv.weight",), "qkv")
-        if qkv_bias:
-            e(
-                tuple(f"self_attn.{x}_proj.bias" for x in "qkv"),
-                ((nq,), (nkv,), (nkv,)),
-                ("self_attention.linear_qkv.bias",),
-                "qkv",
-            )
-        if qk_norm:
-            e(("self_attn.q_norm.weight",), ((D,),), ("self_attention.q_layernorm.weight",), "rep")
-            e(("self_attn.k_norm.weight",), ((D,),), ("self_attention.k_layernorm.weight",), "rep")
-        e(("self_attn.o_proj.weight",), ((H, nq),), ("self_attention.linear_proj.weight",), "row")
-        e(
-            ("post_attention_layernorm.weight",),
-            ((H,),),
-            ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
-            "rep",
-        )
-        if not pattern[li]:
+        add = _layer_adder(out, li)
+        _attention_entries(c, add)
+        if pattern[li]:
+            _moe_entries(c, add)
+        else:
             F = c.intermediate_size
-            e(("mlp.gate_proj.weight", "mlp.up_proj.weight"), ((F, H), (F, H)), ("mlp.linear_fc1.weight",), "fc1")
-            e(("mlp.down_proj.weight",), ((H, F),), ("mlp.linear_fc2.weight",), "row")
-            continue
-        F, E = c.moe_intermediate_size, c.num_experts
-        e(("mlp.gate.weight",), ((E, H),), ("mlp.router.weight",), "rep")
-        for ex in range(E):
-            x, mx = f"mlp.experts.{ex}.", "mlp.experts.local_experts.{e}."
-            e(
-                (x + "gate_proj.weight", x + "up_proj.weight"),
-                ((F, H), (F, H)),
-                (mx + "linear_fc1.weight",),
-                "fc1",
-                expert=ex,
-            )
-            e((x + "down_proj.weight",), ((H, F),), (mx + "linear_fc2.weight",), "row", expert=ex)
-        S = shared_expert_size(c)
-        if S:
-            x, mx = "mlp.shared_expert.", "mlp.shared_experts."
-            e((x + "gate_proj.weight", x + "up_proj.weight"), ((S, H), (S, H)), (mx + "linear_fc1.weight",), "fc1")
-            e((x + "down_proj.weight",), ((H, S),), (mx + "linear_fc2.weight",), "row")
-            e(("mlp.shared_expert_gate.weight",), ((1, H),), (mx + "gate_weight",), "rep")
+            add(("mlp.gate_proj.weight", "mlp.up_proj.weight"), ((F, H), (F, H)), ("mlp.linear_fc1.weight",), "fc1")
+            add(("mlp.down_proj.weight",), ((H, F),), ("mlp.linear_fc2.weight",), "row")
     out.append(_Entry(("model.norm.weight",), ((H,),), ("decoder.final_layernorm.weight",), "rep", "last"))
+    return out + _head_entries(c, critic)
+
+
+def _layer_adder(out: list[_Entry], li: int) -> Callable[..., None]:
+    """``add(hf, shapes, mc, kind, **kw)`` appends an entry of layer ``li`` (names relative to the layer)."""
+    p, m = f"model.layers.{li}.", "decoder.layers.{l}."
+
+    def add(hf: tuple[str, ...], shapes: tuple[tuple[int, ...], ...], mc: tuple[str, ...], kind: str, **kw: Any):
+        out.append(_Entry(tuple(p + n for n in hf), shapes, tuple(m + n for n in mc), kind, "layer", li, **kw))
+
+    return add
+
+
+def _attention_entries(c: Any, add: Callable[..., None]) -> None:
+    """Input norm, fused QKV (with Qwen2's biases or Qwen3's q/k norms), output projection, pre-MLP norm."""
+    H, D = c.hidden_size, head_dim(c)
+    nq, nkv = c.num_attention_heads * D, c.num_key_value_heads * D
+    add(
+        ("input_layernorm.weight",),
+        ((H,),),
+        ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
+        "rep",
+    )
+    qkv = tuple(f"self_attn.{x}_proj.weight" for x in "qkv")
+    add(qkv, ((nq, H), (nkv, H), (nkv, H)), ("self_attention.linear_qkv.weight",), "qkv")
+    if c.model_type in ("qwen2", "qwen2_moe"):
+        qkv_bias = tuple(f"self_attn.{x}_proj.bias" for x in "qkv")
+        add(qkv_bias, ((nq,), (nkv,), (nkv,)), ("self_attention.linear_qkv.bias",), "qkv")
+    if c.model_type in ("qwen3", "qwen3_moe"):
+        add(("self_attn.q_norm.weight",), ((D,),), ("self_attention.q_layernorm.weight",), "rep")
+        add(("self_attn.k_norm.weight",), ((D,),), ("self_attention.k_layernorm.weight",), "rep")
+    add(("self_attn.o_proj.weight",), ((H, nq),), ("self_attention.linear_proj.weight",), "row")
+    post_norm = ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")
+    add(("post_attention_layernorm.weight",), ((H,),), post_norm, "rep")
+
+
+def _moe_entries(c: Any, add: Callable[..., None]) -> None:
+    """Router, every expert's fc1/fc2, and the shared expert (with its gate) if the model has one."""
+    H, F, E = c.hidden_size, c.moe_intermediate_size, c.num_experts
+    add(("mlp.gate.weight",), ((E, H),), ("mlp.router.weight",), "rep")
+    for ex in range(E):
+        x, mx = f"mlp.experts.{ex}.", "mlp.experts.local_experts.{e}."
+        gate_up = (x + "gate_proj.weight", x + "up_proj.weight")
+        add(gate_up, ((F, H), (F, H)), (mx + "linear_fc1.weight",), "fc1", expert=ex)
+        add((x + "down_proj.weight",), ((H, F),), (mx + "linear_fc2.weight",), "row", expert=ex)
+    S = shared_expert_size(c)
+    if S:
+        x, mx = "mlp.shared_expert.", "mlp.shared_experts."
+        add((x + "gate_proj.weight", x + "up_proj.weight"), ((S, H), (S, H)), (mx + "linear_fc1.weight",), "fc1")
+        add((x + "down_proj.weight",), ((H, S),), (mx + "linear_fc2.weight",), "row")
+        add(("mlp.shared_expert_gate.weight",), ((1, H),), (mx + "gate_weight",), "rep")
+
+
+def _head_entries(c: Any, critic: bool) -> list[_Entry]:
+    """The output layer: a critic's value head, the tied embedding (loaded, not exported) or lm_head."""
+    H, V = c.hidden_size, c.vocab_size
     if critic:  # the value head: an untied output layer of NUM_LABELS rows (tie_word_embeddings is moot)
-        out.append(_Entry(("score.weight",), ((NUM_LABELS, H),), (f"{OUTPUT_LAYER}.weight",), "vocab", "last"))
+        head = [_Entry(("score.weight",), ((NUM_LABELS, H),), (f"{OUTPUT_LAYER}.weight",), "vocab", "last")]
         if head_bias(c):
-            out.append(_Entry(("score.bias",), ((NUM_LABELS,),), (f"{OUTPUT_LAYER}.bias",), "vocab", "last"))
-    elif tied:
-        out.append(
+            head.append(_Entry(("score.bias",), ((NUM_LABELS,),), (f"{OUTPUT_LAYER}.bias",), "vocab", "last"))
+        return head
+    if getattr(c, "tie_word_embeddings", False):
+        return [
             _Entry(("model.embed_tokens.weight",), ((V, H),), ("output_layer.weight",), "vocab", "last", load_only=True)
-        )
-    else:
-        out.append(_Entry(("lm_head.weight",), ((V, H),), ("output_layer.weight",), "vocab", "last"))
-    return out
+        ]
+    return [_Entry(("lm_head.weight",), ((V, H),), ("output_layer.weight",), "vocab", "last")]
 
 
 def hf_param_specs(hf_config: Any, dtype: torch.dtype | None = None, *, critic: bool = False) -> list[ParamSpec]:
