@@ -11,8 +11,9 @@ hands :meth:`RLTrainer.run` a function that turns one rollout batch into updates
     trainer.close()
 
 Engines come from ``tandemrl.engines.registry`` (one row per backend); algorithms from
-``tandemrl.algorithms`` take an engine, so any algorithm runs on any backend. Steps provided here: :func:`ppo_train_step` (PPO family, optionally with reference and
-critic) and :func:`reinforce_train_step` (ReMax). Each step of the loop: rollout
+``tandemrl.algorithms`` take an engine, so any algorithm runs on any backend. Steps provided
+here: :func:`ppo_train_step` (PPO family, optionally with reference and critic) and
+:func:`reinforce_train_step` (ReMax). Each step of the loop: rollout
 (``prepare_batch`` when ``async_training`` else ``rollout_batch``) ->
 ``train_step(batch, global_step)`` -> pause / update_weights / set_version / resume ->
 save -> evaluate -> log -> recoverable checkpoint (``recover.mode`` auto/resume, every
