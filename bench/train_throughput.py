@@ -30,9 +30,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tandemrl.actors.fsdp import FSDPLMEngine
+from tandemrl.algorithms.lm import LMEngine
 from tandemrl.api.types import FinetuneSpec, TensorDict
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
+from tandemrl.engines.fsdp import FSDPEngine
 from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.models.functional import gather_logprobs
 
@@ -41,24 +42,29 @@ DEFAULT_DATA = REPO_ROOT.parent / "shared" / "data" / "gsm8k"
 HEAD_DIM = 32  # the tiny-model recipe's head size
 
 
-class PaddedLMEngine(FSDPLMEngine):
-    """The baseline: SFT on the whole right-padded [B, L] batch in one forward/backward."""
+class PaddedLM(LMEngine):
+    """The baseline: SFT on the whole right-padded [B, L] batch in one forward/backward (FSDP engine internals)."""
+
+    def __init__(self, engine: FSDPEngine):
+        super().__init__(engine)
+        self.fsdp = engine
 
     def train_lm(self, batch: TensorDict) -> dict[str, float]:
         """One optimizer step on the padded batch; same loss and DP scaling as the packed path."""
-        self.train()
-        mb = self._to_device(batch)
+        e = self.fsdp
+        e.train()
+        mb = e._to_device(batch)
         ids, am = mb["input_ids"], mb["attention_mask"].bool()
-        logits = self.model(input_ids=ids, attention_mask=am.long(), use_cache=False).logits
+        logits = e.model(input_ids=ids, attention_mask=am.long(), use_cache=False).logits
         # Position t predicts token t+1; pad positions have loss_mask 0.
         mask = mb["loss_mask"][:, 1:].bool() & am[:, 1:]
         logp = gather_logprobs(logits[:, :-1], ids[:, 1:])
-        total = self._all_reduce_sum(float(mask.sum()))
+        total = e._all_reduce_sum(float(mask.sum()))
         loss_sum = -(logp * mask).sum()
         # FSDP averages gradients over DP ranks, hence the world-size factor (as in train_batch).
-        self._backward(loss_sum * (self.data_parallel_world_size / total))
-        grad_norm, stepped = self._optimizer_step()
-        return {"loss": self._all_reduce_sum(float(loss_sum.detach())) / total, "grad_norm": grad_norm}
+        e._backward(loss_sum * (e.data_parallel_world_size / total))
+        grad_norm, stepped = e._optimizer_step()
+        return {"loss": e._all_reduce_sum(float(loss_sum.detach())) / total, "grad_norm": grad_norm}
 
 
 @dataclass
@@ -145,13 +151,13 @@ def load_batches(a: argparse.Namespace, model: str, rank: int, world: int) -> li
     return [pad_sequences_to_tensors(rows[i * per_rank : (i + 1) * per_rank], pad_id) for i in range(n_steps)]
 
 
-def build_engine(cls: type[FSDPLMEngine], model: str, a: argparse.Namespace, n_steps: int) -> FSDPLMEngine:
+def build_engine(model: str, a: argparse.Namespace, n_steps: int) -> FSDPEngine:
     cfg = TrainEngineConfig(
         path=model,
         mb_spec=MicroBatchSpec(n_mbs=1, max_tokens_per_mb=a.max_tokens_per_mb),
         optimizer=OptimizerConfig(lr=1e-4, gradient_clipping=1.0),
     )
-    e = cls(cfg)
+    e = FSDPEngine(cfg)
     e.create_process_group()
     e.initialize(
         None, FinetuneSpec(total_train_epochs=1, dataset_size=n_steps * a.batch_size, train_batch_size=a.batch_size)
@@ -167,11 +173,11 @@ def sync(device: torch.device) -> None:
         dist.barrier()
 
 
-def timed_step(engine: FSDPLMEngine, batch: TensorDict) -> tuple[float, float]:
-    sync(engine.device)
+def timed_step(method: LMEngine, batch: TensorDict) -> tuple[float, float]:
+    sync(method.engine.device)
     t0 = time.perf_counter()
-    stats = engine.train_lm(batch)
-    sync(engine.device)
+    stats = method.train_lm(batch)
+    sync(method.engine.device)
     return time.perf_counter() - t0, stats["loss"]
 
 
@@ -204,16 +210,14 @@ def run(a: argparse.Namespace) -> None:
         model = box[0]
     batches = load_batches(a, model, rank, world)
     n_steps = a.warmup + a.steps
-    engines = {
-        "packed": build_engine(FSDPLMEngine, model, a, n_steps),
-        "padded": build_engine(PaddedLMEngine, model, a, n_steps),
-    }
+    engines = {"packed": build_engine(model, a, n_steps), "padded": build_engine(model, a, n_steps)}
+    methods = {"packed": LMEngine(engines["packed"]), "padded": PaddedLM(engines["padded"])}
     timings = {name: Timing() for name in engines}
     order = list(engines)
     for step, batch in enumerate(batches):
         # Alternate which method goes first so neither always inherits the other's cache state.
         for name in order if step % 2 == 0 else order[::-1]:
-            secs, loss = timed_step(engines[name], batch)
+            secs, loss = timed_step(methods[name], batch)
             timings[name].losses.append(loss)
             if step >= a.warmup:
                 timings[name].seconds += secs

@@ -19,6 +19,7 @@ import time
 import torch.distributed as dist
 
 import tandemrl.data.arith  # noqa: F401  (registers the "arith" dataset name)
+from tandemrl.algorithms.ppo import PPOActor
 from tandemrl.configs import GRPOConfig
 from tandemrl.rewards.gsm8k import gsm8k_reward_fn
 from tandemrl.trainers.entry import load_config_or_exit
@@ -31,11 +32,12 @@ def main(argv: list[str]) -> None:
     config, _ = load_config_or_exit(argv, GRPOConfig)
     if config.valid_dataset is None:
         raise ValueError("valid_dataset: the learning check needs a held-out split to measure accuracy on")
-    trainer = RLTrainer(config, "ppo_actor", name="grpo")
+    trainer = RLTrainer(config, name="grpo")
+    actor = PPOActor(config.actor, trainer.actor)
     ref = trainer.reference()
     workflow, eval_workflow = trainer.rlvr_workflows(gsm8k_reward_fn)
     before = trainer.evaluate(eval_workflow, 0)
-    summary = trainer.run(workflow, ppo_train_step(trainer.actor, config.actor, ref=ref), eval_workflow)
+    summary = trainer.run(workflow, ppo_train_step(actor, ref=ref), eval_workflow)
     after = trainer.evaluate(eval_workflow, summary.steps)
     if dist.get_rank() == 0:
         n = len(trainer.valid_dl.dataset) * trainer.actor.data_parallel_world_size

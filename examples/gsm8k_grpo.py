@@ -12,6 +12,7 @@ ppo_update, then push the new weights to the servers, save, evaluate and log.
 
 from __future__ import annotations
 
+from tandemrl.algorithms.ppo import PPOActor
 from tandemrl.configs import GRPOConfig
 from tandemrl.rewards.gsm8k import gsm8k_reward_fn
 from tandemrl.trainers.entry import load_config_or_exit
@@ -21,10 +22,11 @@ from tandemrl.utils.cli import run_main
 
 def main(argv: list[str]) -> None:
     config, _ = load_config_or_exit(argv, GRPOConfig)
-    trainer = RLTrainer(config, "ppo_actor", name="grpo")
+    trainer = RLTrainer(config, name="grpo")
+    actor = PPOActor(config.actor, trainer.actor)  # the algorithm on the backend's engine
     ref = trainer.reference()
     workflow, eval_workflow = trainer.rlvr_workflows(gsm8k_reward_fn)
-    trainer.run(workflow, ppo_train_step(trainer.actor, config.actor, ref=ref), eval_workflow)
+    trainer.run(workflow, ppo_train_step(actor, ref=ref), eval_workflow)
     trainer.close()
 
 

@@ -3,15 +3,16 @@
     python -m tandemrl.launchers.local examples/gsm8k_remax.py --config examples/gsm8k_remax.yaml \
         train_dataset.path=../shared/data/gsm8k
 
-The two-class pattern of docs/customize_algorithm.md: ``ReMaxRLVRWorkflow`` generates
+A workflow plus an algorithm (docs/customize_algorithm.md): ``ReMaxRLVRWorkflow`` generates
 n sampled and one greedy completion per prompt and rewards each sample with
-``r(sample) - r(greedy)``; ``ReinforceActor.train_reinforce`` (bound to the backend as
-``engine_class("reinforce", backend)``) takes one step of ``-A * log p`` per batch.
+``r(sample) - r(greedy)``; ``ReinforceActor(trainer.actor).train_reinforce`` (on the engine of
+the backend in allocation_mode) takes one step of ``-A * log p`` per batch.
 The loop is the shared one (tandemrl/trainers/rl_loop.py).
 """
 
 from __future__ import annotations
 
+from tandemrl.algorithms.reinforce import ReinforceActor
 from tandemrl.configs import GRPOConfig
 from tandemrl.rewards.gsm8k import gsm8k_reward_fn
 from tandemrl.trainers.entry import load_config_or_exit
@@ -22,9 +23,9 @@ from tandemrl.workflows.remax import ReMaxRLVRWorkflow
 
 def main(argv: list[str]) -> None:
     config, _ = load_config_or_exit(argv, GRPOConfig)
-    trainer = RLTrainer(config, "reinforce", name="remax")
+    trainer = RLTrainer(config, name="remax")
     workflow, eval_workflow = trainer.rlvr_workflows(gsm8k_reward_fn, workflow_cls=ReMaxRLVRWorkflow)
-    trainer.run(workflow, reinforce_train_step(trainer.actor), eval_workflow)
+    trainer.run(workflow, reinforce_train_step(ReinforceActor(trainer.actor)), eval_workflow)
     trainer.close()
 
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 import torch.distributed as dist
 from tqdm import tqdm
 
-from tandemrl.actors.registry import engine_class
+from tandemrl.algorithms.lm import LMEngine
 from tandemrl.api.allocation import AllocationMode
 from tandemrl.api.types import FinetuneSpec
 from tandemrl.configs import SFTConfig
 from tandemrl.configs.loader import save_config
 from tandemrl.data.loader import create_dataloader, dataset_from_config, pad_sequences_to_tensors
+from tandemrl.engines.registry import make_engine
 from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.models.hf import load_hf_tokenizer, model_context_length
 from tandemrl.models.resolve import resolve_model_path
@@ -35,7 +36,8 @@ def main(argv: list[str]) -> None:
         raise ValueError(f"allocation_mode: '{config.allocation_mode}' has no training component")
     config.model.path = resolve_model_path(config.model.path, "model.path", corpus_path=config.train_dataset.path)
 
-    engine = engine_class("lm", alloc.train_backend)(config.model)
+    engine = make_engine(alloc.train_backend, config.model)  # the backend named in allocation_mode
+    sft = LMEngine(engine)  # the algorithm, on that engine
     engine.create_process_group(alloc.train.strategy)
     rank, world = engine.data_parallel_rank, engine.data_parallel_world_size
     tokenizer = load_hf_tokenizer(config.tokenizer_path or config.model.path)
@@ -65,7 +67,7 @@ def main(argv: list[str]) -> None:
     def evaluate() -> None:
         total, n = 0.0, 0
         for rows in valid_dl:
-            total += engine.evaluate_lm(pad_sequences_to_tensors(rows, pad_id))
+            total += sft.evaluate_lm(pad_sequences_to_tensors(rows, pad_id))
             n += 1
         stats_tracker.scalar(eval_loss=total / max(n, 1))
 
@@ -81,7 +83,7 @@ def main(argv: list[str]) -> None:
         epoch, step = divmod(global_step, ft_spec.steps_per_epoch)
         batch = pad_sequences_to_tensors(next(batches), pad_id)
         with stats_tracker.record_timing("train_step"):
-            stats = engine.train_lm(batch)
+            stats = sft.train_lm(batch)
             engine.step_lr_scheduler()
         with stats_tracker.record_timing("save"):
             saver.save(engine, epoch, step, global_step, tokenizer=tokenizer)

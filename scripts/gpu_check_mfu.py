@@ -140,9 +140,10 @@ def run_mfu(out_dir: str, cpu: bool) -> dict[str, Any]:
     """Measure the peak, then time FSDP2 bf16 training steps of the MFU model; returns the figures."""
     import torch.distributed as dist
 
-    from tandemrl.actors.fsdp import FSDPLMEngine
+    from tandemrl.algorithms.lm import LMEngine
     from tandemrl.api.types import FinetuneSpec
     from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
+    from tandemrl.engines.fsdp import FSDPEngine
 
     shape = CPU_SHAPE if cpu else GPU_SHAPE
     world = dist.get_world_size()
@@ -154,7 +155,8 @@ def run_mfu(out_dir: str, cpu: bool) -> dict[str, Any]:
         mb_spec=MicroBatchSpec(n_mbs=1),
         optimizer=OptimizerConfig(lr=1e-5, gradient_clipping=1.0),
     )
-    engine = FSDPLMEngine(cfg)
+    engine = FSDPEngine(cfg)
+    sft = LMEngine(engine)
     engine.create_process_group()
     device = engine.device
     peak = matmul_peak_tflops(device, shape.peak_n)
@@ -167,7 +169,7 @@ def run_mfu(out_dir: str, cpu: bool) -> dict[str, Any]:
         sync(device)
         dist.barrier()
         t0 = time.perf_counter()
-        losses.append(engine.train_lm(batch)["loss"])
+        losses.append(sft.train_lm(batch)["loss"])
         sync(device)
         dist.barrier()
         if step >= shape.warmup:

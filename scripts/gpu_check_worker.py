@@ -55,14 +55,14 @@ def sft_batch(vocab: int, seed: int, n: int = 8, max_len: int = 128) -> dict[str
     return {"input_ids": ids, "attention_mask": am, "loss_mask": (am & (pos >= 4)).int()}
 
 
-def build_engine(algorithm: str, allocation: str, cfg: Any, steps: int) -> Any:
-    from tandemrl.actors.registry import engine_class
+def build_engine(allocation: str, cfg: Any, steps: int) -> Any:
     from tandemrl.api.allocation import AllocationMode
     from tandemrl.api.types import FinetuneSpec
+    from tandemrl.engines.registry import make_engine
 
     component = AllocationMode.from_str(allocation).train
     assert component is not None, allocation
-    engine = engine_class(algorithm, component.backend)(cfg)
+    engine = make_engine(component.backend, cfg)
     engine.create_process_group(component.strategy)
     engine.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=steps, train_batch_size=1))
     return engine
@@ -72,6 +72,7 @@ def run_sft(backend: str, model: str) -> dict[str, Any]:
     """``steps`` optimizer steps on one fixed batch (so the loss must fall); losses, grad norms, s/step."""
     from parity_checks import apply_overrides, dp_slice
 
+    from tandemrl.algorithms.lm import LMEngine
     from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 
     prefix, fields, steps = SFT[backend]
@@ -79,13 +80,14 @@ def run_sft(backend: str, model: str) -> dict[str, Any]:
     cfg = TrainEngineConfig(path=model, mb_spec=MicroBatchSpec(n_mbs=2))
     cfg.optimizer = OptimizerConfig(lr=SFT_LR, gradient_clipping=1.0)
     apply_overrides(cfg, fields)
-    engine = build_engine("lm", f"{prefix}:d{world}", cfg, steps)
+    engine = build_engine(f"{prefix}:d{world}", cfg, steps)
+    sft = LMEngine(engine)
     batch = dp_slice(engine, sft_batch(engine.model_config.vocab_size, seed=11, n=8 * world))
     losses, norms, times = [], [], []
     for _ in range(steps):
         sync(engine.device)
         t0 = time.perf_counter()
-        stats = engine.train_lm(batch)
+        stats = sft.train_lm(batch)
         engine.step_lr_scheduler()
         sync(engine.device)
         times.append(time.perf_counter() - t0)

@@ -3,7 +3,7 @@ give the same losses and grad norms (fp32, 2 gloo ranks) on every training backe
 critic PPO steps (values, value loss, grad norm) of a critic from one HF critic checkpoint.
 
 ``CASES`` is the one table: a backend (or a layout of one) adds a row. ``allocation`` is the
-training component's allocation_mode (it picks the engine class from the actor registry and
+training component's allocation_mode (it picks the engine class from the engine registry and
 the parallel layout); ``overrides`` are dotted TrainEngineConfig fields. Rows with the same
 ``launch`` key (default: one shared launch) run in one torchrun launch; give a backend that
 patches process-wide state (e.g. Megatron's CPU shims) its own key. The first row is the reference.

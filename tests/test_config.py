@@ -11,6 +11,7 @@ import yaml
 from tandemrl.configs import (
     ConfigError,
     GRPOConfig,
+    InferenceEngineConfig,
     OptimizerConfig,
     PPOActorConfig,
     PPOConfig,
@@ -31,7 +32,7 @@ GRPO_YAML = {
     "cluster": {"fileroot": "/data/runs"},
     "valid_dataset": {"path": "/data/gsm8k", "split": "test", "batch_size": 4},
     "gconfig": {"n_samples": 3, "stop_token_ids": [5, 6], "stop": ["</s>"]},
-    "actor": {"path": "/models/tiny", "group_size": 3, "optimizer": {"lr": 2.0e-6, "weight_decay": 0.1}},
+    "actor": {"engine": {"path": "/models/tiny", "optimizer": {"lr": 2.0e-6, "weight_decay": 0.1}}, "group_size": 3},
 }
 
 
@@ -53,7 +54,7 @@ def test_yaml_and_overrides_give_typed_nested_values(tmp_path: Path) -> None:
     argv = [
         "--config",
         str(path),
-        "actor.optimizer.lr=3e-6",
+        "actor.engine.optimizer.lr=3e-6",
         "gconfig.stop=null",
         "gconfig.stop_token_ids=[1,2,3]",
         "rollout.server_addrs=['h1:1','h2:2']",
@@ -65,11 +66,11 @@ def test_yaml_and_overrides_give_typed_nested_values(tmp_path: Path) -> None:
     cfg, config_path = load_config(argv, GRPOConfig)
 
     assert type(cfg) is GRPOConfig and config_path == str(path.resolve())
-    assert isinstance(cfg.actor, PPOActorConfig) and isinstance(cfg.actor.optimizer, OptimizerConfig)
-    assert cfg.actor.optimizer.lr == pytest.approx(3e-6) and isinstance(cfg.actor.optimizer.lr, float)
-    assert cfg.actor.optimizer.weight_decay == pytest.approx(0.1)  # from YAML, untouched by the CLI
-    assert cfg.actor.optimizer.beta2 == pytest.approx(0.999)  # schema default
-    assert cfg.actor.path == "/models/tiny" and cfg.actor.group_size == 3
+    assert isinstance(cfg.actor, PPOActorConfig) and isinstance(cfg.actor.engine.optimizer, OptimizerConfig)
+    assert cfg.actor.engine.optimizer.lr == pytest.approx(3e-6) and isinstance(cfg.actor.engine.optimizer.lr, float)
+    assert cfg.actor.engine.optimizer.weight_decay == pytest.approx(0.1)  # from YAML, untouched by the CLI
+    assert cfg.actor.engine.optimizer.beta2 == pytest.approx(0.999)  # schema default
+    assert cfg.actor.engine.path == "/models/tiny" and cfg.actor.group_size == 3
     assert cfg.total_train_steps == 7 and cfg.experiment_name == "exp-a"
     assert cfg.gconfig.stop is None and cfg.gconfig.stop_token_ids == [1, 2, 3]
     assert cfg.rollout.server_addrs == ["h1:1", "h2:2"]
@@ -77,7 +78,7 @@ def test_yaml_and_overrides_give_typed_nested_values(tmp_path: Path) -> None:
     assert cfg.valid_dataset is not None and cfg.valid_dataset.path == "/data/gsm8k"
     assert cfg.valid_dataset.batch_size == 4 and cfg.valid_dataset.shuffle is True
     assert cfg.ref is not None and cfg.ref.path == "/models/ref" and cfg.ref.optimizer is None
-    assert cfg.ref.eps_clip == pytest.approx(0.2)  # a null optional section is filled from its defaults
+    assert cfg.ref.dtype == "float32"  # a null optional section is filled from its defaults
 
 
 def test_save_then_load_reproduces_the_same_object(tmp_path: Path) -> None:
@@ -114,44 +115,48 @@ def test_interpolations_are_resolved(tmp_path: Path) -> None:
 
 
 def test_unknown_key_in_yaml_names_key_file_and_valid_keys(tmp_path: Path) -> None:
-    path = write_yaml(tmp_path / "x.yaml", {"actor": {"optimiser": {"lr": 1.0}}})
+    path = write_yaml(tmp_path / "x.yaml", {"actor": {"engine": {"optimiser": {"lr": 1.0}}}})
     message = load_error(["--config", str(path)])
-    assert "'actor.optimiser'" in message and str(path) in message
-    assert "valid keys at 'actor'" in message and "optimizer" in message
+    assert "'actor.engine.optimiser'" in message and str(path) in message
+    assert "valid keys at 'actor.engine'" in message and "optimizer" in message
     top = load_error(["--config", str(write_yaml(tmp_path / "y.yaml", {"sed": 3}))])
     assert "'sed'" in top and "top level" in top and "seed" in top
 
 
 def test_unknown_key_on_cli_names_command_line() -> None:
-    message = load_error(["actor.optimiser.lr=1e-5"])
-    assert "'actor.optimiser'" in message and "command line" in message and "actor.optimiser.lr=1e-5" in message
-    nested = load_error(["actor.optimizer={lr: 1, betta: 2}"])
-    assert "'actor.optimizer.betta'" in nested and "command line" in nested
+    message = load_error(["actor.engine.optimiser.lr=1e-5"])
+    assert (
+        "'actor.engine.optimiser'" in message
+        and "command line" in message
+        and "actor.engine.optimiser.lr=1e-5" in message
+    )
+    nested = load_error(["actor.engine.optimizer={lr: 1, betta: 2}"])
+    assert "'actor.engine.optimizer.betta'" in nested and "command line" in nested
     under_leaf = load_error(["seed.value=1"])
     assert "'seed.value'" in under_leaf
 
 
 def test_wrong_type_in_yaml_names_key_and_file(tmp_path: Path) -> None:
-    path = write_yaml(tmp_path / "bad.yaml", {"actor": {"optimizer": {"lr": "abc"}}})
+    path = write_yaml(tmp_path / "bad.yaml", {"actor": {"engine": {"optimizer": {"lr": "abc"}}}})
     message = load_error(["--config", str(path)])
-    assert message == f"Config key 'actor.optimizer.lr' in {path} expects float, got 'abc'"
+    assert message == f"Config key 'actor.engine.optimizer.lr' in {path} expects float, got 'abc'"
     as_list = load_error(["--config", str(write_yaml(tmp_path / "l.yaml", {"gconfig": {"stop_token_ids": [1, "x"]}}))])
     assert "'gconfig.stop_token_ids[1]'" in as_list and "expects int" in as_list
-    scalar = load_error(["--config", str(write_yaml(tmp_path / "s.yaml", {"actor": {"optimizer": 3}}))])
-    assert "'actor.optimizer'" in scalar and "OptimizerConfig" in scalar
+    scalar = load_error(["--config", str(write_yaml(tmp_path / "s.yaml", {"actor": {"engine": {"optimizer": 3}}}))])
+    assert "'actor.engine.optimizer'" in scalar and "OptimizerConfig" in scalar
 
 
 def test_wrong_type_on_cli_names_key() -> None:
-    message = load_error(["actor.optimizer.lr=abc"])
-    assert "'actor.optimizer.lr'" in message and "command line" in message and "expects float" in message
+    message = load_error(["actor.engine.optimizer.lr=abc"])
+    assert "'actor.engine.optimizer.lr'" in message and "command line" in message and "expects float" in message
     assert "'seed'" in load_error(["seed=1.5"])
     assert "'async_training'" in load_error(["async_training=maybe"])
     assert "not optional" not in load_error(["seed=null"]) and "'seed'" in load_error(["seed=null"])
 
 
 def test_choices_metadata_is_enforced() -> None:
-    message = load_error(["actor.dtype=fp32"])
-    assert "'actor.dtype'" in message and "bfloat16" in message and "command line" in message
+    message = load_error(["actor.engine.dtype=fp32"])
+    assert "'actor.engine.dtype'" in message and "bfloat16" in message and "command line" in message
 
 
 def test_missing_file_and_preset() -> None:
@@ -171,7 +176,9 @@ def test_broken_yaml_files(tmp_path: Path) -> None:
     assert str(as_list) in load_error(["--config", str(as_list)])
 
 
-@pytest.mark.parametrize("token", ["actor.optimizer.lr=[1", "actor", "=3", "a b=1", "actor@pkg=1", "group/opt=x"])
+@pytest.mark.parametrize(
+    "token", ["actor.engine.optimizer.lr=[1", "actor", "=3", "a b=1", "actor@pkg=1", "group/opt=x"]
+)
 def test_malformed_override_names_the_token(token: str) -> None:
     message = load_error([token])
     assert token in message and "command line" in message
@@ -183,8 +190,8 @@ def test_plus_and_tilde_overrides() -> None:
     assert "already has a value" in load_error(["+seed=3"])
     added, _ = load_config(["+total_train_steps=4", "++seed=8", "~ref"], GRPOConfig)
     assert added.total_train_steps == 4 and added.seed == 8 and added.ref is None
-    deleted, _ = load_config(["~actor.optimizer", "~valid_dataset"], GRPOConfig)
-    assert deleted.actor.optimizer is None and deleted.valid_dataset is None
+    deleted, _ = load_config(["~actor.engine.optimizer", "~valid_dataset"], GRPOConfig)
+    assert deleted.actor.engine.optimizer is None and deleted.valid_dataset is None
     assert "'seed'" in load_error(["~seed"]) and "not optional" in load_error(["~seed"])
     assert "'nokey'" in load_error(["~nokey"])
     assert "not 5" in load_error(["~total_train_steps=5"])
@@ -200,23 +207,27 @@ def test_sweeps_and_multirun_are_rejected() -> None:
 
 
 def test_missing_required_value_names_key(tmp_path: Path) -> None:
-    path = write_yaml(tmp_path / "m.yaml", {"actor": {"path": "???"}})
+    path = write_yaml(tmp_path / "m.yaml", {"actor": {"engine": {"path": "???"}}})
     message = load_error(["--config", str(path)])
-    assert "'actor.path'" in message and str(path) in message
-    cfg, _ = load_config(["--config", str(path), "actor.path=/m"], GRPOConfig)
-    assert cfg.actor.path == "/m"
+    assert "'actor.engine.path'" in message and str(path) in message
+    cfg, _ = load_config(["--config", str(path), "actor.engine.path=/m"], GRPOConfig)
+    assert cfg.actor.engine.path == "/m"
 
 
 @pytest.mark.parametrize(
     ("preset", "schema", "model_key"),
-    [("sft_gsm8k", SFTConfig, "model"), ("grpo_gsm8k", GRPOConfig, "actor"), ("grpo_gsm8k", PPOConfig, "actor")],
+    [
+        ("sft_gsm8k", SFTConfig, "model"),
+        ("grpo_gsm8k", GRPOConfig, "actor.engine"),
+        ("grpo_gsm8k", PPOConfig, "actor.engine"),
+    ],
 )
 def test_presets_load_for_their_schemas(preset: str, schema: type, model_key: str) -> None:
     assert preset in list_presets()
     assert f"'{model_key}.path'" in load_error(["--config", f"preset:{preset}"], schema)
     cfg, path = load_config(["--config", f"preset:{preset}", f"{model_key}.path=/models/tiny"], schema)
     assert type(cfg) is schema and Path(path).is_file() and Path(path).name == f"{preset}.yaml"
-    assert getattr(cfg, model_key).path == "/models/tiny"
+    assert (cfg.model if model_key == "model" else cfg.actor.engine).path == "/models/tiny"
     assert cfg.train_dataset.path == "openai/gsm8k"
     overridden, _ = load_config(
         ["--config", f"preset:{preset}", f"{model_key}.path=m", "train_dataset.path=/local/gsm8k"], schema
@@ -226,7 +237,8 @@ def test_presets_load_for_their_schemas(preset: str, schema: type, model_key: st
         assert cfg.allocation_mode == "vllm:d1+fsdp:d1" and cfg.train_dataset.type == "rl"
         assert cfg.gconfig.n_samples == 4 and cfg.gconfig.max_new_tokens == 64
         assert cfg.actor.group_size == 4 and cfg.actor.eps_clip == pytest.approx(0.2) and cfg.actor.kl_ctl == 0.0
-        assert cfg.ref is None and cfg.rollout.consumer_batch_size == cfg.train_dataset.batch_size
+        # One step consumes one dataloader batch: RLTrainer derives it; the preset leaves the default.
+        assert cfg.ref is None and cfg.rollout.consumer_batch_size == InferenceEngineConfig().consumer_batch_size
     else:
         assert cfg.train_dataset.type == "sft" and cfg.model.optimizer is not None
 
@@ -247,10 +259,10 @@ def test_config_store_registration() -> None:
 
 def test_exit_helpers_print_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
-        load_config_or_exit(["actor.optimizer.lr=abc"], GRPOConfig)
+        load_config_or_exit(["actor.engine.optimizer.lr=abc"], GRPOConfig)
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1 and "actor.optimizer.lr" in err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "actor.engine.optimizer.lr" in err
 
     @exit_on_config_error
     def main() -> None:
@@ -261,3 +273,78 @@ def test_exit_helpers_print_one_line(capsys: pytest.CaptureFixture[str]) -> None
     assert info.value.code == 2 and "'nokey'" in capsys.readouterr().err
     cfg, _ = load_config_or_exit(["seed=4"], SFTConfig)
     assert cfg.seed == 4
+
+
+# --------------------------------------------------------------------------- keys that moved (issue 13)
+def test_engine_keys_moved_under_engine(tmp_path: Path) -> None:
+    assert load_error(["actor.path=/m"]).startswith("Config key 'actor.path' moved to 'actor.engine.path'")
+    cli = load_error(["actor.optimizer.lr=1e-5"])
+    assert "'actor.optimizer.lr' moved to 'actor.engine.optimizer.lr'" in cli and "command line" in cli
+    path = write_yaml(tmp_path / "old.yaml", {"actor": {"group_size": 2, "dtype": "bfloat16"}})
+    in_yaml = load_error(["--config", str(path)])
+    assert "'actor.dtype' moved to 'actor.engine.dtype'" in in_yaml and str(path) in in_yaml
+    critic = load_error(["critic.is_critic=true"], PPOConfig)
+    assert "'critic.is_critic' moved to 'critic.engine.is_critic'" in critic
+    assert "removed" in load_error(["actor.engine.backend=x"]) and "'actor.engine.backend'" in load_error(
+        ["actor.engine.backend=x"]
+    )
+    ref = load_error(["ref.path=/r", "ref.temperature=0.5"])
+    assert "'ref.temperature'" in ref and "'actor.temperature'" in ref
+    assert "Unknown config key 'critic.adv_norm'" in load_error(["critic.adv_norm.mean_level=group"], PPOConfig)
+
+
+def test_critic_engine_builds_a_value_head_by_default() -> None:
+    cfg, _ = load_config(["critic.engine.path=/c"], PPOConfig)
+    assert cfg.critic.engine.is_critic and not cfg.actor.engine.is_critic and cfg.critic.engine.path == "/c"
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+PRESETS = Path(__file__).resolve().parent.parent / "tandemrl" / "configs" / "presets"
+YAML_SCHEMAS = {
+    EXAMPLES / "gsm8k_sft.yaml": SFTConfig,
+    EXAMPLES / "arith_sft.yaml": SFTConfig,
+    EXAMPLES / "gsm8k_grpo.yaml": GRPOConfig,
+    EXAMPLES / "arith_grpo.yaml": GRPOConfig,
+    EXAMPLES / "gsm8k_remax.yaml": GRPOConfig,
+    EXAMPLES / "gsm8k_ppo.yaml": PPOConfig,
+    PRESETS / "grpo_gsm8k.yaml": GRPOConfig,
+    PRESETS / "sft_gsm8k.yaml": SFTConfig,
+}
+
+
+# Read from the raw YAML by the launchers, which do not know the script's schema (tandemrl/launchers/launch_config.py).
+LAUNCHER_KEYS = {"allocation_mode"}
+
+
+def _restated_defaults(data: dict, default: object, prefix: str = "") -> list[str]:
+    """Keys whose literal value equals the schema default at that key (interpolations are links, not restated)."""
+    from tandemrl.configs.loader import _field_types, _unwrap_optional
+
+    found = []
+    for key, value in data.items():
+        full = f"{prefix}.{key}" if prefix else key
+        if full in LAUNCHER_KEYS:
+            continue
+        current = getattr(default, key)
+        if isinstance(value, dict):
+            if current is None:  # an optional section (valid_dataset): compare with its type's defaults
+                current = _unwrap_optional(_field_types(type(default))[key])[0]()
+            found += _restated_defaults(value, current, full)
+        elif value == current and not (isinstance(value, str) and "${" in value):
+            found.append(f"{full}={value!r}")
+    return found
+
+
+def test_yaml_list_covers_every_shipped_yaml() -> None:
+    shipped = set(EXAMPLES.rglob("*.yaml")) | set(PRESETS.glob("*.yaml"))
+    assert shipped == set(YAML_SCHEMAS)
+
+
+@pytest.mark.parametrize("path", sorted(YAML_SCHEMAS), ids=lambda p: p.name)
+def test_shipped_yamls_load_and_restate_no_defaults(path: Path) -> None:
+    schema = YAML_SCHEMAS[path]
+    key = "model.path" if schema is SFTConfig else "actor.engine.path"
+    cfg, _ = load_config(["--config", str(path), f"{key}=/models/tiny"], schema)
+    assert type(cfg) is schema
+    data = yaml.safe_load(path.read_text())
+    assert _restated_defaults(data, schema()) == [], f"{path.name} restates schema defaults"

@@ -233,16 +233,11 @@ def test_bad_deepspeed_options_name_the_field(tmp_path: Path) -> None:
 
 
 def test_registry_rows() -> None:
-    from tandemrl.actors.deepspeed import (
-        DeepSpeedLMEngine,
-        DeepSpeedPPOActor,
-        DeepSpeedPPOCritic,
-        DeepSpeedReinforceActor,
-    )
-    from tandemrl.actors.registry import engine_class
+    from tandemrl.algorithms.lm import LMEngine
+    from tandemrl.algorithms.ppo import PPOActor
+    from tandemrl.engines.deepspeed import DeepSpeedEngine
+    from tandemrl.engines.registry import engine_class
 
-    assert engine_class("lm", "deepspeed") is DeepSpeedLMEngine
-    assert engine_class("ppo_actor", "deepspeed") is DeepSpeedPPOActor
-    assert engine_class("ppo_critic", "deepspeed") is DeepSpeedPPOCritic
-    assert engine_class("reinforce", "deepspeed") is DeepSpeedReinforceActor
-    assert callable(DeepSpeedPPOActor.ppo_update) and callable(DeepSpeedLMEngine.train_lm)
+    # One row for the backend; every algorithm runs on the engine it builds.
+    assert engine_class("deepspeed") is DeepSpeedEngine
+    assert callable(PPOActor.ppo_update) and callable(LMEngine.train_lm)

@@ -54,7 +54,7 @@ def _finite(values: list[float]) -> bool:
 
 @pytest.mark.slow
 def test_remax_example_two_steps(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
-    stats = _launch("gsm8k_remax", [f"actor.path={tiny_model_dir}", f"train_dataset.path={gsm8k_dir}"], tmp_path)
+    stats = _launch("gsm8k_remax", [f"actor.engine.path={tiny_model_dir}", f"train_dataset.path={gsm8k_dir}"], tmp_path)
     assert len(stats["actor/reinforce/loss"]) == 2 and _finite(stats["actor/reinforce/loss"])
     assert _finite(stats["actor/reinforce/grad_norm"])
     assert stats["actor/reinforce/update_successful"] == [1.0, 1.0]
@@ -65,7 +65,7 @@ def test_remax_example_two_steps(tiny_model_dir: str, gsm8k_dir: str, tmp_path: 
 
 @pytest.mark.slow
 def test_ppo_critic_example_two_steps(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
-    overrides = [f"actor.path={tiny_model_dir}", f"train_dataset.path={gsm8k_dir}"]
+    overrides = [f"actor.engine.path={tiny_model_dir}", f"train_dataset.path={gsm8k_dir}"]
     # Asynchronous rollout (prepare_batch) with staleness 0: step 2 must see the new weights.
     stats = _launch("gsm8k_ppo", [*overrides, "rollout.max_head_offpolicyness=0"], tmp_path)
     actor_loss = stats["actor/ppo_actor/update/loss"]

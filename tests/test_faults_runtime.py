@@ -245,7 +245,7 @@ def test_launcher_sigkilled_leaves_nothing_and_servers_listen_on_loopback(
     SIGKILL of the launcher itself, the server group, torchrun and its rank all end."""
     args = _example(
         "gsm8k_grpo",
-        "actor.path",
+        "actor.engine.path",
         tiny_model_dir,
         gsm8k_dir,
         tmp_path,
@@ -332,7 +332,7 @@ def test_collective_run_stops_at_once_when_one_of_two_servers_dies() -> None:
 def _grpo_disk_args(model: str, data: str, root: Path) -> list[str]:
     return _example(
         "gsm8k_grpo",
-        "actor.path",
+        "actor.engine.path",
         model,
         data,
         root,

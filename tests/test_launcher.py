@@ -39,7 +39,7 @@ def _grpo_args(script: str, model: str, data: str, root: Path, steps: int, new_t
         script,
         "--config",
         "examples/gsm8k_grpo.yaml",
-        f"actor.path={model}",
+        f"actor.engine.path={model}",
         f"train_dataset.path={data}",
         f"cluster.fileroot={root}",
         f"total_train_steps={steps}",
@@ -172,9 +172,14 @@ def test_grpo_dp2_sync_and_async_on_deepspeed(tiny_model_dir: str, gsm8k_dir: st
     """``vllm:d1+deepspeed:d2``: sync on ZeRO-2, async on ZeRO-3, both with a user's DeepSpeed JSON."""
     ds_json = tmp_path / "ds_config.json"  # the engine owns these two: it warns and uses its own values
     ds_json.write_text(json.dumps({"gradient_clipping": 5.0, "zero_optimization": {"stage": 1}}))
-    backend = ["allocation_mode=vllm:d1+deepspeed:d2", f"actor.deepspeed.config_path={ds_json}"]
+    backend = ["allocation_mode=vllm:d1+deepspeed:d2", f"actor.engine.deepspeed.config_path={ds_json}"]
     for stage, mode in ((2, "false"), (3, "true")):
-        run = [*backend, f"actor.deepspeed.zero_stage={stage}", f"async_training={mode}", f"trial_name=zero{stage}"]
+        run = [
+            *backend,
+            f"actor.engine.deepspeed.zero_stage={stage}",
+            f"async_training={mode}",
+            f"trial_name=zero{stage}",
+        ]
         trials = _grpo_dp2(run, tiny_model_dir, gsm8k_dir, tmp_path / f"zero{stage}", sweep=())
         assert list(trials) == [f"zero{stage}"]
         log = (tmp_path / f"zero{stage}" / "logs" / "gsm8k-grpo" / f"zero{stage}" / "trainer.log").read_text()
@@ -224,7 +229,7 @@ def test_sft_multirun_sweep_makes_separate_trials(tiny_model_dir: str, gsm8k_dir
     ("override", "expected"),
     [
         ("allocation_mode=vllm:d1+fsdp:d1p2", "fsdp does not support pipeline parallel"),
-        ("actor.path=/no/such/model", "actor.path: model directory not found: /no/such/model"),
+        ("actor.engine.path=/no/such/model", "actor.engine.path: model directory not found: /no/such/model"),
     ],
 )
 def test_bad_input_fails_before_any_process(override: str, expected: str, tmp_path: Path) -> None:
@@ -256,7 +261,7 @@ def test_killing_the_trainer_leaves_no_process(tiny_model_dir: str, gsm8k_dir: s
             "examples/gsm8k_grpo.py",
             "--config",
             "examples/gsm8k_grpo.yaml",
-            f"actor.path={tiny_model_dir}",
+            f"actor.engine.path={tiny_model_dir}",
             f"train_dataset.path={gsm8k_dir}",
             f"cluster.fileroot={tmp_path}",
             "total_train_steps=1000",

@@ -10,8 +10,9 @@ import pytest
 import torch
 from utils import run_torchrun
 
-from tandemrl.actors.ppo import PPOActor, PPOCritic, split_minibatches
-from tandemrl.configs.ppo import NormConfig, PPOActorConfig
+from tandemrl.algorithms.ppo import PPOActor, PPOCritic, split_minibatches
+from tandemrl.configs.engine import TrainEngineConfig
+from tandemrl.configs.ppo import NormConfig, PPOActorConfig, PPOCriticConfig
 
 WORKER = Path(__file__).parent / "workers" / "ppo_checks.py"
 ENV = {"TANDEMRL_DIST_TIMEOUT": "120"}
@@ -43,15 +44,16 @@ def _batch() -> dict[str, torch.Tensor]:
 
 
 def _actor(**fields: object) -> PPOActor:
-    cfg = PPOActorConfig(path="unused", group_size=2)
+    cfg = PPOActorConfig(engine=TrainEngineConfig(path="unused"), group_size=2)
     for k, v in fields.items():
         setattr(cfg, k, v)
     return PPOActor(cfg, engine=None)  # compute_advantages needs no engine outside torch.distributed
 
 
 def test_fields_are_next_token_aligned() -> None:
-    b = _batch()
-    _actor(adv_norm=NormConfig(mean_level="none", std_level="none")).compute_advantages(b)
+    rollout = _batch()
+    b = _actor(adv_norm=NormConfig(mean_level="none", std_level="none")).compute_advantages(rollout)
+    assert sorted(rollout) == sorted(_batch()), "compute_advantages returns a new batch; its input is unchanged"
     # Position t acts by emitting token t+1: the first generated token (t=2) is predicted at t=1.
     assert b["action_mask"][0].tolist() == [False, True, True, True, False, False]
     assert b["behav_logp"][0].tolist() == [0.0, -1.0, -2.0, -3.0, 0.0, 0.0]
@@ -62,15 +64,13 @@ def test_fields_are_next_token_aligned() -> None:
 
 
 def test_grpo_sequence_vs_token_statistics() -> None:
-    b = _batch()
-    _actor(adv_norm=NormConfig(mean_level="group", std_level="group", unit="sequence")).compute_advantages(b)
+    b = _actor(adv_norm=NormConfig(mean_level="group", std_level="group", unit="sequence")).compute_advantages(_batch())
     a = 0.5 / (math.sqrt(0.5) + 1e-5)  # group [1, 0]: mean 0.5, unbiased std sqrt(0.5)
     assert b["advantages"][0, 1:4].tolist() == pytest.approx([a] * 3)
     assert b["advantages"][1, 1].item() == pytest.approx(-a)
     assert b["advantages"][2:].abs().max().item() == 0.0  # uniform group: no signal
     # Token statistics weigh rows by length: group-1 tokens are [1, 1, 1, 0] -> mean 0.75.
-    b = _batch()
-    _actor(adv_norm=NormConfig(mean_level="group", std_level="none", unit="token")).compute_advantages(b)
+    b = _actor(adv_norm=NormConfig(mean_level="group", std_level="none", unit="token")).compute_advantages(_batch())
     assert b["advantages"][0, 1:4].tolist() == pytest.approx([0.25] * 3)
     assert b["advantages"][1, 1].item() == pytest.approx(-0.75)
 
@@ -86,7 +86,7 @@ def test_kl_reward_and_shaping() -> None:
         reward_bias=1.0,
         reward_clip=10.0,
     )
-    actor.compute_advantages(b)
+    b = actor.compute_advantages(b)
     assert b["shaped_rewards"].tolist() == [10.0, 2.0, 4.0, 4.0]  # clamp((r + 1) * 2, +-10)
     # k1 on behaviour logp [-1, -2, -3] vs ref -1 -> kl [0, -1, -2] -> reward -0.1 * kl.
     assert b["kl_rewards"][0].tolist() == pytest.approx([0.0, 0.0, 0.1, 0.2, 0.0, 0.0])
@@ -107,7 +107,7 @@ def test_overlong_and_no_eos() -> None:
         mask_no_eos=True,
         eos_token_ids=[2],
     )
-    actor.compute_advantages(b)
+    b = actor.compute_advantages(b)
     # safe length 1: penalties [-1, 0, -0.5, -0.5]; row 3's reward replaced by -1 first.
     assert b["shaped_rewards"].tolist() == pytest.approx([0.0, 0.0, 0.5, -1.5])
     assert not b["action_mask"][3].any() and b["action_mask"][2].any()
@@ -116,7 +116,9 @@ def test_overlong_and_no_eos() -> None:
 def test_gae_uses_critic_values() -> None:
     b = _batch()
     b["values"] = torch.arange(24, dtype=torch.float32).view(4, 6) / 10
-    _actor(adv_norm=NormConfig(mean_level="none", std_level="none"), discount=0.5, gae_lambda=0.5).compute_advantages(b)
+    b = _actor(
+        adv_norm=NormConfig(mean_level="none", std_level="none"), discount=0.5, gae_lambda=0.5
+    ).compute_advantages(b)
     # Row 1 has one action (t=1, value 0.7, reward 0): A = 0 - 0.7; return = A + V = 0.
     assert b["advantages"][1, 1].item() == pytest.approx(-0.7)
     assert b["returns"][1, 1].item() == pytest.approx(0.0)
@@ -132,7 +134,7 @@ def test_bad_inputs_are_named() -> None:
     with pytest.raises(KeyError, match="compute_advantages"):
         _actor().ppo_update(_batch())
     with pytest.raises(ValueError, match="is_critic"):
-        PPOCritic(PPOActorConfig(), engine=None)
+        PPOCritic(PPOCriticConfig(engine=TrainEngineConfig()), engine=None)
     with pytest.raises(ValueError, match="ppo_n_minibatches=3"):
         split_minibatches(_batch(), 3, 2)
     parts = split_minibatches(_batch(), 2, 2)
@@ -140,13 +142,16 @@ def test_bad_inputs_are_named() -> None:
 
 
 def test_registry_rows() -> None:
-    from tandemrl.actors.fsdp import FSDPPPOActor, FSDPPPOCritic, FSDPReinforceActor
-    from tandemrl.actors.registry import engine_class
+    from tandemrl.algorithms.reinforce import ReinforceActor
+    from tandemrl.engines.fsdp import FSDPEngine
+    from tandemrl.engines.registry import engine_class, make_engine
 
-    assert engine_class("ppo_actor", "fsdp") is FSDPPPOActor
-    assert engine_class("ppo_critic", "fsdp") is FSDPPPOCritic
-    assert engine_class("reinforce", "fsdp") is FSDPReinforceActor
-    assert callable(FSDPPPOActor.ppo_update) and callable(FSDPReinforceActor.train_reinforce)
+    # One row per backend; every algorithm takes the engine it builds.
+    assert engine_class("fsdp") is FSDPEngine
+    assert type(make_engine("fsdp", TrainEngineConfig(path="unused"))) is FSDPEngine
+    with pytest.raises(ValueError, match=r"backend 'nope' \(available: deepspeed, fsdp, megatron\)"):
+        engine_class("nope")
+    assert callable(PPOActor.ppo_update) and callable(ReinforceActor.train_reinforce)
 
 
 # --------------------------------------------------------------------------- 2-rank FSDP vs reference

@@ -50,7 +50,7 @@ def _grpo(tiny_model_dir: str, gsm8k_dir: str, root: Path, steps: int, *extra: s
         "examples/gsm8k_grpo.py",
         "--config",
         "examples/gsm8k_grpo.yaml",
-        f"actor.path={tiny_model_dir}",
+        f"actor.engine.path={tiny_model_dir}",
         f"train_dataset.path={gsm8k_dir}",
         f"cluster.fileroot={root}",
         f"total_train_steps={steps}",
@@ -63,7 +63,7 @@ def _grpo(tiny_model_dir: str, gsm8k_dir: str, root: Path, steps: int, *extra: s
         "stats_logger.wandb.mode=disabled",
         # The tiny model's GSM8K rewards are often all 0 (zero advantages, zero gradient); decoupled
         # weight decay still moves every weight, so "training changed them" holds on any sample.
-        "actor.optimizer.weight_decay=0.1",
+        "actor.engine.optimizer.weight_decay=0.1",
         "stats_logger.prompt_ids=true",
         *extra,
     ]

@@ -52,7 +52,7 @@ def test_sbatch_script_layout_and_settings(tiny_model_dir: str, tmp_path: Path) 
         tmp_path,
         {
             "allocation_mode": "vllm:d3t2+fsdp:d16",
-            "actor": {"path": tiny_model_dir},
+            "actor": {"engine": {"path": tiny_model_dir}},
             "train_dataset": {"batch_size": 32},  # split over the 16 data-parallel ranks
             "launcher": {"slurm": {"partition": "gpu", "gpus_per_node": 8, "sbatch_args": ["--qos=high"]}},
         },

@@ -1,7 +1,11 @@
-"""Pure tensor functions of RL algorithms: advantages, reward shaping, KL, policy and value losses.
+"""RL and SFT algorithms, each written once against the TrainEngine contract, so every backend runs it.
 
-They take plain tensors and numbers (no configs, no torch.distributed), so they are tested
-on hand-computed values and reused by every backend through the actors in ``tandemrl.actors``.
+The functions re-exported here are pure tensor math (advantages, reward shaping, KL, policy and
+value losses): plain tensors and numbers, no configs, no torch.distributed, tested on
+hand-computed values. The algorithm classes compose them with an engine, e.g.
+``PPOActor(config.actor, make_engine(backend, config.actor.engine))``: ``ppo`` (PPOActor,
+PPOCritic, PPOBatch), ``reinforce`` (ReinforceActor), ``lm`` (LMEngine, SFT). This package
+imports only ``tandemrl.api``, ``configs``, ``models`` and ``utils.stats_tracker``, never an engine.
 """
 
 from tandemrl.algorithms.advantages import (

@@ -6,7 +6,7 @@
 - ``inference``: ``ModelRequest``/``ModelResponse``, ``ParamSpec``, ``WeightUpdateMeta`` and the
   other values that cross the HTTP boundary.
 - ``generation``: ``GenerationHyperparameters`` (sampling parameters of one request).
-- ``types``: ``TensorDict``, ``ParallelStrategy``, ``FinetuneSpec``, ``SaveLoadMeta``.
+- ``types``: ``TensorDict``, ``RolloutBatch``, ``ParallelStrategy``, ``FinetuneSpec``, ``SaveLoadMeta``.
 - ``allocation``: ``AllocationMode``, the parsed ``allocation_mode`` string.
 """
 
@@ -24,7 +24,7 @@ from tandemrl.api.inference import (
     VersionSpan,
     WeightUpdateMeta,
 )
-from tandemrl.api.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta, TensorDict
+from tandemrl.api.types import FinetuneSpec, ParallelStrategy, RolloutBatch, SaveLoadMeta, TensorDict
 from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "ParallelStrategy",
     "ParamSpec",
     "PostHook",
+    "RolloutBatch",
     "RolloutWorkflow",
     "SaveLoadMeta",
     "StopReason",

@@ -3,12 +3,29 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import torch
 
 # A batch: named tensors. Padded batches are [B, L] with an `attention_mask`;
 # packed micro-batches are 1-D over tokens with `cu_seqlens` (see tandemrl/engines/packing.py).
 TensorDict = dict[str, torch.Tensor]
+
+
+class RolloutBatch(TypedDict):
+    """A padded [B, L] training batch as the rollout workflows produce it.
+
+    Token fields are token-aligned (``logprobs[:, t] = log p(token t | < t)``). An algorithm
+    that adds fields declares them in a TypedDict of its own that extends this one
+    (e.g. ``tandemrl.algorithms.ppo.PPOBatch``).
+    """
+
+    input_ids: torch.Tensor  # [B, L] prompt + response tokens, right-padded
+    attention_mask: torch.Tensor  # [B, L] 1 on real tokens
+    loss_mask: torch.Tensor  # [B, L] 1 on generated (trainable) tokens
+    logprobs: torch.Tensor  # [B, L] behaviour-policy logprob of each generated token, 0 elsewhere
+    versions: torch.Tensor  # [B, L] weight version that generated each token, -1 on prompt/padding
+    rewards: torch.Tensor  # [B] per-sequence reward (some workflows: [B, L] per token)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 from tandemrl.configs.data import DatasetConfig
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from tandemrl.configs.experiment import BaseExperimentConfig, GRPOConfig, PPOConfig, SFTConfig
-from tandemrl.configs.ppo import PPOActorConfig
+from tandemrl.configs.ppo import PPOActorConfig, PPOCriticConfig
 from tandemrl.configs.rollout import GenerationHyperparameters, InferenceEngineConfig
 from tandemrl.configs.utils import (
     ClusterConfig,
@@ -26,6 +26,7 @@ __all__ = [
     "MicroBatchSpec",
     "OptimizerConfig",
     "PPOActorConfig",
+    "PPOCriticConfig",
     "PPOConfig",
     "RecoverConfig",
     "SFTConfig",

@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 from tandemrl.configs.data import DatasetConfig
-from tandemrl.configs.ppo import PPOActorConfig
+from tandemrl.configs.ppo import PPOActorConfig, PPOCriticConfig
 from tandemrl.configs.rollout import GenerationHyperparameters
 
 CHECK_ONLY_ENV = "TANDEMRL_CHECK_ONLY"
@@ -84,10 +84,9 @@ def _groups_fit(config: Any, dp: int) -> Problem | None:
     per_rank = train.batch_size // dp * gconfig.n_samples
     for key in ("actor", "critic"):
         cfg = getattr(config, key, None)
-        if not isinstance(cfg, PPOActorConfig):
+        if not isinstance(cfg, (PPOActorConfig, PPOCriticConfig)):
             continue
-        norm = cfg.adv_norm
-        if cfg.group_size == 1 and "group" in (norm.mean_level, norm.std_level) and key == "actor":
+        if isinstance(cfg, PPOActorConfig) and cfg.group_size == 1 and "group" in _norm_levels(cfg):
             return f"{key}.group_size", "must be > 1 when adv_norm uses group-level statistics (level: group)"
         if per_rank % cfg.group_size:
             return (
@@ -103,6 +102,10 @@ def _groups_fit(config: Any, dp: int) -> Problem | None:
                 f"in each rank's batch of {per_rank} sequences, got {cfg.ppo_n_minibatches}",
             )
     return None
+
+
+def _norm_levels(cfg: PPOActorConfig) -> tuple[str, str]:
+    return cfg.adv_norm.mean_level, cfg.adv_norm.std_level
 
 
 def first_problem(config: Any) -> Problem | None:

@@ -117,10 +117,6 @@ class TrainEngineConfig:
         metadata={"help": "None builds a forward-only engine (e.g. a reference model)."},
     )
     seed: int = field(default=1, metadata={"help": "Seed for random init and dropout."})
-    backend: str = field(
-        default="",
-        metadata={"help": "Extra backend options as a string (e.g. a DeepSpeed JSON path); backend-specific."},
-    )
     is_critic: bool = field(
         default=False,
         metadata={"help": "Build a value model: the LM body with a 1-output token head ([T, 1] 'logits' are values)."},

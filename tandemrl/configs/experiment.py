@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from tandemrl.configs.data import DatasetConfig
 from tandemrl.configs.engine import TrainEngineConfig
-from tandemrl.configs.ppo import PPOActorConfig
+from tandemrl.configs.ppo import PPOActorConfig, PPOCriticConfig
 from tandemrl.configs.rollout import GenerationHyperparameters, InferenceEngineConfig
 from tandemrl.configs.utils import (
     ClusterConfig,
@@ -58,11 +58,13 @@ class GRPOConfig(BaseExperimentConfig):
     gconfig: GenerationHyperparameters = field(default_factory=GenerationHyperparameters)
     rollout: InferenceEngineConfig = field(default_factory=InferenceEngineConfig)
     actor: PPOActorConfig = field(default_factory=PPOActorConfig)
-    ref: PPOActorConfig | None = field(default=None)
+    ref: TrainEngineConfig | None = field(
+        default=None, metadata={"help": "Frozen reference model for the KL term (path empty = actor's)."}
+    )
 
 
 @dataclass
 class PPOConfig(GRPOConfig):
     """PPO with a learned critic."""
 
-    critic: PPOActorConfig = field(default_factory=PPOActorConfig)
+    critic: PPOCriticConfig = field(default_factory=PPOCriticConfig)

@@ -36,7 +36,8 @@ from tandemrl.configs.checks import InputsChecked, check_only, configs_seen, fir
 from tandemrl.configs.data import DatasetConfig
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from tandemrl.configs.experiment import GRPOConfig, PPOConfig, SFTConfig
-from tandemrl.configs.ppo import PPOActorConfig
+from tandemrl.configs.moved import retired_key
+from tandemrl.configs.ppo import PPOActorConfig, PPOCriticConfig
 from tandemrl.configs.rollout import GenerationHyperparameters, InferenceEngineConfig
 from tandemrl.configs.utils import (
     ClusterConfig,
@@ -73,8 +74,9 @@ ROOT_CONFIGS: dict[str, type] = {"sft": SFTConfig, "grpo": GRPOConfig, "ppo": PP
 COMPONENT_CONFIGS: dict[tuple[str, str], type] = {
     ("model", "train_engine"): TrainEngineConfig,
     ("actor", "ppo_actor"): PPOActorConfig,
-    ("critic", "ppo_actor"): PPOActorConfig,
-    ("ref", "ppo_actor"): PPOActorConfig,
+    ("critic", "ppo_critic"): PPOCriticConfig,
+    ("ref", "train_engine"): TrainEngineConfig,
+    ("engine", "train_engine"): TrainEngineConfig,
     ("optimizer", "adamw"): OptimizerConfig,
     ("mb_spec", "default"): MicroBatchSpec,
     ("train_dataset", "dataset"): DatasetConfig,
@@ -204,11 +206,19 @@ def _unknown_key(full_key: str, parent: str, valid: list[str], where: str) -> Co
     return ConfigError(f"Unknown config key '{full_key}' {where} ({hint}valid keys {at}: {shown})")
 
 
+def _raise_if_retired(parent: type, prefix: str, name: str, rest: str, where: str) -> None:
+    """A key that moved or was removed (``tandemrl.configs.moved``): one line naming the new key."""
+    reason = retired_key(parent, prefix, name, rest)
+    if reason is not None:
+        raise ConfigError(f"{reason} (set {where})")
+
+
 def _lookup(schema: type, key: str, where: str) -> Any:
     """Annotation of ``key`` (or ``_OPEN``); an unknown key raises naming the first bad part."""
     annotation: Any = schema
     prefix = ""
-    for part in key.split("."):
+    parts = key.split(".")
+    for i, part in enumerate(parts):
         if _is_open(annotation):
             return _OPEN
         inner, _ = _unwrap_optional(annotation)
@@ -217,6 +227,7 @@ def _lookup(schema: type, key: str, where: str) -> Any:
             raise ConfigError(
                 f"Unknown config key '{full}' {where} ('{prefix}' is not a mapping; it expects {_type_name(annotation)})"
             )
+        _raise_if_retired(inner, prefix, part, "".join(f".{p}" for p in parts[i + 1 :]), where)
         fields = _field_types(inner)
         if part not in fields:
             raise _unknown_key(full, prefix, list(fields), where)
@@ -245,6 +256,8 @@ def _check_keys(data: Any, annotation: Any, prefix: str, where: str) -> None:
     fields = _field_types(inner)
     for key, value in data.items():
         full = _join(prefix, key)
+        if isinstance(key, str):
+            _raise_if_retired(inner, prefix, key, "", where)
         if not isinstance(key, str) or key not in fields:
             raise _unknown_key(full, prefix, list(fields), where)
         _check_keys(value, fields[key], full, where)

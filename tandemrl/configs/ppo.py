@@ -1,4 +1,8 @@
-"""Config of a PPO-family actor or critic (GRPO, DAPO, RLOO, ... are presets of it)."""
+"""Configs of the PPO-family actor (GRPO, DAPO, RLOO, ... are presets of it) and of the PPO critic.
+
+Each holds its algorithm fields plus ``engine``: the model it trains and how (a
+:class:`TrainEngineConfig`, YAML ``actor.engine.*``); the algorithm never inherits the engine's fields.
+"""
 
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ class NormConfig:
 
 
 @dataclass
-class PPOActorConfig(TrainEngineConfig):
+class PPOActorConfig:
     """A policy trained with a PPO-style objective; algorithms are choices of these fields.
 
     ============  ==============================================================================
@@ -58,7 +62,7 @@ class PPOActorConfig(TrainEngineConfig):
                   kl_ctl > 0 with a reference model (KL as per-token reward, kl_estimator: k2)
     GSPO          GRPO's adv_norm; importance_sampling_level: sequence; eps_clip: 3e-4,
                   eps_clip_higher: 4e-4; loss_agg_mode: seq-mean-token-mean
-    PPO (critic)  critic: PPOActorConfig with is_critic: true; batch['values'] from
+    PPO (critic)  critic: PPOCriticConfig (its engine has is_critic: true); batch['values'] from
                   PPOCritic.compute_values; discount/gae_lambda for GAE;
                   adv_norm: {mean_level: batch, std_level: batch, unit: token}
     ReMax         ReMaxRLVRWorkflow rewards (sample - greedy); adv_norm: {mean_level: none,
@@ -68,6 +72,9 @@ class PPOActorConfig(TrainEngineConfig):
     Off-policy (asynchronous) samples: use_decoupled_loss + recompute_logprob + behav_imp_weight_cap.
     """
 
+    engine: TrainEngineConfig = field(
+        default_factory=TrainEngineConfig, metadata={"help": "The policy model and how it is trained."}
+    )
     group_size: int = field(default=1, metadata={"help": "Samples per prompt (GRPO group).", "min": 1})
     ppo_n_minibatches: int = field(default=1, metadata={"help": "Minibatches per PPO epoch.", "min": 1})
     ppo_n_epochs: int = field(default=1, metadata={"help": "Passes over each batch.", "min": 1})
@@ -125,6 +132,25 @@ class PPOActorConfig(TrainEngineConfig):
         default_factory=list,
         metadata={"help": "EOS/stop ids for mask_no_eos/no_eos_penalty; empty reads the model's eos_token_id."},
     )
+
+
+def _critic_engine() -> TrainEngineConfig:
+    return TrainEngineConfig(is_critic=True)
+
+
+@dataclass
+class PPOCriticConfig:
+    """The PPO value model: a clipped value-loss fit of the returns the actor computes (GAE)."""
+
+    engine: TrainEngineConfig = field(
+        default_factory=_critic_engine,
+        metadata={"help": "The value model (is_critic: true builds the 1-output head; path empty = actor's)."},
+    )
+    group_size: int = field(
+        default=1, metadata={"help": "Rows kept together when splitting minibatches (as the actor's).", "min": 1}
+    )
+    ppo_n_minibatches: int = field(default=1, metadata={"help": "Minibatches per epoch.", "min": 1})
+    ppo_n_epochs: int = field(default=1, metadata={"help": "Passes over each batch.", "min": 1})
     eps_clip_value: float | None = field(
-        default=None, metadata={"help": "Critic only: clip new values to old +- this in the value loss."}
+        default=None, metadata={"help": "Clip new values to old +- this in the value loss; None: no clip."}
     )

@@ -20,7 +20,12 @@ class InferenceEngineConfig:
         default=None, metadata={"help": "Input/output queue size; None picks a default.", "min": 1}
     )
     consumer_batch_size: int = field(
-        default=1, metadata={"help": "Trajectories the trainer consumes per step.", "min": 1}
+        default=1,
+        metadata={
+            "help": "Trajectories the trainer consumes per step; RLTrainer derives it "
+            "(train_dataset.batch_size per data-parallel rank), so RL configs leave it unset.",
+            "min": 1,
+        },
     )
     max_head_offpolicyness: int = field(
         default=0, metadata={"help": "Max versions a sample may lag the trainer; 0 is synchronous RL.", "min": 0}

@@ -14,7 +14,7 @@ from typing import Any
 from tandemrl.api.allocation import AllocationMode
 
 # Keys that may hold the policy model, in the order they are looked for.
-MODEL_KEYS = ("actor.path", "model.path")
+MODEL_KEYS = ("actor.engine.path", "model.path")
 
 
 class LaunchError(RuntimeError):

@@ -19,15 +19,22 @@ from tandemrl.utils.cli import exit_with_error
 
 T = TypeVar("T")
 
-_ENGINE_KEYS = ("actor", "model", "ref", "critic")
-_REQUIRED_ENGINES = ("actor", "model")  # ref and critic default to the actor's path
+# Engine configs (TrainEngineConfig) that may name a model directory, as dotted keys.
+_ENGINE_KEYS = ("actor.engine", "model", "ref", "critic.engine")
+_REQUIRED_ENGINES = ("actor.engine", "model")  # ref and critic default to the actor's path
 _DATASET_KEYS = ("train_dataset", "valid_dataset")
+
+
+def _at(config: Any, key: str) -> Any:
+    for part in key.split("."):
+        config = getattr(config, part, None)
+    return config
 
 
 def check_inputs(config: Any) -> None:
     """Model paths and dataset files the config points to; raises one line naming the key or file."""
     for key in _ENGINE_KEYS:
-        path = getattr(getattr(config, key, None), "path", None)
+        path = getattr(_at(config, key), "path", None)
         if not isinstance(path, str) or path.startswith(TINY_PREFIX):
             continue
         if path or key in _REQUIRED_ENGINES:

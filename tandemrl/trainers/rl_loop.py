@@ -4,13 +4,16 @@ An RL script builds an :class:`RLTrainer` (engines, data, rollout clients, saver
 evaluator, logger), picks its workflows and extra engines (reference, critic), and
 hands :meth:`RLTrainer.run` a function that turns one rollout batch into updates::
 
-    trainer = RLTrainer(config, "ppo_actor", name="grpo")
+    trainer = RLTrainer(config, name="grpo")  # builds the actor's engine: trainer.actor
+    actor = PPOActor(config.actor, trainer.actor)  # the algorithm, composed with that engine
     workflow, eval_workflow = trainer.rlvr_workflows(gsm8k_reward_fn)
-    trainer.run(workflow, ppo_train_step(trainer.actor, config.actor, ref=trainer.reference()), eval_workflow)
+    trainer.run(workflow, ppo_train_step(actor, ref=trainer.reference()), eval_workflow)
     trainer.close()
 
-Steps provided here: :func:`ppo_train_step` (PPO family, optionally with reference and
-critic) and :func:`reinforce_train_step` (ReMax). Each step of the loop: rollout
+Engines come from ``tandemrl.engines.registry`` (one row per backend); algorithms from
+``tandemrl.algorithms`` take an engine, so any algorithm runs on any backend. Steps provided
+here: :func:`ppo_train_step` (PPO family, optionally with reference and critic) and
+:func:`reinforce_train_step` (ReMax). Each step of the loop: rollout
 (``prepare_batch`` when ``async_training`` else ``rollout_batch``) ->
 ``train_step(batch, global_step)`` -> pause / update_weights / set_version / resume ->
 save -> evaluate -> log -> recoverable checkpoint (``recover.mode`` auto/resume, every
@@ -25,22 +28,24 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from tandemrl.actors.registry import engine_class
+from tandemrl.algorithms.ppo import PPOActor, PPOBatch, PPOCritic
+from tandemrl.algorithms.reinforce import ReinforceActor
 from tandemrl.api.allocation import AllocationMode
+from tandemrl.api.engine import TrainEngine
 from tandemrl.api.inference import WeightUpdateMeta
-from tandemrl.api.types import FinetuneSpec, TensorDict
+from tandemrl.api.types import FinetuneSpec, RolloutBatch, TensorDict
 from tandemrl.api.workflow import RolloutWorkflow
 from tandemrl.configs import GRPOConfig
 from tandemrl.configs.engine import TrainEngineConfig
 from tandemrl.configs.loader import save_config
-from tandemrl.configs.ppo import PPOActorConfig
 from tandemrl.data.loader import create_dataloader, dataset_from_config
+from tandemrl.engines.registry import make_engine
 from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.inference.remote import remote_engine_for
 from tandemrl.models.hf import load_hf_tokenizer, model_context_length
@@ -72,10 +77,12 @@ def weight_update_meta(config: GRPOConfig, alloc: AllocationMode) -> WeightUpdat
     return box[0]
 
 
-def ppo_train_step(actor: Any, config: PPOActorConfig, ref: Any = None, critic: Any = None) -> TrainStep:
+def ppo_train_step(actor: PPOActor, ref: PPOActor | None = None, critic: PPOCritic | None = None) -> TrainStep:
     """The PPO-family step (GRPO, DAPO, RLOO, ..., PPO with ``critic``): logp, values, advantages, updates."""
+    config = actor.config
 
-    def step(batch: TensorDict, global_step: int) -> None:
+    def step(rollout: TensorDict, global_step: int) -> None:
+        batch = cast(PPOBatch, rollout)
         with stats_tracker.record_timing("compute_logp"):
             if config.recompute_logprob or config.use_decoupled_loss:
                 batch["prox_logp"] = actor.compute_logp(batch)
@@ -85,24 +92,24 @@ def ppo_train_step(actor: Any, config: PPOActorConfig, ref: Any = None, critic: 
             with stats_tracker.record_timing("compute_values"):
                 batch["values"] = critic.compute_values(batch)
         with stats_tracker.record_timing("train_step"), stats_tracker.scope("actor"):
-            actor.compute_advantages(batch)
+            batch = actor.compute_advantages(batch)
             actor.ppo_update(batch)
-            actor.step_lr_scheduler()
+            actor.engine.step_lr_scheduler()
         if critic is not None:
             with stats_tracker.record_timing("critic_train_step"), stats_tracker.scope("critic"):
                 critic.ppo_update(batch)
-                critic.step_lr_scheduler()
+                critic.engine.step_lr_scheduler()
 
     return step
 
 
-def reinforce_train_step(actor: Any) -> TrainStep:
+def reinforce_train_step(actor: ReinforceActor) -> TrainStep:
     """The REINFORCE step (ReMax with ``ReMaxRLVRWorkflow``): one update on the workflow's rewards as advantages."""
 
     def step(batch: TensorDict, global_step: int) -> None:
         with stats_tracker.record_timing("train_step"), stats_tracker.scope("actor"):
-            actor.train_reinforce(batch)
-            actor.step_lr_scheduler()
+            actor.train_reinforce(cast(RolloutBatch, batch))
+            actor.engine.step_lr_scheduler()
 
     return step
 
@@ -124,21 +131,26 @@ def _mean(xs: list[float]) -> float:
 
 
 class RLTrainer:
-    """Builds the pieces of an RL run from a GRPOConfig (or subclass) and runs the shared loop."""
+    """Builds the pieces of an RL run from a GRPOConfig (or subclass) and runs the shared loop.
 
-    def __init__(self, config: GRPOConfig, actor_algorithm: str = "ppo_actor", name: str = "grpo") -> None:
+    ``actor`` is the policy's TrainEngine (backend from ``allocation_mode``); the script composes
+    its algorithm with it, e.g. ``PPOActor(config.actor, trainer.actor)``.
+    """
+
+    def __init__(self, config: GRPOConfig, name: str = "grpo") -> None:
         alloc = AllocationMode.from_str(config.allocation_mode)
         if alloc.train is None or alloc.gen is None:
             raise ValueError(f"allocation_mode: '{config.allocation_mode}' needs an inference and a training component")
         self.config, self.alloc, self.name = config, alloc, name
-        config.actor.path = resolve_model_path(config.actor.path, "actor.path", corpus_path=config.train_dataset.path)
+        model = config.actor.engine
+        model.path = resolve_model_path(model.path, "actor.engine.path", corpus_path=config.train_dataset.path)
 
-        self.actor = engine_class(actor_algorithm, alloc.train_backend)(config.actor)
+        self.actor = make_engine(alloc.train_backend, model)
         self.actor.create_process_group(alloc.train.strategy)
         rank, world = self.actor.data_parallel_rank, self.actor.data_parallel_world_size
-        self.tokenizer = load_hf_tokenizer(config.tokenizer_path or config.actor.path)
+        self.tokenizer = load_hf_tokenizer(config.tokenizer_path or model.path)
 
-        context = model_context_length(config.actor.path)
+        context = model_context_length(model.path)
         train_ds = dataset_from_config(config.train_dataset, self.tokenizer, rank, world, context)
         self.train_dl = create_dataloader(train_ds, config.train_dataset, rank, world, seed=config.seed)
         self.valid_dl = None
@@ -152,16 +164,19 @@ class RLTrainer:
             total_train_steps_override=config.total_train_steps,
         )
         self.actor.initialize(None, self.ft_spec)
-        self._extra_engines: list[Any] = []
+        self._extra_engines: list[TrainEngine] = []
 
         # Each trainer rank runs its own client; servers come from the launcher's environment.
-        config.rollout.consumer_batch_size = config.train_dataset.batch_size // world
-        self.rollout = remote_engine_for(alloc.gen_backend, config.rollout)
+        # One step consumes this rank's share of a dataloader batch (derived, never set in a config file).
+        rollout_config = dataclasses.replace(
+            config.rollout, consumer_batch_size=config.train_dataset.batch_size // world
+        )
+        self.rollout = remote_engine_for(alloc.gen_backend, rollout_config)
         self.rollout.initialize()
         self.eval_rollout = None
         if self.valid_dl is not None:
             # Evaluation is never throttled by staleness: it does not train on what it generates.
-            eval_cfg = dataclasses.replace(config.rollout, max_head_offpolicyness=10**6, stats_name="eval-rollout")
+            eval_cfg = dataclasses.replace(rollout_config, max_head_offpolicyness=10**6, stats_name="eval-rollout")
             self.eval_rollout = remote_engine_for(alloc.gen_backend, eval_cfg)
             self.eval_rollout.initialize()
         self.meta = weight_update_meta(config, alloc)
@@ -179,20 +194,28 @@ class RLTrainer:
         self.summary = RunSummary()
 
     # ------------------------------------------------------------------ parts
-    def add_engine(self, algorithm: str, engine_config: TrainEngineConfig, field_name: str) -> Any:
-        """Another engine on the training ranks (reference, critic); its path defaults to the actor's."""
-        engine_config.path = resolve_model_path(engine_config.path or self.config.actor.path, f"{field_name}.path")
-        engine = engine_class(algorithm, self.alloc.train_backend)(engine_config)
+    def add_engine(self, engine_config: TrainEngineConfig, key: str) -> TrainEngine:
+        """Another engine on the training ranks (reference, critic) from the config at ``key``.
+
+        Its path defaults to the actor's; e.g. ``PPOCritic(config.critic, trainer.add_engine(config.critic.engine,
+        "critic.engine"))``.
+        """
+        actor_path = self.config.actor.engine.path
+        engine_config.path = resolve_model_path(engine_config.path or actor_path, f"{key}.path")
+        engine = make_engine(self.alloc.train_backend, engine_config)
         engine.create_process_group(self.alloc.train.strategy)
         engine.initialize(None, self.ft_spec)
         self._extra_engines.append(engine)
-        self._named_engines[field_name] = engine
+        self._named_engines[key.split(".")[0]] = engine
         return engine
 
-    def reference(self) -> Any:
-        """The frozen reference policy when the KL term is on (``actor.kl_ctl > 0`` and ``ref`` set), else None."""
+    def reference(self) -> PPOActor | None:
+        """The frozen reference policy when the KL term is on (``actor.kl_ctl > 0`` and ``ref`` set), else None.
+
+        It computes ``ref_logp`` with the actor's algorithm settings (temperature) on the ``ref`` model.
+        """
         if self.config.actor.kl_ctl > 0 and self.config.ref is not None:
-            return self.add_engine("ppo_actor", self.config.ref, "ref")
+            return PPOActor(self.config.actor, self.add_engine(self.config.ref, "ref"))
         return None
 
     def rlvr_workflows(

@@ -18,12 +18,13 @@ import torch.distributed as dist
 from fsdp_checks import make_batch, rank_slice
 from ppo_checks import GROUP, make_rollout_batch
 
-from tandemrl.actors.deepspeed import DeepSpeedLMEngine, DeepSpeedPPOActor, DeepSpeedPPOCritic
-from tandemrl.actors.ppo import PPOActor
+from tandemrl.algorithms.lm import LMEngine
+from tandemrl.algorithms.ppo import PPOActor, PPOCritic
 from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.configs.engine import DeepSpeedEngineConfig, MicroBatchSpec, OptimizerConfig, TrainEngineConfig
-from tandemrl.configs.ppo import PPOActorConfig
+from tandemrl.configs.ppo import PPOActorConfig, PPOCriticConfig
 from tandemrl.engines.base import init_default_process_group
+from tandemrl.engines.deepspeed import DeepSpeedEngine
 from tandemrl.engines.teardown import destroy_process_groups
 
 STAGES = (1, 2, 3)
@@ -38,7 +39,7 @@ CONTINUED_SEEDS = (300, 301, 302)
 TOTAL_STEPS = 10  # linear LR decay over these, so a resumed schedule shows in the losses
 
 
-def engine(stage: int, dtype: str = "float32", gradient_checkpointing: bool = False) -> DeepSpeedLMEngine:
+def engine(stage: int, dtype: str = "float32", gradient_checkpointing: bool = False) -> DeepSpeedEngine:
     cfg = TrainEngineConfig(
         path=ARGS.model,
         dtype=dtype,
@@ -48,14 +49,14 @@ def engine(stage: int, dtype: str = "float32", gradient_checkpointing: bool = Fa
         # 1 MB buckets: the tiny model's weights take several gathers under ZeRO-3.
         deepspeed=DeepSpeedEngineConfig(zero_stage=stage, param_gather_bucket_mb=1),
     )
-    e = DeepSpeedLMEngine(cfg)
+    e = DeepSpeedEngine(cfg)
     e.create_process_group()
     e.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=TOTAL_STEPS, train_batch_size=1))
     return e
 
 
-def step(e: DeepSpeedLMEngine, seed: int) -> dict[str, float]:
-    stats = e.train_lm(rank_slice(make_batch(seed)))
+def step(e: DeepSpeedEngine, seed: int) -> dict[str, float]:
+    stats = LMEngine(e).train_lm(rank_slice(make_batch(seed)))
     e.step_lr_scheduler()
     return stats
 
@@ -101,26 +102,29 @@ def train_bf16(stage: int) -> dict:
 
 def other_models() -> dict:
     """A ZeRO-3 critic (3 value updates) alive next to forward-only reference engines (ZeRO-1 and -3)."""
-    cfg = PPOActorConfig(path=ARGS.model, group_size=GROUP, optimizer=OptimizerConfig(lr=1e-5))
-    cfg.is_critic, cfg.deepspeed = True, DeepSpeedEngineConfig(zero_stage=3)
-    critic = DeepSpeedPPOCritic(cfg)
-    critic.create_process_group()
-    critic.initialize(None, None)
+    zero3 = DeepSpeedEngineConfig(zero_stage=3)
+    cfg = TrainEngineConfig(path=ARGS.model, optimizer=OptimizerConfig(lr=1e-5), is_critic=True, deepspeed=zero3)
+    critic_engine = DeepSpeedEngine(cfg)
+    critic = PPOCritic(PPOCriticConfig(engine=cfg, group_size=GROUP), critic_engine)
+    critic_engine.create_process_group()
+    critic_engine.initialize(None, None)
     batch = make_rollout_batch(ARGS.model)
     out: dict = {"batch": batch, "ref_logp": {}}
     for stage in (1, 3):
-        ref_cfg = PPOActorConfig(path=ARGS.model, group_size=GROUP, optimizer=None)
-        ref_cfg.deepspeed = DeepSpeedEngineConfig(zero_stage=stage)
-        ref = DeepSpeedPPOActor(ref_cfg)
-        ref.create_process_group()
-        ref.initialize(None, None)
+        ref_cfg = TrainEngineConfig(path=ARGS.model, optimizer=None, deepspeed=DeepSpeedEngineConfig(zero_stage=stage))
+        ref_engine = DeepSpeedEngine(ref_cfg)
+        ref = PPOActor(PPOActorConfig(engine=ref_cfg, group_size=GROUP), ref_engine)
+        ref_engine.create_process_group()
+        ref_engine.initialize(None, None)
         out["ref_logp"][stage] = ref.compute_logp(batch)  # the whole batch on both ranks
-        ref.destroy()
+        ref_engine.destroy()
     mine = rank_slice(batch)
     mine["values"] = critic.compute_values(mine)
-    PPOActor(PPOActorConfig(path=ARGS.model, group_size=GROUP), critic).compute_advantages(mine)
+    mine = PPOActor(
+        PPOActorConfig(engine=TrainEngineConfig(path=ARGS.model), group_size=GROUP), critic_engine
+    ).compute_advantages(mine)
     out["critic_losses"] = [critic.ppo_update(mine)[0]["loss"] for _ in range(3)]
-    critic.destroy()
+    critic_engine.destroy()
     return out
 
 

@@ -25,30 +25,31 @@ import torch
 import torch.distributed as dist
 from sync_checks import RecordingClient, greedy_outputs, make_rollout, memorize_batch, version_label
 
-from tandemrl.actors.deepspeed import DeepSpeedLMEngine
+from tandemrl.algorithms.lm import LMEngine
 from tandemrl.api.allocation import AllocationMode
 from tandemrl.api.inference import WeightUpdateMeta
 from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.configs.engine import DeepSpeedEngineConfig, OptimizerConfig, TrainEngineConfig
+from tandemrl.engines.deepspeed import DeepSpeedEngine
 from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.inference.remote import RemoteVLLMEngine
 from tandemrl.inference.weight_group import parse_buckets_json
 
 
-def make_engine(model: str, lr: float) -> DeepSpeedLMEngine:
+def make_engine(model: str, lr: float) -> DeepSpeedEngine:
     cfg = TrainEngineConfig(
         path=model,
         optimizer=OptimizerConfig(lr=lr, gradient_clipping=0.0),
         deepspeed=DeepSpeedEngineConfig(zero_stage=3, param_gather_bucket_mb=1),
     )
-    engine = DeepSpeedLMEngine(cfg)
+    engine = DeepSpeedEngine(cfg)
     engine.create_process_group()
     engine.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=8, train_batch_size=1))
     return engine
 
 
 def push(
-    engine: DeepSpeedLMEngine,
+    engine: DeepSpeedEngine,
     rollout: RemoteVLLMEngine,
     meta: WeightUpdateMeta,
     prompts: list,
@@ -104,7 +105,7 @@ def main(args: argparse.Namespace) -> None:
     try:
         batch = memorize_batch(int(engine.model_config.vocab_size), seed=7)
         shard = {k: v[rank :: dist.get_world_size()] for k, v in batch.items()}
-        losses = [engine.train_lm(shard)["loss"] for _ in range(args.steps)]
+        losses = [LMEngine(engine).train_lm(shard)["loss"] for _ in range(args.steps)]
         engine.save(SaveLoadMeta(path=os.path.join(args.out, "exported"), weight_format="hf"))
 
         disk_record = {"losses": losses, **push(engine, rollout, disk, prompts)}  # labelled 1

@@ -8,10 +8,11 @@ import os
 import torch
 import torch.distributed as dist
 
-from tandemrl.actors.fsdp import FSDPLMEngine
+from tandemrl.algorithms.lm import LMEngine
 from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from tandemrl.engines.base import init_default_process_group
+from tandemrl.engines.fsdp import FSDPEngine
 from tandemrl.engines.teardown import destroy_process_groups
 
 VOCAB = 200
@@ -35,9 +36,9 @@ def rank_slice(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v[r * n : (r + 1) * n] for k, v in batch.items()}
 
 
-def engine(model: str, mb: MicroBatchSpec, lr: float = 1e-4) -> FSDPLMEngine:
+def engine(model: str, mb: MicroBatchSpec, lr: float = 1e-4) -> FSDPEngine:
     cfg = TrainEngineConfig(path=model, mb_spec=mb, optimizer=OptimizerConfig(lr=lr, gradient_clipping=1.0))
-    e = FSDPLMEngine(cfg)
+    e = FSDPEngine(cfg)
     e.create_process_group()
     e.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=100, train_batch_size=10))
     return e
@@ -55,7 +56,7 @@ def invariance(args: argparse.Namespace) -> None:
         e = engine(args.model, spec)
         norms, losses = [], []
         for step in range(2):
-            stats = e.train_lm(rank_slice(make_batch(100 + step)))
+            stats = LMEngine(e).train_lm(rank_slice(make_batch(100 + step)))
             norms.append(stats["grad_norm"])
             losses.append(stats["loss"])
         sd = e.full_state_dict()
@@ -69,7 +70,7 @@ def checkpoint(args: argparse.Namespace) -> None:
     """Train, export HF + DCP, then record the next three losses and the engine's logits."""
     e = engine(args.model, MicroBatchSpec(n_mbs=2))
     for step in range(2):
-        e.train_lm(rank_slice(make_batch(200 + step)))
+        LMEngine(e).train_lm(rank_slice(make_batch(200 + step)))
         e.step_lr_scheduler()
     e.set_version(2)
     e.save(SaveLoadMeta(path=os.path.join(args.out, "hf"), weight_format="hf", tokenizer_path=args.tokenizer))
@@ -78,7 +79,7 @@ def checkpoint(args: argparse.Namespace) -> None:
     logits = e.forward(probe)
     losses = []
     for step in range(3):
-        losses.append(e.train_lm(rank_slice(make_batch(300 + step)))["loss"])
+        losses.append(LMEngine(e).train_lm(rank_slice(make_batch(300 + step)))["loss"])
         e.step_lr_scheduler()
     if dist.get_rank() == 0:
         torch.save({"losses": losses, "logits": logits, "probe": probe}, os.path.join(args.out, "continued.pt"))
@@ -95,10 +96,10 @@ def variants(args: argparse.Namespace) -> None:
         "bf16": {"mixed_precision": "bfloat16"},
     }.items():
         cfg = TrainEngineConfig(path=args.model, optimizer=OptimizerConfig(lr=1e-4), **extra)
-        e = FSDPLMEngine(cfg)
+        e = FSDPEngine(cfg)
         e.create_process_group()
         e.initialize(None, None)
-        stats = e.train_lm(batch)
+        stats = LMEngine(e).train_lm(batch)
         out[tag] = {"stats": stats, "params": e.full_state_dict()}
         e.destroy()
     e = engine(args.model, MicroBatchSpec())
@@ -123,7 +124,7 @@ def resume(args: argparse.Namespace) -> None:
     assert e.get_version() == 2, e.get_version()
     losses = []
     for step in range(3):
-        losses.append(e.train_lm(rank_slice(make_batch(300 + step)))["loss"])
+        losses.append(LMEngine(e).train_lm(rank_slice(make_batch(300 + step)))["loss"])
         e.step_lr_scheduler()
     if dist.get_rank() == 0:
         torch.save({"losses": losses}, os.path.join(args.out, "resumed.pt"))

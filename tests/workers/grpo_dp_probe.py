@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandemrl.algorithms.ppo import PPOActor
 from tandemrl.configs import GRPOConfig
 from tandemrl.rewards.gsm8k import gsm8k_reward_fn
 from tandemrl.trainers.entry import load_config_or_exit
@@ -50,12 +51,12 @@ def recording(step: TrainStep, actor: Any, path: Path) -> TrainStep:
 
 def main(argv: list[str]) -> None:
     config, _ = load_config_or_exit(argv, GRPOConfig)
-    trainer = RLTrainer(config, "ppo_actor", name="grpo")
+    trainer = RLTrainer(config, name="grpo")
     out = Path(config.cluster.fileroot) / "dp_probe" / config.trial_name
     out.mkdir(parents=True, exist_ok=True)
     workflow, eval_workflow = trainer.rlvr_workflows(gsm8k_reward_fn)
     step = recording(
-        ppo_train_step(trainer.actor, config.actor), trainer.actor, out / f"rank{os.environ['RANK']}.jsonl"
+        ppo_train_step(PPOActor(config.actor, trainer.actor)), trainer.actor, out / f"rank{os.environ['RANK']}.jsonl"
     )
     trainer.run(workflow, step, eval_workflow)
     trainer.close()

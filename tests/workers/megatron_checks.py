@@ -26,12 +26,13 @@ import torch.distributed as dist
 from fsdp_checks import make_batch
 from parity_checks import dp_slice
 
-from tandemrl.actors.megatron import MegatronLMEngine
+from tandemrl.algorithms.lm import LMEngine
 from tandemrl.api.allocation import AllocationMode
 from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from tandemrl.engines.base import init_default_process_group
 from tandemrl.engines.megatron.checkpoint import CKPT_SUBDIR
+from tandemrl.engines.megatron.engine import MegatronEngine
 from tandemrl.engines.teardown import destroy_process_groups
 
 FIRST_SEED = 100
@@ -42,7 +43,7 @@ TOTAL_STEPS = 10  # linear LR decay over these, so a resumed schedule shows in t
 
 def engine(
     allocation: str, model: str, n_mbs: int = 2, dist_opt: bool = True, dtype: str = "float32"
-) -> MegatronLMEngine:
+) -> MegatronEngine:
     cfg = TrainEngineConfig(
         path=model,
         dtype=dtype,
@@ -50,14 +51,14 @@ def engine(
         optimizer=OptimizerConfig(lr=1e-3, gradient_clipping=1.0, lr_scheduler_type="linear"),
     )
     cfg.megatron.use_distributed_optimizer = dist_opt
-    e = MegatronLMEngine(cfg)
+    e = MegatronEngine(cfg)
     e.create_process_group(AllocationMode.from_str(allocation).train.strategy)
     e.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=TOTAL_STEPS, train_batch_size=1))
     return e
 
 
-def step(e: MegatronLMEngine, seed: int) -> dict[str, float]:
-    stats = e.train_lm(dp_slice(e, make_batch(seed)))
+def step(e: MegatronEngine, seed: int) -> dict[str, float]:
+    stats = LMEngine(e).train_lm(dp_slice(e, make_batch(seed)))
     e.step_lr_scheduler()
     return stats
 
@@ -103,7 +104,7 @@ def train() -> None:
 
     # Pipeline stages: rank 0 (first stage) must report the stats the loss function recorded on rank 1.
     pp = engine("megatron:p2", ARGS.model)
-    out["pp_eval"] = pp.evaluate_lm(dp_slice(pp, make_batch(FIRST_SEED)))  # weights before the step
+    out["pp_eval"] = LMEngine(pp).evaluate_lm(dp_slice(pp, make_batch(FIRST_SEED)))  # weights before the step
     pp.export_stats()  # drop what earlier engines recorded
     out["pp_step"] = step(pp, FIRST_SEED)
     out["pp_stats"] = pp.export_stats()

@@ -24,14 +24,14 @@ import torch.distributed as dist
 from fsdp_checks import make_batch
 from ppo_checks import CONFIGS, GROUP, make_rollout_batch
 
-from tandemrl.actors.lm import LMEngine
-from tandemrl.actors.ppo import PPOActor
-from tandemrl.actors.registry import engine_class
+from tandemrl.algorithms.lm import LMEngine
+from tandemrl.algorithms.ppo import PPOActor, PPOCritic
 from tandemrl.api.allocation import AllocationMode
 from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
-from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig
-from tandemrl.configs.ppo import PPOActorConfig
+from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
+from tandemrl.configs.ppo import PPOActorConfig, PPOCriticConfig
 from tandemrl.engines.base import init_default_process_group
+from tandemrl.engines.registry import make_engine
 from tandemrl.engines.teardown import destroy_process_groups
 
 SFT_STEPS = 5
@@ -72,13 +72,13 @@ def dp_sum(engine: Any, value: torch.Tensor) -> float:
     return float(t)
 
 
-def build(algorithm: str, case: dict[str, Any], cfg: PPOActorConfig, steps: int) -> Any:
+def build(case: dict[str, Any], cfg: TrainEngineConfig, steps: int) -> Any:
     component = AllocationMode.from_str(case["allocation"]).train
     assert component is not None, case
     cfg.mb_spec = MicroBatchSpec(n_mbs=2)
     cfg.optimizer = OptimizerConfig(**OPTIM)
     apply_overrides(cfg, case.get("overrides", {}))
-    engine = engine_class(algorithm, component.backend)(cfg)
+    engine = make_engine(component.backend, cfg)
     engine.create_process_group(component.strategy)
     engine.initialize(None, FinetuneSpec(1, steps, 1))
     return engine
@@ -99,23 +99,22 @@ def save_critic_checkpoint(model: str, path: str) -> None:
 
 
 def build_critic(case: dict[str, Any], path: str, model: str) -> Any:
-    cfg = PPOActorConfig(path=path, tokenizer_path=model, group_size=GROUP, is_critic=True)
-    apply_overrides(cfg, {"eps_clip_value": CRITIC["eps_clip_value"]})
-    return build("ppo_critic", case, cfg, PPO_STEPS)
+    cfg = TrainEngineConfig(path=path, tokenizer_path=model, is_critic=True)
+    return build(case, cfg, PPO_STEPS)
 
 
 def run_critic(case: dict[str, Any], model: str, out_dir: str) -> dict[str, Any]:
     """3 critic PPO steps (values, GAE returns from them, value-loss update) on the actor's PPO rollouts."""
     e = build_critic(case, os.path.join(out_dir, CRITIC_DIR), model)
-    gae = PPOActor(
-        PPOActorConfig(path=model, group_size=GROUP, discount=CRITIC["discount"], gae_lambda=CRITIC["gae_lambda"]), e
-    )
+    critic = PPOCritic(PPOCriticConfig(engine=e.config, group_size=GROUP, eps_clip_value=CRITIC["eps_clip_value"]), e)
+    gae_cfg = PPOActorConfig(group_size=GROUP, discount=CRITIC["discount"], gae_lambda=CRITIC["gae_lambda"])
+    gae = PPOActor(gae_cfg, e)
     out: dict[str, Any] = {k: [] for k in ("critic_values_sum", "critic_loss", "critic_grad_norm")}
     for step in range(PPO_STEPS):
         batch = dp_slice(e, make_rollout_batch(model, seed=40 + step))
-        batch["values"] = e.compute_values(batch)
-        gae.compute_advantages(batch)
-        (stats,) = e.ppo_update(batch)
+        batch["values"] = critic.compute_values(batch)
+        batch = gae.compute_advantages(batch)
+        (stats,) = critic.ppo_update(batch)
         e.step_lr_scheduler()
         out["critic_values_sum"].append(dp_sum(e, batch["values"] * batch["attention_mask"]))
         out["critic_loss"].append(stats["loss"])
@@ -135,7 +134,8 @@ def export_trained_critic(e: Any, case: dict[str, Any], model: str, out_dir: str
     path = os.path.join(out_dir, f"{case['name']}-critic-hf")
     e.save(SaveLoadMeta(path=path, weight_format="hf"))
     probe = make_rollout_batch(model, seed=PROBE_SEED)
-    return {"trained": path, "probe": probe, "probe_values": e.compute_values(probe).cpu()}
+    values = PPOCritic(PPOCriticConfig(engine=e.config), e).compute_values(probe)
+    return {"trained": path, "probe": probe, "probe_values": values.cpu()}
 
 
 def export_fresh_critic(case: dict[str, Any], model: str, out_dir: str) -> dict[str, Any]:
@@ -150,9 +150,10 @@ def export_fresh_critic(case: dict[str, Any], model: str, out_dir: str) -> dict[
 
 def run_case(case: dict[str, Any], model: str) -> dict[str, list[float]]:
     """One engine per row: 5 SFT steps (through LMEngine), then 3 decoupled-PPO steps on fresh rollouts."""
-    cfg = PPOActorConfig(path=model, group_size=GROUP)
+    cfg = PPOActorConfig(engine=TrainEngineConfig(path=model), group_size=GROUP)
     apply_overrides(cfg, CONFIGS["decoupled"])
-    e = build("ppo_actor", case, cfg, SFT_STEPS + PPO_STEPS)
+    e = build(case, cfg.engine, SFT_STEPS + PPO_STEPS)
+    actor = PPOActor(cfg, e)
     out: dict[str, list[float]] = {
         k: [] for k in ("sft_loss", "sft_grad_norm", "ppo_logp_sum", "ppo_loss", "ppo_grad_norm")
     }
@@ -164,9 +165,9 @@ def run_case(case: dict[str, Any], model: str) -> dict[str, list[float]]:
         out["sft_grad_norm"].append(stats["grad_norm"])
     for step in range(PPO_STEPS):
         batch = dp_slice(e, make_rollout_batch(model, seed=40 + step))
-        batch["prox_logp"] = e.compute_logp(batch)
-        e.compute_advantages(batch)
-        (stats,) = e.ppo_update(batch)
+        batch["prox_logp"] = actor.compute_logp(batch)
+        batch = actor.compute_advantages(batch)
+        (stats,) = actor.ppo_update(batch)
         e.step_lr_scheduler()
         out["ppo_logp_sum"].append(dp_sum(e, batch["prox_logp"]))
         out["ppo_loss"].append(stats["loss"])

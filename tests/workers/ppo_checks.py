@@ -12,11 +12,12 @@ import os
 import torch
 import torch.distributed as dist
 
-from tandemrl.actors.fsdp import FSDPPPOActor, FSDPPPOCritic, FSDPReinforceActor
-from tandemrl.actors.ppo import PPOActor
-from tandemrl.configs.engine import OptimizerConfig
-from tandemrl.configs.ppo import NormConfig, PPOActorConfig
+from tandemrl.algorithms.ppo import PPOActor, PPOCritic
+from tandemrl.algorithms.reinforce import ReinforceActor
+from tandemrl.configs.engine import OptimizerConfig, TrainEngineConfig
+from tandemrl.configs.ppo import NormConfig, PPOActorConfig, PPOCriticConfig
 from tandemrl.engines.base import init_default_process_group
+from tandemrl.engines.fsdp import FSDPEngine
 from tandemrl.engines.teardown import destroy_process_groups
 
 VOCAB = 1024
@@ -90,24 +91,28 @@ def rank_slice(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v[r * n : (r + 1) * n].clone() for k, v in batch.items()}
 
 
-def build(cls: type, model: str, lr: float = 1e-4, **fields: object) -> object:
-    cfg = PPOActorConfig(path=model, group_size=GROUP, optimizer=OptimizerConfig(lr=lr, gradient_clipping=1.0))
-    for k, v in fields.items():
-        setattr(cfg, k, v)
-    e = cls(cfg)
+def build(model: str, lr: float = 1e-4, is_critic: bool = False) -> FSDPEngine:
+    e = FSDPEngine(
+        TrainEngineConfig(path=model, is_critic=is_critic, optimizer=OptimizerConfig(lr=lr, gradient_clipping=1.0))
+    )
     e.create_process_group()
     e.initialize(None, None)
     return e
 
 
+def actor_config(model: str, **fields: object) -> PPOActorConfig:
+    return PPOActorConfig(engine=TrainEngineConfig(path=model), group_size=GROUP, **fields)
+
+
 def ppo_step(model: str, global_batch: dict[str, torch.Tensor], fields: dict) -> dict:
-    e = build(FSDPPPOActor, model, **fields)
+    e = build(model)
+    actor = PPOActor(actor_config(model, **fields), e)
     batch = rank_slice(global_batch)
-    prox = e.compute_logp(batch)
-    if e.config.recompute_logprob:
+    prox = actor.compute_logp(batch)
+    if actor.config.recompute_logprob:
         batch["prox_logp"] = prox
-    e.compute_advantages(batch)
-    stats = e.ppo_update(batch)
+    batch = actor.compute_advantages(batch)
+    stats = actor.ppo_update(batch)
     exported = e.export_stats()
     out = {"params": e.full_state_dict(), "stats": stats, "exported": exported, "prox": prox}
     e.destroy()
@@ -128,26 +133,28 @@ def main(args: argparse.Namespace) -> None:
         results[tag] = res
 
     # Several minibatches and epochs: 2 x 2 optimizer steps.
-    e = build(FSDPPPOActor, args.model, ppo_n_minibatches=2, ppo_n_epochs=2, eps_clip_higher=0.28)
+    e = build(args.model)
+    actor = PPOActor(actor_config(args.model, ppo_n_minibatches=2, ppo_n_epochs=2, eps_clip_higher=0.28), e)
     batch = rank_slice(global_batch)
-    batch["prox_logp"] = e.compute_logp(batch)
-    e.compute_advantages(batch)
-    results["multi"] = {"stats": e.ppo_update(batch), "params": e.full_state_dict()}
+    batch["prox_logp"] = actor.compute_logp(batch)
+    batch = actor.compute_advantages(batch)
+    results["multi"] = {"stats": actor.ppo_update(batch), "params": e.full_state_dict()}
     e.destroy()
 
     # REINFORCE on per-sequence rewards (e.g. ReMax reward differences).
-    e = build(FSDPReinforceActor, args.model)
-    results["reinforce"] = {"stats": e.train_reinforce(rank_slice(global_batch)), "params": e.full_state_dict()}
+    e = build(args.model)
+    stats = ReinforceActor(e).train_reinforce(rank_slice(global_batch))
+    results["reinforce"] = {"stats": stats, "params": e.full_state_dict()}
     e.destroy()
 
     # Critic: values, GAE advantages from them, three clipped value-loss updates.
-    e = build(FSDPPPOCritic, args.model, lr=1e-5, is_critic=True, eps_clip_value=0.5)
+    e = build(args.model, lr=1e-5, is_critic=True)
+    critic = PPOCritic(PPOCriticConfig(engine=e.config, group_size=GROUP, eps_clip_value=0.5), e)
     batch = rank_slice(global_batch)
     init_params = e.full_state_dict()
-    batch["values"] = e.compute_values(batch)
-    gae_cfg = PPOActorConfig(path=args.model, group_size=GROUP, discount=0.9, gae_lambda=0.95)
-    PPOActor(gae_cfg, e).compute_advantages(batch)
-    losses = [e.ppo_update(batch)[0]["loss"] for _ in range(3)]
+    batch["values"] = critic.compute_values(batch)
+    batch = PPOActor(actor_config(args.model, discount=0.9, gae_lambda=0.95), e).compute_advantages(batch)
+    losses = [critic.ppo_update(batch)[0]["loss"] for _ in range(3)]
     results["critic"] = {"init_params": init_params, "values": batch["values"], "rows": batch, "losses": losses}
     e.destroy()
 

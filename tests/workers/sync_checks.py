@@ -23,13 +23,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tandemrl.actors.fsdp import FSDPLMEngine
-from tandemrl.actors.registry import engine_class
+from tandemrl.algorithms.lm import LMEngine
 from tandemrl.api.allocation import AllocationMode
+from tandemrl.api.engine import TrainEngine
 from tandemrl.api.inference import HttpRequest, ModelRequest, ModelResponse, WeightUpdateMeta
 from tandemrl.api.types import FinetuneSpec, SaveLoadMeta, TensorDict
 from tandemrl.configs.engine import OptimizerConfig, TrainEngineConfig
 from tandemrl.configs.rollout import InferenceEngineConfig
+from tandemrl.engines.registry import engine_class
 from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.inference.http import HttpClient
 from tandemrl.inference.remote import RemoteVLLMEngine
@@ -39,11 +40,11 @@ from tandemrl.models.functional import gather_logprobs, next_token_labels
 GREEDY_TOKENS = 12  # greedy continuation length compared with transformers
 
 
-def make_engine(model: str, lr: float, allocation: str = "fsdp:d2") -> FSDPLMEngine:
-    """An SFT engine of the backend and layout ``allocation`` names (the actor registry picks the class)."""
+def make_engine(model: str, lr: float, allocation: str = "fsdp:d2") -> TrainEngine:
+    """An SFT engine of the backend and layout ``allocation`` names (the engine registry picks the class)."""
     cfg = TrainEngineConfig(path=model, optimizer=OptimizerConfig(lr=lr, gradient_clipping=0.0))
     component = AllocationMode.from_str(allocation).train
-    engine = engine_class("lm", component.backend)(cfg)
+    engine = engine_class(component.backend)(cfg)
     engine.create_process_group(component.strategy)
     engine.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=8, train_batch_size=1))
     return engine
@@ -192,7 +193,7 @@ def update(args: argparse.Namespace) -> None:
         batch = memorize_batch(int(engine.model_config.vocab_size), seed=7)
         dp_rank, dp_size = engine.data_parallel_rank, engine.data_parallel_world_size  # TP peers share rows
         shard = {k: v[dp_rank::dp_size] for k, v in batch.items()}
-        record["losses"] = [engine.train_lm(shard)["loss"] for _ in range(args.steps)]
+        record["losses"] = [LMEngine(engine).train_lm(shard)["loss"] for _ in range(args.steps)]
         engine.save(SaveLoadMeta(path=os.path.join(args.out, "exported"), weight_format="hf"))
         if rank == 0:
             record["before"] = greedy_outputs(rollout, prompts)

@@ -1,18 +1,15 @@
-"""PPO-family actor and critic, written once against the TrainEngine contract.
+"""PPO-family actor and critic, written once against the TrainEngine contract (any backend).
 
-Input batch (padded [B, L], as the rollout workflows produce it): ``input_ids``,
-``attention_mask``, ``loss_mask`` (1 on generated tokens), ``logprobs`` (behaviour policy,
-token-aligned: ``logprobs[:, t] = log p(token t | < t)``), ``versions`` and per-sequence
-``rewards`` [B].
-
-Every field the actor adds is next-token (action) aligned like the logits: ``x[:, t]`` is
-about emitting token t + 1 from the prefix ``<= t`` (see :mod:`tandemrl.algorithms.layout`):
-``compute_logp`` -> ``prox_logp`` / ``ref_logp``; ``PPOCritic.compute_values`` -> ``values``;
-``compute_advantages`` -> ``action_mask``, ``behav_logp`` (the rollout ``logprobs`` shifted
-left by one), ``shaped_rewards`` [B], ``token_rewards``, ``kl_rewards``, ``advantages``, ``returns``.
+``PPOActor(config.actor, engine)`` / ``PPOCritic(config.critic, engine)`` take an engine built
+by ``tandemrl.engines.registry.make_engine``. Input: a :class:`~tandemrl.api.types.RolloutBatch`.
+The fields they add are declared in :class:`PPOBatch`; each is next-token (action) aligned like
+the logits: ``x[:, t]`` is about emitting token t + 1 from the prefix ``<= t`` (see
+:mod:`tandemrl.algorithms.layout`).
 """
 
 from __future__ import annotations
+
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -31,20 +28,36 @@ from tandemrl.algorithms.rewards import (
 )
 from tandemrl.algorithms.value_loss import value_loss
 from tandemrl.api.engine import TrainEngine
-from tandemrl.api.types import TensorDict
-from tandemrl.configs.ppo import PPOActorConfig
+from tandemrl.api.types import RolloutBatch, TensorDict
+from tandemrl.configs.ppo import PPOActorConfig, PPOCriticConfig
 from tandemrl.models.functional import gather_logprobs, gather_logprobs_entropy, next_token_labels
 from tandemrl.utils import stats_tracker
 
 
-def require_fields(batch: TensorDict, names: tuple[str, ...], where: str, hint: str = "") -> None:
+class PPOBatch(RolloutBatch, total=False):
+    """A rollout batch plus the fields of the PPO family, all [B, L] next-token aligned unless noted."""
+
+    prox_logp: torch.Tensor  # PPOActor.compute_logp with the weights before the update
+    ref_logp: torch.Tensor  # PPOActor.compute_logp on the reference engine
+    values: torch.Tensor  # PPOCritic.compute_values
+    # Written by PPOActor.compute_advantages:
+    action_mask: torch.Tensor  # positions whose next token is generated (and kept)
+    behav_logp: torch.Tensor  # the rollout ``logprobs`` shifted left by one
+    shaped_rewards: torch.Tensor  # [B] sequence rewards after penalties, scaling and clipping
+    token_rewards: torch.Tensor  # shaped reward at the last action + KL rewards
+    kl_rewards: torch.Tensor  # -kl_ctl * KL per action (0 with use_kl_loss)
+    advantages: torch.Tensor  # GAE, normalized per config.adv_norm
+    returns: torch.Tensor  # GAE returns, before normalization
+
+
+def require_fields(batch: TensorDict | RolloutBatch, names: tuple[str, ...], where: str, hint: str = "") -> None:
     """One-line error naming the first missing batch field."""
     for name in names:
         if name not in batch:
             raise KeyError(f"{where}: batch has no '{name}'{hint} (fields: {sorted(batch)})")
 
 
-def action_mask_of(batch: TensorDict) -> torch.Tensor:
+def action_mask_of(batch: TensorDict | RolloutBatch) -> torch.Tensor:
     """Next-token aligned mask of positions whose next token is generated (``loss_mask`` shifted left)."""
     return shift_left(batch["loss_mask"].bool() & batch["attention_mask"].bool(), fill=False)
 
@@ -83,7 +96,7 @@ class PPOActor:
         self.engine = engine
 
     # ------------------------------------------------------------------ logp
-    def compute_logp(self, batch: TensorDict) -> torch.Tensor:
+    def compute_logp(self, batch: RolloutBatch) -> torch.Tensor:
         """Log-probs [B, L] of the current weights at ``config.temperature``, next-token aligned.
 
         ``logp[:, t] = log p(input_ids[:, t + 1] | input_ids[:, : t + 1])``; 0 at each
@@ -96,14 +109,20 @@ class PPOActor:
         return self.engine.forward(inputs, post_hook=lambda logits, mb: next_token_logp(logits, mb, temp))
 
     # ------------------------------------------------------------ advantages
+    def _model_path(self) -> str:
+        """The policy's model directory: the engine's config (what it loaded), else ``config.engine``."""
+        engine_config = getattr(self.engine, "config", None)
+        return getattr(engine_config, "path", "") or self.config.engine.path
+
     def _eos_ids(self) -> list[int]:
         if self.config.eos_token_ids:
             return list(self.config.eos_token_ids)
         from transformers import AutoConfig
 
-        eos = AutoConfig.from_pretrained(self.config.path).eos_token_id
+        path = self._model_path()
+        eos = AutoConfig.from_pretrained(path).eos_token_id
         if eos is None:
-            raise ValueError(f"PPOActorConfig.eos_token_ids: empty and the model at {self.config.path} has none")
+            raise ValueError(f"PPOActorConfig.eos_token_ids: empty and the model at {path} has none")
         return [eos] if isinstance(eos, int) else list(eos)
 
     def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
@@ -136,8 +155,10 @@ class PPOActor:
         baseline, scale = normalization_stats(adv.gather(1, first).squeeze(1), action.any(dim=1), **kw)
         return torch.where(action, (adv - baseline[:, None]) / scale[:, None], 0.0)
 
-    def compute_advantages(self, batch: TensorDict) -> None:
-        """Shape rewards, add KL rewards, run GAE and normalize; writes the fields listed in the module doc.
+    def compute_advantages(self, batch: PPOBatch) -> PPOBatch:
+        """Shape rewards, add KL rewards, run GAE and normalize; a new batch with the fields of :class:`PPOBatch`.
+
+        ``batch`` itself is not changed.
 
         Sequence rewards: no-EOS penalty (replaces the reward), + DAPO overlong penalty, then
         ``clamp((r + reward_bias) * reward_scaling, +-reward_clip)``; placed at the last
@@ -174,15 +195,16 @@ class PPOActor:
         token_rewards = place_at_last_token(rewards, action) + kl_rewards
         values = torch.where(action, batch["values"].float(), 0.0) if "values" in batch else torch.zeros_like(behav)
         adv, returns = gae(token_rewards, values, action, cfg.discount, cfg.gae_lambda)
-        batch.update(
-            action_mask=action,
-            behav_logp=behav,
-            shaped_rewards=rewards,
-            token_rewards=token_rewards,
-            kl_rewards=kl_rewards,
-            advantages=self._normalize(adv, action),
-            returns=returns,
-        )
+        added = {
+            "action_mask": action,
+            "behav_logp": behav,
+            "shaped_rewards": rewards,
+            "token_rewards": token_rewards,
+            "kl_rewards": kl_rewards,
+            "advantages": self._normalize(adv, action),
+            "returns": returns,
+        }
+        return cast(PPOBatch, {**batch, **added})
 
     # ---------------------------------------------------------------- update
     def _loss(self, logits: torch.Tensor, mb: TensorDict) -> torch.Tensor:
@@ -232,7 +254,7 @@ class PPOActor:
             stats_tracker.stat(denominator="n_action_tokens", kl=kl.detach())
         return loss
 
-    def _record_batch(self, batch: TensorDict) -> None:
+    def _record_batch(self, batch: PPOBatch) -> None:
         action = batch["action_mask"].bool()
         stats_tracker.denominator(n_seqs=torch.ones_like(action[:, 0]), n_generated_tokens=action)
         stats_tracker.stat(
@@ -247,7 +269,7 @@ class PPOActor:
             kl_rewards=batch["kl_rewards"],
         )
 
-    def ppo_update(self, batch: TensorDict) -> list[dict[str, float]]:
+    def ppo_update(self, batch: PPOBatch) -> list[dict[str, float]]:
         """``ppo_n_epochs`` passes over ``ppo_n_minibatches`` minibatches (whole groups); one step each.
 
         The ratio's old policy is ``prox_logp`` when present (recomputed), else the behaviour
@@ -256,7 +278,7 @@ class PPOActor:
         under ``ppo_actor/``.
         """
         cfg = self.config
-        hint = " (call compute_advantages(batch) first)"
+        hint = " (batch = compute_advantages(batch) first)"
         require_fields(batch, ("advantages", "action_mask", "behav_logp", "returns"), "ppo_update", hint)
         if cfg.use_decoupled_loss:
             hint = " (use_decoupled_loss: set batch['prox_logp'] = compute_logp(batch) before the update)"
@@ -292,13 +314,13 @@ class PPOActor:
 class PPOCritic:
     """Value model (engine built with ``is_critic=True``): compute_values and a clipped value-loss update."""
 
-    def __init__(self, config: PPOActorConfig, engine: TrainEngine):
-        if not config.is_critic:
-            raise ValueError("PPOCritic: config.is_critic must be true so the engine builds a value head")
+    def __init__(self, config: PPOCriticConfig, engine: TrainEngine):
+        if not config.engine.is_critic:
+            raise ValueError("PPOCritic: config.engine.is_critic must be true so the engine builds a value head")
         self.config = config
         self.engine = engine
 
-    def compute_values(self, batch: TensorDict) -> torch.Tensor:
+    def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
         """Values [B, L]: ``values[:, t] = V(input_ids[:, : t + 1])``, the state before the action at t."""
         require_fields(batch, ("input_ids", "attention_mask"), "compute_values")
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
@@ -313,10 +335,10 @@ class PPOCritic:
         )
         return loss
 
-    def ppo_update(self, batch: TensorDict) -> list[dict[str, float]]:
+    def ppo_update(self, batch: PPOBatch) -> list[dict[str, float]]:
         """Fit ``returns`` (from the actor's compute_advantages) starting from ``values``; one step per minibatch."""
         cfg = self.config
-        hint = " (set batch['values'] = compute_values(batch), then actor.compute_advantages(batch))"
+        hint = " (set batch['values'] = compute_values(batch), then batch = actor.compute_advantages(batch))"
         require_fields(batch, ("values", "returns", "action_mask"), "PPOCritic.ppo_update", hint)
         data = {
             "input_ids": batch["input_ids"],

@@ -1,14 +1,14 @@
-"""REINFORCE with a reward-difference signal (e.g. ReMax), written once against TrainEngine."""
+"""REINFORCE with a reward-difference signal (e.g. ReMax), written once against TrainEngine (any backend)."""
 
 from __future__ import annotations
 
 import torch
 
-from tandemrl.actors.ppo import action_mask_of, require_fields
 from tandemrl.algorithms.layout import shift_left
 from tandemrl.algorithms.policy_loss import reinforce_loss
+from tandemrl.algorithms.ppo import action_mask_of, require_fields
 from tandemrl.api.engine import TrainEngine
-from tandemrl.api.types import TensorDict
+from tandemrl.api.types import RolloutBatch, TensorDict
 from tandemrl.models.functional import gather_logprobs, next_token_labels
 from tandemrl.utils import stats_tracker
 
@@ -25,7 +25,7 @@ def _weight(mb: TensorDict) -> int:
     return int(mb["action_mask"].sum())
 
 
-def reinforce_advantages(batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
+def reinforce_advantages(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, action mask), next-token aligned, from ``rewards`` [B] or token-aligned [B, L].
 
     A per-sequence reward (ReMaxRLVRWorkflow: ``r(sample) - r(greedy)``) applies to every
@@ -50,7 +50,7 @@ class ReinforceActor:
     def __init__(self, engine: TrainEngine):
         self.engine = engine
 
-    def train_reinforce(self, batch: TensorDict) -> dict[str, float]:
+    def train_reinforce(self, batch: RolloutBatch) -> dict[str, float]:
         """Train on ``input_ids``/``attention_mask``/``loss_mask``/``rewards``; returns the step stats."""
         require_fields(batch, ("input_ids", "attention_mask", "loss_mask", "rewards"), "train_reinforce")
         adv, action = reinforce_advantages(batch)

@@ -1,4 +1,4 @@
-"""Supervised fine-tuning written once against the TrainEngine contract."""
+"""Supervised fine-tuning written once against the TrainEngine contract: ``LMEngine(engine)`` on any backend."""
 
 from __future__ import annotations
 

@@ -1,0 +1,41 @@
+"""Which class implements each training backend, imported only when asked for.
+
+A backend is one row here: its ``allocation_mode`` name -> ``"module:Class"`` of a
+:class:`~tandemrl.api.engine.TrainEngine`. Every algorithm (``tandemrl.algorithms``) takes the
+built engine, so a new backend works with all of them and a new algorithm with all backends.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from tandemrl.api.engine import TrainEngine
+from tandemrl.configs.engine import TrainEngineConfig
+
+_ENGINES: dict[str, str] = {
+    "fsdp": "tandemrl.engines.fsdp:FSDPEngine",
+    "deepspeed": "tandemrl.engines.deepspeed:DeepSpeedEngine",
+    "megatron": "tandemrl.engines.megatron.engine:MegatronEngine",
+}
+
+
+def register_engine(backend: str, target: str) -> None:
+    """Register ``module:Class`` as the engine of ``backend`` (e.g. an out-of-tree backend)."""
+    _ENGINES[backend] = target
+
+
+def engine_class(backend: str) -> type[TrainEngine]:
+    """The engine class of ``backend``, e.g. ``engine_class("fsdp") -> FSDPEngine``."""
+    try:
+        target = _ENGINES[backend]
+    except KeyError:
+        raise ValueError(
+            f"allocation_mode: no training engine for backend '{backend}' (available: {', '.join(sorted(_ENGINES))})"
+        ) from None
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def make_engine(backend: str, config: TrainEngineConfig) -> TrainEngine:
+    """An unbuilt engine of ``backend`` for ``config`` (call create_process_group, then initialize)."""
+    return engine_class(backend)(config)

@@ -1,0 +1,114 @@
+"""torchrun worker (2 ranks): a new algorithm written as ONE class trains on every backend.
+
+``GroupMeanReinforce`` below is REINFORCE with a group-mean baseline and an entropy bonus, built
+only from ``tandemrl.algorithms`` functions and the ``TrainEngine`` contract. The same class takes
+2 steps on FSDP2 (d2), DeepSpeed ZeRO-3 (d2) and Megatron (t2), one engine after the other (Megatron
+last: its CPU shims patch process-wide state); each engine comes from the registry row of its
+backend. Rank 0 writes ``new_algorithm.pt``: per backend, the step losses and the largest weight change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from ppo_checks import GROUP, make_rollout_batch
+
+from tandemrl.algorithms import entropy_bonus, group_normalized_advantages, reinforce_loss
+from tandemrl.algorithms.ppo import action_mask_of
+from tandemrl.api.allocation import AllocationMode
+from tandemrl.api.engine import TrainEngine
+from tandemrl.api.types import FinetuneSpec, RolloutBatch, TensorDict
+from tandemrl.configs.engine import DeepSpeedEngineConfig, OptimizerConfig, TrainEngineConfig
+from tandemrl.engines.base import init_default_process_group
+from tandemrl.engines.registry import make_engine
+from tandemrl.engines.teardown import destroy_process_groups
+from tandemrl.models.functional import gather_logprobs_entropy, next_token_labels
+
+STEPS = 2
+BACKENDS = {
+    "fsdp": ("fsdp:d2", {}),
+    "deepspeed-zero3": ("deepspeed:d2", {"deepspeed": DeepSpeedEngineConfig(zero_stage=3)}),
+    "megatron-t2": ("megatron:t2", {}),
+}
+
+
+# ----------------------------------------------------------------------------- the new algorithm
+@dataclass
+class GroupMeanReinforceConfig:
+    group_size: int = GROUP  # consecutive rows sampled from one prompt
+    entropy_coeff: float = 0.01
+
+
+class GroupMeanReinforce:
+    """``-(r - mean_group(r)) * log p(token) - entropy_coeff * H``, averaged over generated tokens."""
+
+    def __init__(self, config: GroupMeanReinforceConfig, engine: TrainEngine):
+        self.config, self.engine = config, engine
+
+    def _loss(self, logits: torch.Tensor, mb: TensorDict) -> torch.Tensor:
+        labels = next_token_labels(mb["input_ids"], mb["cu_seqlens"])
+        logp, entropy = gather_logprobs_entropy(logits, labels)
+        mask = mb["action_mask"].bool()
+        return reinforce_loss(logp, mb["advantages"], mask) + entropy_bonus(entropy, mask, self.config.entropy_coeff)
+
+    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
+        action = action_mask_of(batch)
+        baseline_adv = group_normalized_advantages(batch["rewards"].float(), self.config.group_size, use_std=False)
+        data = {
+            "input_ids": batch["input_ids"],
+            "attention_mask": batch["attention_mask"],
+            "action_mask": action,
+            "advantages": torch.where(action, baseline_adv[:, None], 0.0),
+        }
+        self.engine.train()
+        stats = self.engine.train_batch(data, self._loss, lambda mb: int(mb["action_mask"].sum()))
+        self.engine.step_lr_scheduler()
+        return stats
+
+
+# ----------------------------------------------------------------------------- the same class on each backend
+def weights(engine: TrainEngine) -> dict[str, torch.Tensor]:
+    """Full HF-named weights on this rank (the weight-export hook every backend implements)."""
+    return {name: t.detach().float().cpu().clone() for name, t in engine.iter_hf_params()}
+
+
+def dp_share(engine: TrainEngine, batch: RolloutBatch) -> RolloutBatch:
+    r, w = engine.data_parallel_rank, engine.data_parallel_world_size
+    n = batch["input_ids"].shape[0] // w
+    return {k: v[r * n : (r + 1) * n] for k, v in batch.items()}  # type: ignore[return-value]
+
+
+def run_backend(model: str, allocation: str, extra: dict, batch: RolloutBatch) -> dict:
+    component = AllocationMode.from_str(allocation).train
+    assert component is not None, allocation
+    cfg = TrainEngineConfig(path=model, optimizer=OptimizerConfig(lr=1e-3, gradient_clipping=1.0), **extra)
+    engine = make_engine(component.backend, cfg)
+    engine.create_process_group(component.strategy)
+    engine.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=STEPS, train_batch_size=1))
+    algo = GroupMeanReinforce(GroupMeanReinforceConfig(), engine)
+    before = weights(engine)
+    losses = [algo.train_step(dp_share(engine, batch))["loss"] for _ in range(STEPS)]
+    after = weights(engine)
+    change = max((after[k] - v).abs().max().item() for k, v in before.items())
+    engine.destroy()
+    return {"engine": type(engine).__name__, "losses": losses, "max_weight_change": change, "n_weights": len(before)}
+
+
+def main(args: argparse.Namespace) -> None:
+    init_default_process_group()
+    batch = make_rollout_batch(args.model)  # 8 rows, groups of 2, rewards with in-group differences
+    results = {name: run_backend(args.model, alloc, extra, batch) for name, (alloc, extra) in BACKENDS.items()}
+    if dist.get_rank() == 0:
+        torch.save(results, os.path.join(args.out, "new_algorithm.pt"))
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    main(p.parse_args())
+    destroy_process_groups()
