@@ -14,10 +14,10 @@ import torch.multiprocessing as mp
 
 from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.configs.utils import EvaluatorConfig, SaverConfig
+from tandemrl.trainers import freq
 from tandemrl.trainers.evaluator import Evaluator
 from tandemrl.trainers.freq import FreqControl
 from tandemrl.trainers.saver import Saver
-from tandemrl.trainers import freq
 
 
 class FakeClock:

@@ -193,7 +193,6 @@ class DeepSpeedEngine(BaseTrainEngine):
         self.model.train()
 
     def destroy(self) -> None:
-        self.disconnect_engine()
         if self.model is not None:
             _forget_zero3_module(self.model.module)
             self.model.destroy()

@@ -116,7 +116,6 @@ class FSDPEngine(BaseTrainEngine):
         self.model.train()
 
     def destroy(self) -> None:
-        self.disconnect_engine()
         self.model = None
         self.optimizer = None
         self.lr_scheduler = None

@@ -243,7 +243,6 @@ class MegatronEngine(BaseTrainEngine):
 
     def destroy(self) -> None:
         global _LIVE_ENGINES
-        self.disconnect_engine()
         if self._initialized:
             _LIVE_ENGINES -= 1
         self.model = None
