@@ -130,6 +130,8 @@ def check_update_record(
     assert changed >= len(prompts) // 2, f"the update changed only {changed}/{len(prompts)} greedy outputs"
     label = str(version)
     assert record["label_before"] != label and record["label_after"] == label and record["client_version"] == version
+    # push_weights set the engine's and the client's version on every trainer rank, not only the sender.
+    assert record["rank_versions"] == [(version, version)] * 2, record["rank_versions"]
     return record
 
 

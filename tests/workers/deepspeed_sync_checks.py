@@ -23,7 +23,14 @@ import time
 
 import torch
 import torch.distributed as dist
-from sync_checks import RecordingClient, greedy_outputs, make_rollout, memorize_batch, version_label
+from sync_checks import (
+    RecordingClient,
+    gather_to_rank0,
+    greedy_outputs,
+    make_rollout,
+    memorize_batch,
+    version_label,
+)
 
 from tandemrl.actors.deepspeed import DeepSpeedLMEngine
 from tandemrl.api.allocation import AllocationMode
@@ -66,6 +73,7 @@ def push(
     start = time.perf_counter()
     controller.push_weights(meta=meta)  # labelled engine version + 1; engine and client set to it
     record["update_seconds"] = time.perf_counter() - start
+    record["rank_versions"] = gather_to_rank0((controller.engine.get_version(), rollout.get_version()))
     if rank == 0:
         record["after"] = greedy_outputs(rollout, prompts)
         record["label_after"] = version_label(rollout)

@@ -202,6 +202,7 @@ def update(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         controller.push_weights()  # the controller's meta; labelled get_version() + 1, every side set to it
         record["update_seconds"] = time.perf_counter() - start
+        record["rank_versions"] = gather_to_rank0((engine.get_version(), rollout.get_version()))
         if rank == 0:
             record["after"] = greedy_outputs(rollout, prompts)
             record["label_after"] = version_label(rollout)
