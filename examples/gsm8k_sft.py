@@ -14,7 +14,7 @@ from tandemrl.api.allocation import AllocationMode
 from tandemrl.api.types import FinetuneSpec
 from tandemrl.configs import SFTConfig
 from tandemrl.configs.loader import save_config
-from tandemrl.data.loader import create_dataloader, dataset_from_config, pad_sequences_to_tensors
+from tandemrl.data.loader import create_dataloader, cycle_batches, dataset_from_config, pad_sequences_to_tensors
 from tandemrl.engines.registry import make_engine
 from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.models.hf import load_hf_tokenizer, model_context_length
@@ -26,7 +26,6 @@ from tandemrl.trainers.saver import Saver
 from tandemrl.trainers.stats_logger import StatsLogger
 from tandemrl.utils import stats_tracker
 from tandemrl.utils.cli import run_main
-from tandemrl.workflows.executor import cycle_batches
 
 
 def main(argv: list[str]) -> None:

@@ -227,7 +227,7 @@ def test_registry_dispatches_by_path_component(
 
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_restored_dataloader_matches_an_uninterrupted_one_at_every_position(shuffle: bool) -> None:
-    from tandemrl.workflows.executor import cycle_batches
+    from tandemrl.data.loader import cycle_batches
 
     cfg = DatasetConfig(batch_size=4, shuffle=shuffle, drop_last=True)
     items = list(range(10))  # 2 full batches an epoch, 2 items dropped

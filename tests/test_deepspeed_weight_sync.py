@@ -4,8 +4,8 @@ After a few SFT steps, ``update_weights`` by disk and then by bucketed collectiv
 (several ZeRO-3 gathers and broadcast buckets) each make the server's greedy output equal
 transformers' greedy output on the engine's HF export. Between the two, the server goes
 back to its original weights, so the collective update has to carry the change itself.
-Then ``disconnect_engine`` closes the weight-update group: updates are refused until a
-reconnect, which works on the same group port. The session server is left with its original
+Then ``RolloutController.destroy`` closes the weight-update group: that controller refuses
+updates, and a new one works on the same group port. The session server is left with its original
 weights, version label, unpaused.
 """
 
@@ -54,6 +54,6 @@ def test_zero3_updates_vllm_by_disk_and_collective(
     print(f"zero3 collective: {coll['n_params']} tensors in {len(sizes)} buckets of {sizes}")
     assert len(sizes) > 1 and sum(sizes) == coll["n_params"]
     assert coll["recv_rpcs"] == 1  # every bucket's specs in one receive RPC per update
-    # After disconnect_engine the engine refuses updates; reconnecting on the same group port works.
-    assert "needs connect_engine" in coll["disconnected_error"]
+    # A destroyed controller refuses updates; a new one on the same group port works.
+    assert "push_weights() after destroy()" in coll["disconnected_error"]
     assert coll["reconnected_label"] == "3"

@@ -24,7 +24,7 @@ from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
 from tandemrl.configs.rollout import InferenceEngineConfig
 from tandemrl.data.batch import concat_padded_tensors
 from tandemrl.data.loader import collate_as_list
-from tandemrl.workflows.executor import WorkflowExecutor
+from tandemrl.rollout.executor import WorkflowExecutor
 from tandemrl.workflows.rlvr import completion_row
 
 N_SAMPLES = 2

@@ -26,11 +26,11 @@ from tandemrl.configs.data import DatasetConfig
 from tandemrl.configs.rollout import InferenceEngineConfig
 from tandemrl.configs.utils import RecoverConfig
 from tandemrl.data.gsm8k import get_gsm8k_rl_dataset
-from tandemrl.data.loader import collate_as_list, create_dataloader, dataset_from_config
+from tandemrl.data.loader import collate_as_list, create_dataloader, cycle_batches, dataset_from_config
+from tandemrl.rollout.executor import WorkflowExecutor
+from tandemrl.rollout.staleness import StalenessManager
 from tandemrl.trainers.prompt_log import read_prompt_log
 from tandemrl.trainers.recover import LOOP_STATE_FILE, CorruptCheckpointError, RecoverHandler, weights_fingerprint
-from tandemrl.workflows.executor import WorkflowExecutor, cycle_batches
-from tandemrl.workflows.staleness import StalenessManager
 
 LAUNCH = [sys.executable, "-m", "tandemrl.launchers.local"]
 ENV = {**os.environ, "WANDB_SILENT": "true", "TANDEMRL_DIST_TIMEOUT": "300", "PYTHONPATH": str(REPO_ROOT)}

@@ -34,6 +34,7 @@ from tandemrl.inference.remote import (
     RemoteVLLMEngine,
     ServerUnavailableError,
 )
+from tandemrl.rollout.executor import WorkflowExecutor
 
 PROMPT = [11, 5, 8]
 
@@ -376,7 +377,7 @@ def test_health_check_failure_names_unreachable_servers(servers) -> None:
     assert good.addr not in msg
     assert 1.0 <= elapsed < 4.0
     with pytest.raises(RuntimeError, match="initialize"):
-        engine.submit({}, None)  # type: ignore[arg-type]
+        asyncio.run(engine.agenerate(make_req(2)))
 
 
 # ------------------------------------------------------------------------------ routing
@@ -624,7 +625,7 @@ def test_collective_update_one_request_per_bucket_for_sglang(servers) -> None:
         engine.destroy()
 
 
-# ---------------------------------------------------------------------- executor forwarding
+# ------------------------------------------------------------------- executor over the client
 
 
 class EchoWorkflow(RolloutWorkflow):
@@ -637,19 +638,25 @@ class EchoWorkflow(RolloutWorkflow):
         }
 
 
-def test_executor_methods_are_forwarded(servers, engines) -> None:
+def test_executor_drives_the_client(servers, engines) -> None:
+    """The client owns no executor; a WorkflowExecutor over it rolls out, pauses and follows its version."""
     (srv,) = servers(1)
     engine = engines([srv.addr], consumer_batch_size=3)
-    assert RemoteInfEngine.rollout_batch.__doc__ == engine.executor.rollout_batch.__doc__
-    batch = engine.rollout_batch([{"id": i} for i in range(3)], workflow=EchoWorkflow(), timeout=30)
-    for row, i in zip(batch["input_ids"].tolist(), range(3), strict=True):
-        prompt = [i + 1, 2, 3]
-        assert row == prompt + expected(prompt, 4)[0]
-    engine.pause()
-    assert engine.executor.is_paused()
-    engine.resume()
-    engine.set_version(3)
-    assert engine.executor.get_version() == 3
+    assert not hasattr(engine, "executor") and not hasattr(RemoteInfEngine, "rollout_batch")
+    executor = WorkflowExecutor(engine.config, engine)
+    executor.initialize()
+    try:
+        batch = executor.rollout_batch([{"id": i} for i in range(3)], workflow=EchoWorkflow(), timeout=30)
+        for row, i in zip(batch["input_ids"].tolist(), range(3), strict=True):
+            prompt = [i + 1, 2, 3]
+            assert row == prompt + expected(prompt, 4)[0]
+        executor.pause()
+        assert executor.is_paused()
+        executor.resume()
+        engine.set_version(3)
+        assert executor.get_version() == 3
+    finally:
+        executor.destroy()
 
 
 # ------------------------------------------------------------------------------ real vLLM

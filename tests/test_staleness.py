@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from tandemrl.workflows.staleness import StalenessManager
+from tandemrl.rollout.staleness import StalenessManager
 
 
 def _state(mgr: StalenessManager, accepted: int, rejected: int, running: int) -> None:

@@ -2,7 +2,7 @@
 
 * the trainer (FSDPEngine, 2 gloo ranks under torchrun) recomputes the server's
   behaviour logprobs at the sampling temperature;
-* ``FSDPEngine.update_weights`` by disk (tiny model, bf16 session server) and by bucketed
+* ``RolloutController.push_weights`` from an FSDP engine by disk (tiny model, bf16 session server) and by bucketed
   collective broadcast (a ~25M-parameter model on its own fp32 server) makes the server's
   greedy output equal transformers' greedy output on the engine's exported weights;
 * a collective update the server rejects fails with a clear error and leaves the server
@@ -58,6 +58,7 @@ from tandemrl.inference.weight_group import (
     pack_bucket,
     split_buckets,
 )
+from tandemrl.rollout.executor import WorkflowExecutor
 
 WORKER = Path(__file__).resolve().parent / "workers" / "sync_checks.py"
 WORKER_ENV = {"TANDEMRL_DIST_TIMEOUT": "300"}  # a hung collective fails after 5 min, not 30
@@ -129,6 +130,8 @@ def check_update_record(
     assert changed >= len(prompts) // 2, f"the update changed only {changed}/{len(prompts)} greedy outputs"
     label = str(version)
     assert record["label_before"] != label and record["label_after"] == label and record["client_version"] == version
+    # push_weights set the engine's and the client's version on every trainer rank, not only the sender.
+    assert record["rank_versions"] == [(version, version)] * 2, record["rank_versions"]
     return record
 
 
@@ -456,6 +459,8 @@ def test_killed_server_mid_rollout_fails_over(vllm_server: VLLMTestServer, big_s
     both.initialize([dead, survivor])  # round-robin: rows alternate between the servers
     only = RemoteVLLMEngine(InferenceEngineConfig(**base))
     only.initialize([dead])
+    executor = WorkflowExecutor(both.config, both)
+    executor.initialize()
 
     def lonely() -> tuple[BaseException | None, float]:
         req = ModelRequest(rid="lonely", input_ids=[*KILL_PROMPT, 9], metadata={"ignore_eos": True})
@@ -470,7 +475,7 @@ def test_killed_server_mid_rollout_fails_over(vllm_server: VLLMTestServer, big_s
     gate = big_server.gate(KILL_PROMPT)  # the 25M server decodes one token of each, then waits on the test
     try:
         batch_f = pool.submit(
-            both.rollout_batch, [{"id": i} for i in range(rows)], NumberedWorkflow(new_tokens), None, 300
+            executor.rollout_batch, [{"id": i} for i in range(rows)], NumberedWorkflow(new_tokens), None, 300
         )
         lonely_f = pool.submit(lonely)
         deadline = time.monotonic() + 60
@@ -492,6 +497,7 @@ def test_killed_server_mid_rollout_fails_over(vllm_server: VLLMTestServer, big_s
     finally:
         gate.disarm()
         pool.shutdown(wait=False, cancel_futures=True)
+        executor.destroy()
         both.destroy()
         only.destroy()
         client.close()

@@ -22,8 +22,8 @@ from tandemrl.data.batch import concat_padded_tensors
 from tandemrl.data.gsm8k import user_messages
 from tandemrl.models.hf import load_hf_tokenizer
 from tandemrl.rewards.gsm8k import gsm8k_reward_fn
+from tandemrl.rollout.executor import WorkflowExecutor
 from tandemrl.utils import stats_tracker
-from tandemrl.workflows.executor import WorkflowExecutor
 from tandemrl.workflows.multi_turn import DEFAULT_FEEDBACK, MultiTurnWorkflow
 from tandemrl.workflows.remax import ReMaxRLVRWorkflow
 from tandemrl.workflows.rlvr import RLVRWorkflow, chat_prompt_ids

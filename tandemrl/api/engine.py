@@ -7,11 +7,12 @@ they run unchanged on FSDP2, Megatron-core and DeepSpeed.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
+from tandemrl.api.inference import ParamSpec
 from tandemrl.api.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta, TensorDict
 
 # loss_fn(logits [T, V] of a packed micro-batch, the micro-batch) -> scalar loss
@@ -102,3 +103,18 @@ class TrainEngine(ABC):
     @abstractmethod
     def export_stats(self) -> dict[str, float]:
         """Statistics recorded since the last export, reduced over the DP group."""
+
+    # ------------------------------------------------------ weight export and batch hand-off
+    # What rollout (``tandemrl.rollout``) needs to hand batches to every rank and weights to the servers.
+
+    @abstractmethod
+    def broadcast_in_model_parallel_group(self, batch: TensorDict | None) -> TensorDict:
+        """Collective in the model-parallel (TP/PP) group: the DP head's batch on every rank of its replica."""
+
+    @abstractmethod
+    def hf_param_specs(self) -> list[ParamSpec]:
+        """HF names, full shapes and dtypes of the weights, in ``iter_hf_params`` order."""
+
+    @abstractmethod
+    def iter_hf_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective: full (unsharded) HF-named weights, one at a time, on every rank."""

@@ -9,7 +9,7 @@ from tandemrl.api.generation import GenerationHyperparameters
 
 @dataclass
 class InferenceEngineConfig:
-    """The client of remote inference servers and its rollout executor."""
+    """The client of remote inference servers and the rollout executor that drives it."""
 
     experiment_name: str = field(default="${experiment_name}", metadata={"help": "Filled from the root config."})
     trial_name: str = field(default="${trial_name}", metadata={"help": "Filled from the root config."})

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -152,6 +152,21 @@ def check_dataset_inputs(config: DatasetConfig) -> None:
 def collate_as_list(batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Keep samples as a list of dicts; workflows and trainers decide how to tensorize."""
     return batch
+
+
+def cycle_batches(dataloader: Iterable[Any], what: str = "prepare_batch") -> Iterator[Any]:
+    """Endless batches; re-iterating the dataloader each epoch (so it reshuffles).
+
+    One empty pass is allowed: a stateful dataloader restored at the end of an epoch yields
+    nothing until its next pass.
+    """
+    empty_passes = 0
+    while empty_passes < 2:
+        empty_passes += 1
+        for batch in dataloader:
+            empty_passes = 0
+            yield batch
+    raise ValueError(f"{what}: the dataloader yielded no batches")
 
 
 def create_dataloader(

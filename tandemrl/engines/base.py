@@ -12,7 +12,7 @@ import contextlib
 import math
 import os
 from abc import abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -20,14 +20,12 @@ import torch
 import torch.distributed as dist
 
 from tandemrl.api.engine import LossFn, LossWeightFn, PostHook, TrainEngine
-from tandemrl.api.inference import ParamSpec, WeightUpdateMeta
 from tandemrl.api.net import free_port
 from tandemrl.api.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta, TensorDict
 from tandemrl.configs.engine import OptimizerConfig, TrainEngineConfig
 from tandemrl.engines.engine_state import load_engine_state, read_engine_meta, save_engine_state
 from tandemrl.engines.hf_model import packed_logits, save_hf_dir
 from tandemrl.engines.packing import MicroBatches, pack_groups, plan_padded_batch, unpack_to_padded
-from tandemrl.engines.rollout_link import RolloutClient, RolloutLink
 from tandemrl.utils import stats_tracker
 
 
@@ -241,7 +239,6 @@ class BaseTrainEngine(TrainEngine):
 
     def destroy(self) -> None:
         """Drop the model, optimizer and schedule (process groups stay: see ``teardown``)."""
-        self.disconnect_engine()
         self._release()
         self.model = None
         self.optimizer = None
@@ -390,55 +387,8 @@ class BaseTrainEngine(TrainEngine):
     def export_stats(self) -> dict[str, float]:
         return stats_tracker.export_all(reduce_group=self.data_parallel_group)
 
-    # ---------------------------------------------------------------- rollout
-    @abstractmethod
-    def hf_param_specs(self) -> list[ParamSpec]:
-        """HF names, full shapes and dtypes of the weights, in ``iter_hf_params`` order."""
-
-    @abstractmethod
-    def iter_hf_params(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Collective: full (unsharded) HF-named weights, one at a time, on every rank."""
-
+    # --------------------------------------------------------- rollout hooks
     def broadcast_in_model_parallel_group(self, batch: TensorDict | None) -> TensorDict:
-        """Give the DP head's rollout batch to the other ranks of its replica (TP/PP backends)."""
+        """Without TP/PP every rank is its replica's head: its own batch, unchanged."""
         assert batch is not None
         return batch
-
-    def connect_engine(self, rollout: RolloutClient, meta: WeightUpdateMeta | None = None) -> None:
-        """Attach an inference client: enables rollout_batch/prepare_batch/update_weights."""
-        self._link = RolloutLink(self, rollout, meta)
-
-    def disconnect_engine(self) -> None:
-        """Detach the inference client and close the weight-update group (rank 0 hosts its store and port).
-
-        No-op when not connected; ``destroy()`` calls it. The client itself stays the caller's to destroy.
-        """
-        link: RolloutLink | None = getattr(self, "_link", None)
-        self._link = None
-        if link is not None:
-            link.destroy()
-
-    def _require_link(self, what: str) -> RolloutLink:
-        link = getattr(self, "_link", None)
-        if link is None:
-            raise RuntimeError(f"{type(self).__name__}.{what}() needs connect_engine(rollout, meta) first")
-        return link
-
-    def rollout_batch(
-        self, data: list[dict[str, Any]], workflow: Any, should_accept_fn: Any = None, granularity: int = 1
-    ) -> TensorDict:
-        """Synchronous rollout of this rank's prompts, then DP redistribution (groups kept whole)."""
-        return self._require_link("rollout_batch").rollout_batch(data, workflow, should_accept_fn, granularity)
-
-    def prepare_batch(
-        self, dataloader: Any, workflow: Any, should_accept_fn: Any = None, granularity: int = 1
-    ) -> TensorDict:
-        """Asynchronous rollout (bounded staleness), then DP redistribution (groups kept whole)."""
-        return self._require_link("prepare_batch").prepare_batch(dataloader, workflow, should_accept_fn, granularity)
-
-    def update_weights(self, meta: WeightUpdateMeta | None = None) -> None:
-        """Collective: push current weights to the servers (disk or bucketed broadcast).
-
-        The servers label the new weights ``meta.version``, or ``get_version() + 1``.
-        """
-        self._require_link("update_weights").update_weights(meta)

@@ -8,14 +8,9 @@ resubmits prompt + partial output once generation resumes) and a server dying (t
 partial output is resubmitted to another server). Requests are built and parsed by an
 ``InferenceBackend`` and sent by the shared client in ``tandemrl.inference.http``.
 
-Rollout orchestration lives in ``WorkflowExecutor``, created by ``initialize``. Its
-trainer-facing methods ``submit``, ``wait``, ``rollout_batch``, ``prepare_batch``,
-``pause`` and ``resume`` are exposed on the engine as ``_ExecutorMethod`` class
-attributes: each resolves to the same-named bound method of ``engine.executor``, keeps
-that method's signature for type checkers and its docstring, and raises a clear error
-before ``initialize``. Anything else of the executor is reached as ``engine.executor``.
-Note ``pause``/``resume`` (stop/restart *launching* episodes) differ from
-``pause_generation``/``continue_generation`` (stop/restart the *servers*).
+The client owns no rollout machinery: ``tandemrl.rollout`` (the executor and the
+``RolloutController``) drives it through ``agenerate``, the pause/resume calls and the
+weight-update calls.
 
 Servers: sticky per ``ModelRequest.rid`` (samples and turns of one prompt reuse one
 server's KV cache), otherwise round-robin. A server whose request still fails after
@@ -34,23 +29,16 @@ import math
 import os
 import threading
 import time
-import typing
 from collections import OrderedDict
-from collections.abc import Callable
-from typing import Any, Concatenate, Generic, TypeVar, overload
 
 from tandemrl.api.backend import InferenceBackend
 from tandemrl.api.inference import HttpRequest, ModelRequest, ModelResponse, ParamSpec, StopReason, WeightUpdateMeta
 from tandemrl.configs.rollout import InferenceEngineConfig
 from tandemrl.inference.http import HttpClient, InferenceServerError, shared_client
-from tandemrl.workflows.executor import WorkflowExecutor
 
 logger = logging.getLogger(__name__)
 
 SERVER_ADDRS_ENV = "TANDEMRL_LLM_SERVER_ADDRS"  # comma-separated host:port list the launcher exports
-
-_P = typing.ParamSpec("_P")
-_R = TypeVar("_R")
 
 
 class ServerUnavailableError(RuntimeError):
@@ -133,46 +121,11 @@ class ServerPool:
         return f"all {len(self.addrs)} inference servers are marked dead: {why}"
 
 
-# --------------------------------------------------------------------- executor forwarding
-
-
-class _ExecutorMethod(Generic[_P, _R]):
-    """Class attribute resolving to the same-named method of the instance's ``executor``."""
-
-    def __init__(self, method: Callable[Concatenate[WorkflowExecutor, _P], _R]) -> None:
-        self.name = method.__name__
-        self.__doc__ = method.__doc__
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        if name != self.name:
-            raise TypeError(f"{owner.__name__}.{name} must forward WorkflowExecutor.{name}, not .{self.name}")
-
-    @overload
-    def __get__(self, obj: None, owner: type) -> _ExecutorMethod[_P, _R]: ...
-
-    @overload
-    def __get__(self, obj: RemoteInfEngine, owner: type) -> Callable[_P, _R]: ...
-
-    def __get__(self, obj: RemoteInfEngine | None, owner: type) -> Any:
-        if obj is None:
-            return self
-        return getattr(obj.executor, self.name)
-
-
 # ------------------------------------------------------------------------------ engine
 
 
 class RemoteInfEngine:
     """Generation client of remote inference servers; see the module docstring."""
-
-    # Forwarded to the WorkflowExecutor (see the module docstring).
-    submit = _ExecutorMethod(WorkflowExecutor.submit)
-    wait = _ExecutorMethod(WorkflowExecutor.wait)
-    rollout_batch = _ExecutorMethod(WorkflowExecutor.rollout_batch)
-    prepare_batch = _ExecutorMethod(WorkflowExecutor.prepare_batch)
-    pause = _ExecutorMethod(WorkflowExecutor.pause)
-    resume = _ExecutorMethod(WorkflowExecutor.resume)
-    export_stats = _ExecutorMethod(WorkflowExecutor.export_stats)
 
     # After an "abort" (a pause for a weight update), wait this long before resubmitting.
     abort_retry_delay = 0.1
@@ -192,7 +145,6 @@ class RemoteInfEngine:
         self.backend = backend
         self._http_client = http_client
         self._pool: ServerPool | None = None
-        self._executor: WorkflowExecutor | None = None
         self._version = 0
         self._state_lock = threading.Lock()
         self._user_paused = False  # pause_generation() without continue_generation()
@@ -213,29 +165,17 @@ class RemoteInfEngine:
     def addresses(self) -> list[str]:
         return list(self.pool.addrs)
 
-    @property
-    def executor(self) -> WorkflowExecutor:
-        if self._executor is None:
-            raise RuntimeError(f"{type(self).__name__} has no WorkflowExecutor; call initialize() first")
-        return self._executor
-
     def initialize(self, addrs: list[str] | None = None) -> None:
-        """Find the servers, wait until all are healthy, start the rollout executor."""
+        """Find the servers and wait until all are healthy."""
         if self._pool is not None:
             raise RuntimeError(f"{type(self).__name__} is already initialized")
         found = self._discover(addrs)
         self.http.run_sync(self._wait_healthy(found))
         self._pool = ServerPool(found)
-        executor = WorkflowExecutor(self.config, self)
-        executor.initialize()
-        self._executor = executor
         logger.info("%s: %d %s server(s): %s", type(self).__name__, len(found), self.backend.name, ", ".join(found))
 
     def destroy(self) -> None:
-        """Stop the executor and forget the servers (the shared HTTP client stays up)."""
-        if self._executor is not None:
-            self._executor.destroy()
-            self._executor = None
+        """Forget the servers (the shared HTTP client stays up)."""
         self._pool = None
 
     def _discover(self, addrs: list[str] | None) -> list[str]:
@@ -294,8 +234,6 @@ class RemoteInfEngine:
         self._version = int(version)
         if sync_servers:
             self.http.run_sync(self._broadcast(self.backend.build_set_version(self._version)))
-        if self._executor is not None:
-            self._executor.set_version(self._version)  # wakes its launch loop
 
     # ------------------------------------------------------------------ generation
     def generation_paused(self) -> bool:

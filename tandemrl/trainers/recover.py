@@ -73,7 +73,7 @@ class StatefulLoader(Protocol):
 
 
 class RowSource(Protocol):
-    """The rollout executor's rows taken from the dataloader but not yet trained (WorkflowExecutor)."""
+    """Rollout's rows taken from the dataloader but not yet trained (RolloutController, WorkflowExecutor)."""
 
     def pending_rows(self) -> list[dict[str, Any]]: ...
 
@@ -174,7 +174,7 @@ class RecoverHandler:
         """Collective: write a checkpoint after ``global_step`` if due; returns whether one was written.
 
         ``pushed`` is the engine whose weights the servers get (its ``iter_hf_params`` is fingerprinted);
-        ``rollout`` is the executor whose pending rows the resumed run must generate again.
+        ``rollout`` holds the pending rows the resumed run must generate again (the rollout controller).
         """
         if not self.enabled:
             return False

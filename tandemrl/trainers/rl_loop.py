@@ -1,6 +1,6 @@
 """The RL loop every example shares; the algorithm plugs in as a ``train_step`` callback.
 
-An RL script builds an :class:`RLTrainer` (engines, data, rollout clients, saver,
+An RL script builds an :class:`RLTrainer` (engines, data, rollout client and controller, saver,
 evaluator, logger), picks its workflows and extra engines (reference, critic), and
 hands :meth:`RLTrainer.run` a function that turns one rollout batch into updates::
 
@@ -13,10 +13,10 @@ hands :meth:`RLTrainer.run` a function that turns one rollout batch into updates
 Engines come from ``tandemrl.engines.registry`` (one row per backend); algorithms from
 ``tandemrl.algorithms`` take an engine, so any algorithm runs on any backend. Steps provided
 here: :func:`ppo_train_step` (PPO family, optionally with reference and critic) and
-:func:`reinforce_train_step` (ReMax). Each step of the loop: rollout
-(``prepare_batch`` when ``async_training`` else ``rollout_batch``) ->
-``train_step(batch, global_step)`` -> pause / update_weights / set_version / resume ->
-save -> evaluate -> log -> recoverable checkpoint (``recover.mode`` auto/resume, every
+:func:`reinforce_train_step` (ReMax). Each step of the loop, through the
+:class:`~tandemrl.rollout.controller.RolloutController`: rollout (``prepare_batch`` when
+``async_training`` else ``rollout_batch``) -> ``train_step(batch, global_step)`` ->
+``push_weights`` -> save -> evaluate -> log -> recoverable checkpoint (``recover.mode`` auto/resume, every
 ``recover.freq_*``). A run restarted with a checkpoint present restores the engines, the
 dataloader position, the rows still in flight (generated again first) and the counters, pushes the restored weights to the servers (labelled
 with the restored version) and continues at the next step; see ``tandemrl.trainers.recover``.
@@ -44,24 +44,26 @@ from tandemrl.api.workflow import RolloutWorkflow
 from tandemrl.configs import GRPOConfig
 from tandemrl.configs.engine import TrainEngineConfig
 from tandemrl.configs.loader import save_config
-from tandemrl.data.loader import create_dataloader, dataset_from_config
+from tandemrl.data.loader import create_dataloader, cycle_batches, dataset_from_config
 from tandemrl.engines.registry import make_engine
 from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.inference.remote import remote_engine_for
 from tandemrl.models.hf import load_hf_tokenizer, model_context_length
 from tandemrl.models.resolve import resolve_model_path
 from tandemrl.rewards.runner import RewardFn
+from tandemrl.rollout.controller import RolloutController
 from tandemrl.trainers.evaluator import Evaluator
 from tandemrl.trainers.prompt_log import log_prompt_ids
 from tandemrl.trainers.recover import RecoverHandler
 from tandemrl.trainers.saver import Saver
 from tandemrl.trainers.stats_logger import StatsLogger
 from tandemrl.utils import stats_tracker
-from tandemrl.workflows.executor import cycle_batches
 from tandemrl.workflows.rlvr import RLVRWorkflow
 
 # train_step(batch, global_step): compute whatever the algorithm needs and update the engines.
 TrainStep = Callable[[TensorDict, int], None]
+# Evaluation rollouts record their statistics under this tracker (the eval workflow's scope too).
+EVAL_STATS = "eval-rollout"
 
 
 def weight_update_meta(config: GRPOConfig, alloc: AllocationMode) -> WeightUpdateMeta:
@@ -171,16 +173,11 @@ class RLTrainer:
         rollout_config = dataclasses.replace(
             config.rollout, consumer_batch_size=config.train_dataset.batch_size // world
         )
-        self.rollout = remote_engine_for(alloc.gen_backend, rollout_config)
-        self.rollout.initialize()
-        self.eval_rollout = None
-        if self.valid_dl is not None:
-            # Evaluation is never throttled by staleness: it does not train on what it generates.
-            eval_cfg = dataclasses.replace(rollout_config, max_head_offpolicyness=10**6, stats_name="eval-rollout")
-            self.eval_rollout = remote_engine_for(alloc.gen_backend, eval_cfg)
-            self.eval_rollout.initialize()
+        self.client = remote_engine_for(alloc.gen_backend, rollout_config)
+        self.client.initialize()
         self.meta = weight_update_meta(config, alloc)
-        self.actor.connect_engine(self.rollout, self.meta)
+        eval_stats = EVAL_STATS if self.valid_dl is not None else None
+        self.rollout = RolloutController(self.client, self.actor, rollout_config, self.meta, eval_stats_name=eval_stats)
         stop = sorted({*config.gconfig.stop_token_ids, self.tokenizer.eos_token_id})
         self.gconfig = config.gconfig.new(stop_token_ids=stop)
 
@@ -224,7 +221,7 @@ class RLTrainer:
         """(training workflow, greedy single-sample evaluation workflow) scoring with ``reward_fn``."""
         workflow = workflow_cls(reward_fn, self.gconfig, self.tokenizer, **kwargs)
         eval_gconfig = self.gconfig.new(greedy=True, n_samples=1)
-        return workflow, RLVRWorkflow(reward_fn, eval_gconfig, self.tokenizer, stat_scope="eval-rollout")
+        return workflow, RLVRWorkflow(reward_fn, eval_gconfig, self.tokenizer, stat_scope=EVAL_STATS)
 
     def _dp_sum(self, values: list[float]) -> list[float]:
         group = self.actor.data_parallel_group
@@ -238,16 +235,16 @@ class RLTrainer:
 
         With the greedy 0/1-reward workflow of :meth:`rlvr_workflows` this is the accuracy.
         """
-        if self.valid_dl is None or self.eval_rollout is None:
+        if self.valid_dl is None:
             return None
         total, count = 0.0, 0
         for rows in self.valid_dl:
-            batch = self.eval_rollout.rollout_batch(rows, eval_workflow)
+            batch = self.rollout.eval_batch(rows, eval_workflow)
             total += float(batch["rewards"].float().sum())
             count += int(batch["rewards"].numel())
         total, count = self._dp_sum([total, float(count)])
         accuracy = total / max(count, 1.0)
-        stats_tracker.get("eval-rollout").scalar(accuracy=accuracy)
+        stats_tracker.get(EVAL_STATS).scalar(accuracy=accuracy)
         step = self.actor.get_version() if global_step is None else global_step
         self.summary.evals.append((step, accuracy))
         return accuracy
@@ -265,25 +262,16 @@ class RLTrainer:
             self.train_dl,
             self.saver,
             self.evaluator,
-            rollout=self.rollout.executor,
+            rollout=self.rollout,
         )
         if state is None:
             return 0
         # The servers started from the initial model: give them the restored weights, labelled with
         # the restored version, before any rollout; rollout capacity counts from that version.
-        self._sync_weights(state.version)
-        self.rollout.executor.staleness.set_base_version(state.version)
+        self.rollout.push_weights(state.version, restored=True)
         return state.global_step + 1
 
     # ------------------------------------------------------------------ loop
-    def _sync_weights(self, version: int) -> None:
-        self.rollout.pause()
-        self.actor.update_weights(self.meta.with_version(version))
-        self.actor.set_version(version)
-        self.rollout.set_version(version)
-        if self.eval_rollout is not None:
-            self.eval_rollout.set_version(version)
-        self.rollout.resume()
 
     def run(
         self,
@@ -297,7 +285,7 @@ class RLTrainer:
         ``should_accept_fn(trajectory) -> bool`` drops whole rollout groups before they reach
         the batch (DAPO's dynamic sampling: ``tandemrl.algorithms.filters.reject_uniform_rewards``).
         """
-        config, actor, summary = self.config, self.actor, self.summary
+        config, actor, rollout, summary = self.config, self.actor, self.rollout, self.summary
         group = config.actor.group_size
         world = actor.data_parallel_world_size
         first_step = self._maybe_resume()
@@ -310,11 +298,11 @@ class RLTrainer:
             epoch, step = divmod(global_step, spe)
             with stats_tracker.record_timing("rollout"):
                 if config.async_training:
-                    batch = actor.prepare_batch(
+                    batch = rollout.prepare_batch(
                         self.train_dl, workflow, should_accept_fn=should_accept_fn, granularity=group
                     )
                 else:
-                    batch = actor.rollout_batch(
+                    batch = rollout.rollout_batch(
                         next(data_iter), workflow, should_accept_fn=should_accept_fn, granularity=group
                     )
             summary.n_samples += batch["attention_mask"].shape[0] * world
@@ -324,7 +312,7 @@ class RLTrainer:
             stats_tracker.scalar(rollout_version_min=gen.min(), rollout_version_max=gen.max())
             train_step(batch, global_step)
             with stats_tracker.record_timing("update_weights"):
-                self._sync_weights(global_step + 1)
+                rollout.push_weights(global_step + 1)
             with stats_tracker.record_timing("save"):
                 self.saver.save(actor, epoch, step, global_step, tokenizer=self.tokenizer)
             if eval_workflow is not None and self.valid_dl is not None:
@@ -333,9 +321,8 @@ class RLTrainer:
                         lambda gs=global_step + 1: self.evaluate(eval_workflow, gs), epoch, step, global_step
                     )
             self._commit(epoch, step, global_step)
-            executor = self.rollout.executor
             if config.stats_logger.prompt_ids:
-                log_prompt_ids(self.logger.log_dir, global_step, executor.last_batch_rows, executor.pending_rows())
+                log_prompt_ids(self.logger.log_dir, global_step, rollout.last_batch_rows, rollout.pending_rows())
             self.recover.dump(
                 self._recoverable_engines(),
                 actor,
@@ -344,7 +331,7 @@ class RLTrainer:
                 global_step,
                 self.saver,
                 self.evaluator,
-                rollout=executor,
+                rollout=rollout,
             )
             bar.update(1)
             reward = summary.rewards[-1] if summary.rewards else None
@@ -360,8 +347,6 @@ class RLTrainer:
         # Rollout trackers first (reduced over DP ranks), then everything the trainer recorded.
         dp_group = self.actor.data_parallel_group
         stats = self.rollout.export_stats(reduce_group=dp_group)
-        if self.eval_rollout is not None:
-            stats.update(self.eval_rollout.export_stats(reduce_group=dp_group))
         stats.update(self.actor.export_stats())
         self.logger.commit(epoch, step, global_step, stats)
         reward = stats.get("rollout/reward")
@@ -384,11 +369,10 @@ class RLTrainer:
         )
 
     def close(self) -> None:
-        """Stop the rollout clients and release every engine and the process group."""
+        """Stop rollout (its weight-update group too) and the client; release every engine and the process group."""
         self.logger.close()
         self.rollout.destroy()
-        if self.eval_rollout is not None:
-            self.eval_rollout.destroy()
+        self.client.destroy()
         for engine in self._extra_engines:
             engine.destroy()
         self.actor.destroy()

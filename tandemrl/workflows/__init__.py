@@ -1,4 +1,7 @@
-"""Rollout workflows and the executor that streams them; names load lazily on first access."""
+"""Rollout workflows (one dataset row -> training data); names load lazily on first access.
+
+The executor that runs them lives in ``tandemrl.rollout``.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +11,6 @@ from typing import Any
 _EXPORTS = {
     "RolloutWorkflow": "tandemrl.api.workflow",
     "GenerationEngine": "tandemrl.api.workflow",
-    "StalenessManager": "tandemrl.workflows.staleness",
-    "RolloutStat": "tandemrl.workflows.staleness",
-    "WorkflowExecutor": "tandemrl.workflows.executor",
-    "AsyncTaskRunner": "tandemrl.workflows.executor",
     "RLVRWorkflow": "tandemrl.workflows.rlvr",
     "ReMaxRLVRWorkflow": "tandemrl.workflows.remax",
     "MultiTurnWorkflow": "tandemrl.workflows.multi_turn",

@@ -7,7 +7,7 @@ One process pair does both transports, so DeepSpeed starts once: train a few SFT
 2. the server back on the original weights (label 0), which must give the old outputs again;
 3. bucketed collective update of the same weights (labelled version 2; 1 MB ZeRO-3 gathers and
    1 MB broadcast buckets, so several of each) -> ``collective/update.pt``;
-4. ``disconnect_engine`` then a reconnect on the same group port and one more update (label 3).
+4. ``RolloutController.destroy`` then a new controller on the same group port and one more update (label 3).
 
 Each record has the fields ``test_weight_sync.check_update_record`` reads; ``exported`` is
 copied next to both (rank 0 writes everything).
@@ -23,7 +23,14 @@ import time
 
 import torch
 import torch.distributed as dist
-from sync_checks import RecordingClient, greedy_outputs, make_rollout, memorize_batch, version_label
+from sync_checks import (
+    RecordingClient,
+    gather_to_rank0,
+    greedy_outputs,
+    make_rollout,
+    memorize_batch,
+    version_label,
+)
 
 from tandemrl.algorithms.lm import LMEngine
 from tandemrl.api.allocation import AllocationMode
@@ -34,6 +41,7 @@ from tandemrl.engines.deepspeed import DeepSpeedEngine
 from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.inference.remote import RemoteVLLMEngine
 from tandemrl.inference.weight_group import parse_buckets_json
+from tandemrl.rollout.controller import RolloutController
 
 
 def make_engine(model: str, lr: float) -> DeepSpeedEngine:
@@ -49,7 +57,7 @@ def make_engine(model: str, lr: float) -> DeepSpeedEngine:
 
 
 def push(
-    engine: DeepSpeedEngine,
+    controller: RolloutController,
     rollout: RemoteVLLMEngine,
     meta: WeightUpdateMeta,
     prompts: list,
@@ -64,11 +72,9 @@ def push(
         record["label_before"] = version_label(rollout)
     dist.barrier()
     start = time.perf_counter()
-    engine.update_weights(meta)
+    controller.push_weights(meta=meta)  # labelled engine version + 1; engine and client set to it
     record["update_seconds"] = time.perf_counter() - start
-    version = engine.get_version() + 1
-    engine.set_version(version)
-    rollout.set_version(version)
+    record["rank_versions"] = gather_to_rank0((controller.engine.get_version(), rollout.get_version()))
     if rank == 0:
         record["after"] = greedy_outputs(rollout, prompts)
         record["label_after"] = version_label(rollout)
@@ -101,14 +107,14 @@ def main(args: argparse.Namespace) -> None:
     )
     box = [collective]
     dist.broadcast_object_list(box, src=0)  # one rendezvous port for every rank
-    engine.connect_engine(rollout, disk)
+    controller = RolloutController(rollout, engine, rollout.config, disk)
     try:
         batch = memorize_batch(int(engine.model_config.vocab_size), seed=7)
         shard = {k: v[rank :: dist.get_world_size()] for k, v in batch.items()}
         losses = [LMEngine(engine).train_lm(shard)["loss"] for _ in range(args.steps)]
         engine.save(SaveLoadMeta(path=os.path.join(args.out, "exported"), weight_format="hf"))
 
-        disk_record = {"losses": losses, **push(engine, rollout, disk, prompts)}  # labelled 1
+        disk_record = {"losses": losses, **push(controller, rollout, disk, prompts)}  # labelled 1
         if rank == 0:
             restore = WeightUpdateMeta(type="disk", path=args.model, version=0)
             rollout.update_weights_from_disk(restore).result()
@@ -116,7 +122,7 @@ def main(args: argparse.Namespace) -> None:
         dist.barrier()
         n_rpcs = len(client.rpcs)
         restored = disk_record.get("restored")  # rank 0 only; the other ranks do not generate
-        coll_record = {"losses": losses, **push(engine, rollout, box[0], prompts, restored)}  # labelled 2
+        coll_record = {"losses": losses, **push(controller, rollout, box[0], prompts, restored)}  # labelled 2
         if rank == 0:
             # Tensors per bucket, as the server was told in its tandemrl_recv_weights call(s).
             recv = [r for r in client.rpcs[n_rpcs:] if r["method"] == "tandemrl_recv_weights"]
@@ -124,22 +130,23 @@ def main(args: argparse.Namespace) -> None:
             coll_record["bucket_sizes"] = [len(b) for r in recv for b in parse_buckets_json(r["kwargs"]["meta_json"])]
             coll_record["n_params"] = len(engine.hf_param_specs())
 
-        # disconnect_engine closes the weight-update group, so rank 0's store frees the group port:
-        # reconnecting with the same meta (same port) updates again. Disconnected, updates are refused.
-        engine.disconnect_engine()
+        # destroy() closes the weight-update group, so rank 0's store frees the group port:
+        # a new controller with the same meta (same port) updates again. Destroyed, it refuses updates.
+        controller.destroy()
         try:
-            engine.update_weights(box[0])
+            controller.push_weights(meta=box[0])
         except RuntimeError as e:
             coll_record["disconnected_error"] = str(e)
-        engine.connect_engine(rollout, box[0])
-        engine.update_weights(box[0].with_version(3))
+        controller = RolloutController(rollout, engine, rollout.config, box[0])
+        controller.push_weights(3)
         if rank == 0:
             coll_record["reconnected_label"] = version_label(rollout)
             save_record(disk_record, args.out, "disk")
             save_record(coll_record, args.out, "collective")
         dist.barrier()
     finally:
-        engine.destroy()  # disconnects too
+        controller.destroy()  # closes the weight-update group
+        engine.destroy()
         rollout.destroy()
         client.close()
 

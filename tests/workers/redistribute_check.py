@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from tandemrl.engines.base import init_default_process_group
-from tandemrl.engines.rollout_link import redistribute
 from tandemrl.engines.teardown import destroy_process_groups
+from tandemrl.rollout.distributed import redistribute
 
 
 def main(out: str) -> None:

@@ -6,7 +6,7 @@ Modes (results go to ``--out``, written by rank 0):
   every ``--temperatures`` value, then ``FSDPEngine.forward`` recomputes the sampled
   tokens' logprobs at that temperature on the same weights -> ``logprobs.pt``.
 * ``update``: train a few SFT steps on a fixed batch, export the weights (HF),
-  push them with ``update_weights`` (``--sync disk`` or ``collective``) and record the
+  push them with ``RolloutController.push_weights`` (``--sync disk`` or ``collective``) and record the
   server's greedy continuations of ``--prompts`` before and after -> ``update.pt``.
   ``--allocation`` picks the trainer's backend and layout (default ``fsdp:d2``).
 """
@@ -36,6 +36,7 @@ from tandemrl.inference.http import HttpClient
 from tandemrl.inference.remote import RemoteVLLMEngine
 from tandemrl.inference.weight_group import parse_buckets_json
 from tandemrl.models.functional import gather_logprobs, next_token_labels
+from tandemrl.rollout.controller import RolloutController
 
 GREEDY_TOKENS = 12  # greedy continuation length compared with transformers
 
@@ -187,7 +188,7 @@ def update(args: argparse.Namespace) -> None:
             comm_backend="gloo",
             bucket_size_mb=args.bucket_mb,
         )
-    engine.connect_engine(rollout, meta)
+    controller = RolloutController(rollout, engine, rollout.config, meta)
     record: dict[str, object] = {"meta": {"type": meta.type, "bucket_size_mb": meta.bucket_size_mb}}
     try:
         batch = memorize_batch(int(engine.model_config.vocab_size), seed=7)
@@ -200,11 +201,9 @@ def update(args: argparse.Namespace) -> None:
             record["label_before"] = version_label(rollout)
         dist.barrier()
         start = time.perf_counter()
-        engine.update_weights()  # meta from connect_engine; labelled get_version() + 1
+        controller.push_weights()  # the controller's meta; labelled get_version() + 1, every side set to it
         record["update_seconds"] = time.perf_counter() - start
-        new_version = engine.get_version() + 1
-        engine.set_version(new_version)
-        rollout.set_version(new_version)
+        record["rank_versions"] = gather_to_rank0((engine.get_version(), rollout.get_version()))
         if rank == 0:
             record["after"] = greedy_outputs(rollout, prompts)
             record["label_after"] = version_label(rollout)
@@ -216,7 +215,7 @@ def update(args: argparse.Namespace) -> None:
             record["n_params"] = len(engine.hf_param_specs())
         dist.barrier()
     finally:
-        engine.disconnect_engine()  # closes the weight-update group
+        controller.destroy()  # closes the weight-update group
         rollout.destroy()
         client.close()
     if rank == 0:

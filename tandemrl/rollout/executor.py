@@ -1,13 +1,13 @@
 """Run rollout workflows on a background event loop and hand finished batches to the trainer.
 
-The trainer thread calls ``submit``/``wait``/``prepare_batch``/``rollout_batch``; a
-daemon thread (``AsyncTaskRunner``) owns an asyncio loop on which every episode runs as
-a task. Episodes start only while the ``StalenessManager`` grants capacity, and ``wait``
-hands out accepted trajectories oldest-weight-version first, holding back a batch when
-that is needed for an older, still running rollout to be consumed in time. Together
-this guarantees that a rollout started at weight version v is consumed by a trainer at
-version <= v + max_head_offpolicyness, provided the trainer consumes
-``consumer_batch_size`` trajectories per version bump.
+The trainer thread (usually through ``RolloutController``) calls ``submit``/``wait``/
+``prepare_batch``/``rollout_batch``; a daemon thread (``AsyncTaskRunner``) owns an asyncio
+loop on which every episode runs as a task. Episodes start only while the
+``StalenessManager`` grants capacity, and ``wait`` hands out accepted trajectories
+oldest-weight-version first, holding back a batch when that is needed for an older, still
+running rollout to be consumed in time. Together this guarantees that a rollout started at
+weight version v is consumed by a trainer at version <= v + max_head_offpolicyness,
+provided the trainer consumes ``consumer_batch_size`` trajectories per version bump.
 
 ``pending_rows`` lists the rows ``prepare_batch`` took from the dataloader that no batch has
 handed out yet; a recoverable checkpoint saves them and the resumed executor submits them
@@ -17,7 +17,6 @@ first (``replay_first``), so a restart neither skips nor repeats a row.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import itertools
 import logging
@@ -25,7 +24,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,9 +34,11 @@ from tandemrl.api.types import TensorDict
 from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
 from tandemrl.configs.rollout import InferenceEngineConfig
 from tandemrl.data.batch import concat_padded_tensors
+from tandemrl.data.loader import cycle_batches
+from tandemrl.rollout.staleness import RolloutStat, StalenessManager
+from tandemrl.rollout.task_runner import AsyncTaskRunner
 from tandemrl.utils import stats_tracker
 from tandemrl.utils.cli import first_line
-from tandemrl.workflows.staleness import RolloutStat, StalenessManager
 
 logger = logging.getLogger(__name__)
 
@@ -50,82 +51,6 @@ _TICK_SECONDS = 0.05
 _POLL_SECONDS = 0.1
 _STALL_WARN_SECONDS = 10.0
 ERROR_POLICIES = ("raise", "drop")
-
-
-class AsyncTaskRunner:
-    """A daemon thread running one asyncio event loop that other threads schedule work on."""
-
-    def __init__(self, name: str = "tandemrl-rollout") -> None:
-        self.name = name
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._started = threading.Event()
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        if self._loop is None:
-            raise RuntimeError(f"AsyncTaskRunner {self.name!r} is not running; call start() first")
-        return self._loop
-
-    def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self._loop is not None
-
-    def start(self, timeout: float = 30.0) -> None:
-        if self._thread is not None:
-            raise RuntimeError(f"AsyncTaskRunner {self.name!r} was already started")
-        self._thread = threading.Thread(target=self._main, name=self.name, daemon=True)
-        self._thread.start()
-        if not self._started.wait(timeout):
-            raise RuntimeError(f"AsyncTaskRunner {self.name!r}: event loop did not start within {timeout}s")
-
-    def _main(self) -> None:
-        loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(loop)
-        loop.set_exception_handler(_log_loop_exception)
-        self._loop = loop
-        self._started.set()
-        try:
-            loop.run_forever()
-        finally:
-            pending = asyncio.all_tasks(loop)
-            for task in pending:
-                task.cancel()
-            if pending:
-                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-            loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.close()
-            self._loop = None
-
-    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` on the loop thread (thread-safe, non-blocking)."""
-        self.loop.call_soon_threadsafe(fn, *args)
-
-    def run_coroutine(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
-        """Schedule a coroutine on the loop; the returned future is safe to wait on from any thread."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """Cancel everything still running on the loop, then join the thread."""
-        thread, loop = self._thread, self._loop
-        if thread is None:
-            return
-        if loop is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(loop.stop)
-            except RuntimeError:  # closed between the check and the call
-                pass
-        thread.join(timeout)
-        if thread.is_alive():
-            logger.warning(
-                "AsyncTaskRunner %r did not stop within %.0fs; leaving the daemon thread", self.name, timeout
-            )
-        self._thread = None
-
-
-def _log_loop_exception(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-    exc = context.get("exception")
-    detail = f"{type(exc).__name__}: {exc}" if exc is not None else context.get("message", "")
-    logger.error("rollout event loop: %s", str(detail).splitlines()[0] if detail else "unknown error")
 
 
 @dataclass
@@ -164,21 +89,6 @@ def _check_trajectory(traj: Any, workflow: RolloutWorkflow) -> None:
             f"{type(workflow).__name__}.arun_episode returned {type(traj).__name__} without a 2-D 'attention_mask' "
             "tensor; expected a dict of padded tensors [n, L] or None"
         )
-
-
-def cycle_batches(dataloader: Iterable[Any], what: str = "prepare_batch") -> Iterator[Any]:
-    """Endless batches; re-iterating the dataloader each epoch (so it reshuffles).
-
-    One empty pass is allowed: a stateful dataloader restored at the end of an epoch yields
-    nothing until its next pass.
-    """
-    empty_passes = 0
-    while empty_passes < 2:
-        empty_passes += 1
-        for batch in dataloader:
-            empty_passes = 0
-            yield batch
-    raise ValueError(f"{what}: the dataloader yielded no batches")
 
 
 class WorkflowExecutor:
@@ -273,11 +183,7 @@ class WorkflowExecutor:
         return int(self.inference_engine.get_version())
 
     def set_version(self, version: int) -> None:
-        """Set the engine's version (if it differs) and re-evaluate capacity now.
-
-        An engine whose own ``set_version`` calls this must update its version first:
-        the executor then only wakes the launch loop.
-        """
+        """Set the engine's version (if it differs) and re-evaluate capacity now."""
         if self.get_version() != version:
             setter = getattr(self.inference_engine, "set_version", None)
             if setter is None:

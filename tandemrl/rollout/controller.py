@@ -1,0 +1,191 @@
+"""The trainer's one handle on rollout: next batch, pause/resume, weight push, recovery rows, stats.
+
+A ``RolloutController`` joins three peers that know nothing of each other: an inference
+client (generation and the servers' weight-receive calls), a training engine (training and
+weight export) and the ``WorkflowExecutor`` that streams episodes through the client. Every
+trainer rank builds one; batch and weight methods are collective over all trainer ranks::
+
+    client = RemoteVLLMEngine(config.rollout); client.initialize()
+    rollout = RolloutController(client, actor, config.rollout, meta, eval_stats_name="eval-rollout")
+    batch = rollout.prepare_batch(train_dl, workflow, granularity=group_size)  # or rollout_batch(rows, ...)
+    ...train on batch...
+    rollout.push_weights(version)  # servers, engine, client and executor all at ``version``
+    rollout.destroy(); client.destroy()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+from tandemrl.api.engine import TrainEngine
+from tandemrl.api.inference import WeightUpdateMeta
+from tandemrl.api.types import TensorDict
+from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
+from tandemrl.configs.rollout import InferenceEngineConfig
+from tandemrl.rollout.distributed import collect
+from tandemrl.rollout.executor import ShouldAcceptFn, WorkflowExecutor
+from tandemrl.rollout.weights import WeightPusher, WeightReceiver
+
+# Evaluation trains on nothing it generates, so no staleness bound applies to it.
+UNBOUNDED_STALENESS = 10**6
+
+
+class InferenceClient(GenerationEngine, WeightReceiver, Protocol):
+    """What the controller needs of an inference client (``RemoteInfEngine`` implements it)."""
+
+    def set_version(self, version: int) -> None: ...
+
+
+class RolloutController:
+    """Rollout as a peer of training; see the module docstring.
+
+    ``eval_stats_name``: also run an evaluation executor (never staleness-throttled, its
+    statistics under that tracker name) for :meth:`eval_batch`.
+    """
+
+    def __init__(
+        self,
+        client: InferenceClient,
+        engine: TrainEngine,
+        config: InferenceEngineConfig,
+        meta: WeightUpdateMeta | None = None,
+        eval_stats_name: str | None = None,
+    ) -> None:
+        self.client, self.engine, self.config, self.meta = client, engine, config, meta
+        self._pusher = WeightPusher(engine, client)
+        self._executor = WorkflowExecutor(config, client)
+        self._eval_executor: WorkflowExecutor | None = None
+        if eval_stats_name is not None:
+            eval_config = dataclasses.replace(
+                config, max_head_offpolicyness=UNBOUNDED_STALENESS, stats_name=eval_stats_name
+            )
+            self._eval_executor = WorkflowExecutor(eval_config, client)
+        self._destroyed = False
+        try:
+            for executor in self._executors():
+                executor.initialize()
+        except BaseException:
+            self.destroy()
+            raise
+
+    def _executors(self) -> list[WorkflowExecutor]:
+        return [self._executor] + ([self._eval_executor] if self._eval_executor is not None else [])
+
+    def _require_live(self, what: str) -> None:
+        if self._destroyed:
+            raise RuntimeError(
+                f"RolloutController.{what}() after destroy(); build a new RolloutController(client, engine, ...)"
+            )
+
+    # ------------------------------------------------------------------ batches
+    def _collect(self, what: str, produce: Callable[[], TensorDict], granularity: int | None) -> TensorDict:
+        self._require_live(what)
+        return collect(self.engine, produce, granularity)
+
+    def rollout_batch(
+        self,
+        rows: list[dict[str, Any]],
+        workflow: RolloutWorkflow,
+        should_accept_fn: ShouldAcceptFn | None = None,
+        granularity: int = 1,
+        timeout: float | None = None,
+    ) -> TensorDict:
+        """Synchronous rollout of this replica's ``rows``, then DP redistribution (groups of ``granularity`` kept whole)."""
+        ex = self._executor
+        return self._collect(
+            "rollout_batch", lambda: ex.rollout_batch(rows, workflow, should_accept_fn, timeout), granularity
+        )
+
+    def prepare_batch(
+        self,
+        dataloader: Any,
+        workflow: RolloutWorkflow,
+        should_accept_fn: ShouldAcceptFn | None = None,
+        granularity: int = 1,
+        timeout: float | None = None,
+    ) -> TensorDict:
+        """Asynchronous rollout (bounded staleness), then DP redistribution (groups kept whole)."""
+        ex = self._executor
+        return self._collect(
+            "prepare_batch", lambda: ex.prepare_batch(dataloader, workflow, should_accept_fn, timeout), granularity
+        )
+
+    def eval_batch(
+        self, rows: list[dict[str, Any]], workflow: RolloutWorkflow, timeout: float | None = None
+    ) -> TensorDict:
+        """Trajectories of this replica's ``rows`` from the evaluation executor; no DP redistribution."""
+        ex = self._eval_executor
+        if ex is None:
+            raise RuntimeError(
+                "RolloutController.eval_batch(): built without eval_stats_name, so no evaluation executor"
+            )
+        return self._collect("eval_batch", lambda: ex.rollout_batch(rows, workflow, None, timeout), None)
+
+    # ------------------------------------------------------------------ pause / weights
+    def pause(self) -> None:
+        """Stop starting training episodes (running ones continue); the servers keep serving."""
+        self._executor.pause()
+
+    def resume(self) -> None:
+        self._executor.resume()
+
+    def push_weights(
+        self, version: int | None = None, meta: WeightUpdateMeta | None = None, restored: bool = False
+    ) -> int:
+        """Collective: install the engine's weights on every server as ``version``; returns it.
+
+        ``version`` defaults to ``meta.version``, else the engine's version + 1; ``meta`` to the
+        controller's. Episodes stop starting during the push; afterwards the engine, the client
+        and the executors are at ``version``. ``restored``: the weights come from a checkpoint
+        resumed at ``version``, so rollout capacity is counted from it.
+        """
+        self._require_live("push_weights")
+        meta = meta or self.meta
+        if meta is None:
+            raise ValueError("push_weights: no WeightUpdateMeta (pass one here or to RolloutController)")
+        if version is None:
+            version = meta.version if meta.version is not None else self.engine.get_version() + 1
+        self.pause()
+        try:
+            self._pusher.push(meta.with_version(version))
+            self.engine.set_version(version)
+            if restored:
+                self._executor.staleness.set_base_version(version)
+            for executor in self._executors():
+                executor.set_version(version)  # the client's version; wakes the launch loop
+        finally:
+            self.resume()
+        return version
+
+    # ------------------------------------------------------------------ recovery / stats
+    @property
+    def last_batch_rows(self) -> list[dict[str, Any]]:
+        """The rows behind the last training batch this rank's executor handed out."""
+        return self._executor.last_batch_rows
+
+    def pending_rows(self) -> list[dict[str, Any]]:
+        """Rows taken from the dataloader whose trajectories no batch has handed out (see ``WorkflowExecutor``)."""
+        return self._executor.pending_rows()
+
+    def replay_first(self, rows: Iterable[dict[str, Any]]) -> None:
+        """Generate ``rows`` (a checkpoint's ``pending_rows``) before new dataloader rows."""
+        self._executor.replay_first(rows)
+
+    def export_stats(self, reduce_group: Any = None) -> dict[str, float]:
+        """Rollout statistics of every executor (training, then evaluation), reduced over ``reduce_group``."""
+        stats: dict[str, float] = {}
+        for executor in self._executors():
+            stats.update(executor.export_stats(reduce_group=reduce_group))
+        return stats
+
+    def destroy(self) -> None:
+        """Stop the executors and close the weight-update group (rank 0 hosts its store and port).
+
+        Idempotent. The client stays the caller's to destroy.
+        """
+        self._destroyed = True
+        for executor in self._executors():
+            executor.destroy()
+        self._pusher.close()
