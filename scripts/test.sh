@@ -18,5 +18,7 @@ if [[ "$stress" != "0" ]]; then
     trap 'kill "$burner" 2>/dev/null || true' EXIT
     echo "stress: pid $burner burns one CPU core during the tests"
 fi
+# The layer contracts of pyproject.toml [tool.importlinter] (docs/architecture.md).
+.venv/bin/lint-imports --no-cache
 # No path given: pytest runs its testpaths (tests/); paths given: only those.
 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 ${args[@]+"${args[@]}"}
