@@ -11,7 +11,6 @@ import yaml
 from tandemrl.configs import (
     ConfigError,
     GRPOConfig,
-    InferenceEngineConfig,
     OptimizerConfig,
     PPOActorConfig,
     PPOConfig,
@@ -238,7 +237,7 @@ def test_presets_load_for_their_schemas(preset: str, schema: type, model_key: st
         assert cfg.gconfig.n_samples == 4 and cfg.gconfig.max_new_tokens == 64
         assert cfg.actor.group_size == 4 and cfg.actor.eps_clip == pytest.approx(0.2) and cfg.actor.kl_ctl == 0.0
         # One step consumes one dataloader batch: RLTrainer derives it; the preset leaves the default.
-        assert cfg.ref is None and cfg.rollout.consumer_batch_size == InferenceEngineConfig().consumer_batch_size
+        assert cfg.ref is None and not hasattr(cfg.rollout, "consumer_batch_size")
     else:
         assert cfg.train_dataset.type == "sft" and cfg.model.optimizer is not None
 
@@ -291,6 +290,8 @@ def test_engine_keys_moved_under_engine(tmp_path: Path) -> None:
     ref = load_error(["ref.path=/r", "ref.temperature=0.5"])
     assert "'ref.temperature'" in ref and "'actor.temperature'" in ref
     assert "Unknown config key 'critic.adv_norm'" in load_error(["critic.adv_norm.mean_level=group"], PPOConfig)
+    derived = load_error(["rollout.consumer_batch_size=8"])
+    assert "'rollout.consumer_batch_size' was removed" in derived and "train_dataset.batch_size" in derived
 
 
 def test_critic_engine_builds_a_value_head_by_default() -> None:

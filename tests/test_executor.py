@@ -95,10 +95,8 @@ def mixed_rewards(traj: TensorDict) -> bool:
 
 def make_executor(k: int = 0, bsz: int = 4, max_conc: int | None = None, **cfg: Any) -> tuple[WorkflowExecutor, Any]:
     engine = RandomDelayEngine(seed=k)
-    config = InferenceEngineConfig(
-        consumer_batch_size=bsz, max_head_offpolicyness=k, max_concurrent_rollouts=max_conc, **cfg
-    )
-    ex = WorkflowExecutor(config, engine)
+    config = InferenceEngineConfig(max_head_offpolicyness=k, max_concurrent_rollouts=max_conc, **cfg)
+    ex = WorkflowExecutor(config, engine, consumer_batch_size=bsz)
     ex.initialize()
     return ex, engine
 

@@ -15,9 +15,7 @@ LINT_IMPORTS = str(Path(sys.executable).with_name("lint-imports"))
 
 def _lint(root: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(root)}
-    return subprocess.run(
-        [LINT_IMPORTS, "--no-cache"], cwd=root, env=env, capture_output=True, text=True, timeout=300
-    )
+    return subprocess.run([LINT_IMPORTS, "--no-cache"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_contracts_hold() -> None:

@@ -216,7 +216,7 @@ def _executor(k: int, version: int = 0) -> tuple[WorkflowExecutor, RandomDelayEn
     """An executor as a trainer resumed at ``version`` has it (servers at that version, capacity from it)."""
     engine = RandomDelayEngine(seed=k)
     engine.set_version(version)
-    ex = WorkflowExecutor(InferenceEngineConfig(consumer_batch_size=BSZ, max_head_offpolicyness=k), engine)
+    ex = WorkflowExecutor(InferenceEngineConfig(max_head_offpolicyness=k), engine, consumer_batch_size=BSZ)
     ex.staleness.set_base_version(version)
     ex.initialize()
     return ex, engine

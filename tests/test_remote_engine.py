@@ -641,9 +641,9 @@ class EchoWorkflow(RolloutWorkflow):
 def test_executor_drives_the_client(servers, engines) -> None:
     """The client owns no executor; a WorkflowExecutor over it rolls out, pauses and follows its version."""
     (srv,) = servers(1)
-    engine = engines([srv.addr], consumer_batch_size=3)
+    engine = engines([srv.addr])
     assert not hasattr(engine, "executor") and not hasattr(RemoteInfEngine, "rollout_batch")
-    executor = WorkflowExecutor(engine.config, engine)
+    executor = WorkflowExecutor(engine.config, engine, consumer_batch_size=3)
     executor.initialize()
     try:
         batch = executor.rollout_batch([{"id": i} for i in range(3)], workflow=EchoWorkflow(), timeout=30)

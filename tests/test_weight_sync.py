@@ -453,13 +453,11 @@ def test_killed_server_mid_rollout_fails_over(vllm_server: VLLMTestServer, big_s
     dead, survivor = big_server.proc.address, vllm_server.proc.address
     base = {"request_retries": 2, "request_backoff": 0.2, "request_timeout": 30.0, "setup_timeout": 60.0}
     client = RecordingClient()
-    both = RemoteVLLMEngine(
-        InferenceEngineConfig(**base, consumer_batch_size=rows, max_concurrent_rollouts=rows), http_client=client
-    )
+    both = RemoteVLLMEngine(InferenceEngineConfig(**base, max_concurrent_rollouts=rows), http_client=client)
     both.initialize([dead, survivor])  # round-robin: rows alternate between the servers
     only = RemoteVLLMEngine(InferenceEngineConfig(**base))
     only.initialize([dead])
-    executor = WorkflowExecutor(both.config, both)
+    executor = WorkflowExecutor(both.config, both, consumer_batch_size=rows)
     executor.initialize()
 
     def lonely() -> tuple[BaseException | None, float]:

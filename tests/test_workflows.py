@@ -318,8 +318,8 @@ def test_executor_runs_rlvr_on_gsm8k_rows(tokenizer: Any, gsm8k_dir: str) -> Non
         return rows[k]["answer"] if k % 2 else "#### -1"
 
     engine = ScriptedEngine(tokenizer, pick)
-    config = InferenceEngineConfig(consumer_batch_size=3, max_head_offpolicyness=0)
-    ex = WorkflowExecutor(config, engine)
+    config = InferenceEngineConfig(max_head_offpolicyness=0)
+    ex = WorkflowExecutor(config, engine, consumer_batch_size=3)
     ex.initialize()
     try:
         wf = RLVRWorkflow(gsm8k_reward_fn, GenerationHyperparameters(n_samples=2), tokenizer)

@@ -12,11 +12,14 @@ import functools
 
 from tandemrl.configs.engine import TrainEngineConfig
 from tandemrl.configs.ppo import PPOActorConfig
+from tandemrl.configs.rollout import InferenceEngineConfig
 
 # (schema, field) -> why a field the schema had may no longer be set.
 _REMOVED: dict[tuple[type, str], str] = {
     (TrainEngineConfig, "backend"): "was removed (it was never read; DeepSpeed and Megatron options are under "
     "deepspeed.* and megatron.*)",
+    (InferenceEngineConfig, "consumer_batch_size"): "was removed: the trainer derives it (train_dataset.batch_size "
+    "per data-parallel rank)",
 }
 
 

@@ -14,18 +14,14 @@ class InferenceEngineConfig:
     experiment_name: str = field(default="${experiment_name}", metadata={"help": "Filled from the root config."})
     trial_name: str = field(default="${trial_name}", metadata={"help": "Filled from the root config."})
     max_concurrent_rollouts: int | None = field(
-        default=None, metadata={"help": "Workflows running at once; None means consumer_batch_size.", "min": 1}
+        default=None,
+        metadata={
+            "help": "Workflows running at once; None means the per-step batch (trajectories one step consumes).",
+            "min": 1,
+        },
     )
     queue_size: int | None = field(
         default=None, metadata={"help": "Input/output queue size; None picks a default.", "min": 1}
-    )
-    consumer_batch_size: int = field(
-        default=1,
-        metadata={
-            "help": "Trajectories the trainer consumes per step; RLTrainer derives it "
-            "(train_dataset.batch_size per data-parallel rank), so RL configs leave it unset.",
-            "min": 1,
-        },
     )
     max_head_offpolicyness: int = field(
         default=0, metadata={"help": "Max versions a sample may lag the trainer; 0 is synchronous RL.", "min": 0}

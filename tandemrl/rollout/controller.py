@@ -6,7 +6,8 @@ weight export) and the ``WorkflowExecutor`` that streams episodes through the cl
 trainer rank builds one; batch and weight methods are collective over all trainer ranks::
 
     client = RemoteVLLMEngine(config.rollout); client.initialize()
-    rollout = RolloutController(client, actor, config.rollout, meta, eval_stats_name="eval-rollout")
+    rollout = RolloutController(client, actor, config.rollout, meta, eval_stats_name="eval-rollout",
+                                consumer_batch_size=batch_size // dp_world_size)
     batch = rollout.prepare_batch(train_dl, workflow, granularity=group_size)  # or rollout_batch(rows, ...)
     ...train on batch...
     rollout.push_weights(version)  # servers, engine, client and executor all at ``version``
@@ -41,6 +42,8 @@ class InferenceClient(GenerationEngine, WeightReceiver, Protocol):
 class RolloutController:
     """Rollout as a peer of training; see the module docstring.
 
+    ``consumer_batch_size``: trajectories one training step takes from this rank's executor (the
+    unit of the staleness bound; the trainer passes ``train_dataset.batch_size`` per DP rank).
     ``eval_stats_name``: also run an evaluation executor (never staleness-throttled, its
     statistics under that tracker name) for :meth:`eval_batch`.
     """
@@ -52,16 +55,17 @@ class RolloutController:
         config: InferenceEngineConfig,
         meta: WeightUpdateMeta | None = None,
         eval_stats_name: str | None = None,
+        consumer_batch_size: int = 1,
     ) -> None:
         self.client, self.engine, self.config, self.meta = client, engine, config, meta
         self._pusher = WeightPusher(engine, client)
-        self._executor = WorkflowExecutor(config, client)
+        self._executor = WorkflowExecutor(config, client, consumer_batch_size)
         self._eval_executor: WorkflowExecutor | None = None
         if eval_stats_name is not None:
             eval_config = dataclasses.replace(
                 config, max_head_offpolicyness=UNBOUNDED_STALENESS, stats_name=eval_stats_name
             )
-            self._eval_executor = WorkflowExecutor(eval_config, client)
+            self._eval_executor = WorkflowExecutor(eval_config, client, consumer_batch_size)
         self._destroyed = False
         try:
             for executor in self._executors():

@@ -94,7 +94,10 @@ def _check_trajectory(traj: Any, workflow: RolloutWorkflow) -> None:
 class WorkflowExecutor:
     """Streams rollouts of submitted rows and collates accepted ones into training batches."""
 
-    def __init__(self, config: InferenceEngineConfig, inference_engine: GenerationEngine) -> None:
+    def __init__(
+        self, config: InferenceEngineConfig, inference_engine: GenerationEngine, consumer_batch_size: int = 1
+    ) -> None:
+        """``consumer_batch_size``: trajectories one training step consumes (the staleness unit)."""
         if config.workflow_error_policy not in ERROR_POLICIES:
             raise ValueError(
                 f"InferenceEngineConfig.workflow_error_policy must be one of {ERROR_POLICIES}, "
@@ -102,13 +105,13 @@ class WorkflowExecutor:
             )
         self.config = config
         self.inference_engine = inference_engine
-        self.consumer_batch_size = config.consumer_batch_size
-        self.max_concurrent_rollouts = config.max_concurrent_rollouts or config.consumer_batch_size
+        self.consumer_batch_size = consumer_batch_size
+        self.max_concurrent_rollouts = config.max_concurrent_rollouts or consumer_batch_size
         self.queue_size = config.queue_size or self.max_concurrent_rollouts * 16
         if self.queue_size < 1:
             raise ValueError(f"InferenceEngineConfig.queue_size must be positive, got {config.queue_size}")
         self.staleness = StalenessManager(
-            self.max_concurrent_rollouts, config.consumer_batch_size, config.max_head_offpolicyness
+            self.max_concurrent_rollouts, consumer_batch_size, config.max_head_offpolicyness
         )
         self.error_policy = config.workflow_error_policy
         self.tracing = config.enable_rollout_tracing
@@ -406,7 +409,7 @@ class WorkflowExecutor:
         k, bsz = self.staleness.max_staleness, self.consumer_batch_size
         if count > (k + 1) * bsz:
             raise ValueError(
-                f"{what}: needs {count} trajectories but InferenceEngineConfig.consumer_batch_size={bsz} with "
+                f"{what}: needs {count} trajectories but consumer_batch_size={bsz} with "
                 f"max_head_offpolicyness={k} lets at most {(k + 1) * bsz} start per weight version; set "
                 "consumer_batch_size to the per-step batch size (or a huge max_head_offpolicyness for evaluation)"
             )

@@ -24,7 +24,6 @@ with the restored version) and continues at the next step; see ``tandemrl.traine
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -169,15 +168,19 @@ class RLTrainer:
         self._extra_engines: list[TrainEngine] = []
 
         # Each trainer rank runs its own client; servers come from the launcher's environment.
-        # One step consumes this rank's share of a dataloader batch (derived, never set in a config file).
-        rollout_config = dataclasses.replace(
-            config.rollout, consumer_batch_size=config.train_dataset.batch_size // world
-        )
-        self.client = remote_engine_for(alloc.gen_backend, rollout_config)
+        self.client = remote_engine_for(alloc.gen_backend, config.rollout)
         self.client.initialize()
         self.meta = weight_update_meta(config, alloc)
         eval_stats = EVAL_STATS if self.valid_dl is not None else None
-        self.rollout = RolloutController(self.client, self.actor, rollout_config, self.meta, eval_stats_name=eval_stats)
+        # One step consumes this rank's share of a dataloader batch.
+        self.rollout = RolloutController(
+            self.client,
+            self.actor,
+            config.rollout,
+            self.meta,
+            eval_stats_name=eval_stats,
+            consumer_batch_size=config.train_dataset.batch_size // world,
+        )
         stop = sorted({*config.gconfig.stop_token_ids, self.tokenizer.eos_token_id})
         self.gconfig = config.gconfig.new(stop_token_ids=stop)
 
