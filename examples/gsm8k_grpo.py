@@ -6,8 +6,8 @@ Started by the launcher, which brings up the servers named in allocation_mode:
         train_dataset.path=../shared/data/gsm8k
 
 Each step (see tandemrl/trainers/rl_loop.py): prepare_batch (async) or rollout_batch
-(sync), recompute logp (+ reference logp if actor.kl_ctl > 0), compute_advantages,
-ppo_update, then push the new weights to the servers, save, evaluate and log.
+(sync), proximal logp (recomputed only for off-policy batches; + reference logp if actor.kl_ctl > 0),
+compute_advantages, ppo_update, then push the new weights to the servers, save, evaluate and log.
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ def _launch(example: str, overrides: list[str], tmp_path: Path) -> dict[str, lis
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert " done: 2 steps in " in proc.stdout, proc.stdout[-2000:]
+    assert " time split: rollout wait (trainer idle) " in proc.stdout, proc.stdout[-2000:]
     exp = example.replace("_", "-")
     stats = _scalars(tmp_path / "tensorboard" / exp / "trial0")
     # The server generated step 2's tokens with the weights pushed after step 1.
@@ -58,6 +59,7 @@ def test_remax_example_two_steps(tiny_model_dir: str, gsm8k_dir: str, tmp_path: 
     assert len(stats["actor/reinforce/loss"]) == 2 and _finite(stats["actor/reinforce/loss"])
     assert _finite(stats["actor/reinforce/grad_norm"])
     assert stats["actor/reinforce/update_successful"] == [1.0, 1.0]
+    assert len(stats["timeperf/actor/reinforce/fwd_bwd"]) == len(stats["timeperf/actor/reinforce/optimizer_step"]) == 2
     # The greedy baseline was generated and scored every step (a 0/1 GSM8K reward).
     greedy = stats["rollout/greedy_reward"]
     assert len(greedy) == 2 and all(0.0 <= g <= 1.0 for g in greedy), greedy
@@ -78,4 +80,7 @@ def test_ppo_critic_example_two_steps(tiny_model_dir: str, gsm8k_dir: str, tmp_p
     assert stats["critic/ppo_critic/update_successful"] == [1.0, 1.0]
     assert all(g > 0 for g in stats["critic/ppo_critic/grad_norm"]), stats["critic/ppo_critic/grad_norm"]
     assert stats["actor/ppo_actor/update/update_successful"] == [1.0, 1.0]
+    # Staleness 0: every batch is on-policy, so the server's logprobs replace the recompute forward.
+    assert stats["actor/recompute_skipped"] == [1.0, 1.0] and "timeperf/actor/recompute_logp" not in stats
+    assert len(stats["timeperf/compute_values"]) == len(stats["timeperf/critic/ppo_critic/fwd_bwd"]) == 2
     assert max(stats["rollout/staleness/max"]) == 0

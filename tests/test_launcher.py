@@ -124,6 +124,23 @@ def _check_dp_batches(probe_dir: Path, steps: int, batch_size: int, group_size: 
         assert len(everything) == len(set(everything)) == batch_size, (step, [len(g) for g in groups.values()])
 
 
+def _check_no_waste_and_profile(stats: dict[str, list[float]], trainer_log: Path, trial: str) -> None:
+    """The logprob recompute ran exactly on the steps with off-policy tokens, no reference forward
+    ran (KL off), every phase of a step was timed, and the run ended with its time split."""
+    on_policy = [float(v == s) for s, v in enumerate(stats["rollout_version_min"])]  # mean over DP ranks of each min
+    assert stats["actor/recompute_skipped"] == on_policy, (trial, stats["actor/recompute_skipped"], on_policy)
+    assert len(stats.get("timeperf/actor/recompute_logp", [])) == on_policy.count(0.0), trial
+    assert "timeperf/ref_logp" not in stats, trial
+    phases = ["rollout_wait", "update_weights", "save", "eval", "recover", "step"]
+    phases += [f"actor/ppo_actor/update/{p}" for p in ("fwd_bwd", "optimizer_step")]
+    for phase in phases:
+        assert len(stats[f"timeperf/{phase}"]) == 2 and min(stats[f"timeperf/{phase}"]) >= 0.0, (trial, phase)
+    split = [line for line in trainer_log.read_text().splitlines() if "grpo time split: " in line]
+    assert len(split) == 1, (trial, split)
+    for label in ("rollout wait (trainer idle) ", "fwd+bwd ", "optimizer ", "weight sync ", "save/eval ", "other "):
+        assert label in split[0], (trial, split[0])
+
+
 def _grpo_dp2(
     backend_args: list[str], model: str, data: str, tmp_path: Path, sweep: tuple[str, ...] = ("--multirun",)
 ) -> dict[str, dict[str, list[float]]]:
@@ -152,6 +169,7 @@ def _grpo_dp2(
         else:  # on-policy: step 1's tokens came from the weights the trainer pushed to the server after step 0
             assert stats["rollout_version_min"][1] == 1, (trial, stats["rollout_version_min"])
         assert "eval-rollout/reward" in stats, trial
+        _check_no_waste_and_profile(stats, tmp_path / "logs" / "gsm8k-grpo" / trial / "trainer.log", trial)
         from transformers import AutoModelForCausalLM
 
         ckpt = tmp_path / "checkpoints" / "gsm8k-grpo" / trial / "epoch0epochstep1globalstep1"

@@ -11,6 +11,7 @@ import torch
 from utils import run_torchrun
 
 from tandemrl.algorithms.ppo import PPOActor, PPOCritic, split_minibatches
+from tandemrl.algorithms.recompute import needs_logp_recompute, server_logp
 from tandemrl.configs.engine import TrainEngineConfig
 from tandemrl.configs.ppo import NormConfig, PPOActorConfig, PPOCriticConfig
 
@@ -141,6 +142,36 @@ def test_bad_inputs_are_named() -> None:
     assert [p["rewards"].tolist() for p in parts] == [[1.0, 0.0], [1.0, 1.0]]
 
 
+def test_recompute_decision_hand_cases() -> None:
+    mask = torch.tensor([[0, 1, 1, 0], [0, 0, 1, 1]])
+    on = torch.tensor([[-1, 5, 5, -1], [-1, -1, 5, 5]])
+    assert not needs_logp_recompute("auto", on, mask, 5)  # every generated token from version 5
+    assert needs_logp_recompute("always", on, mask, 5)
+    stale = on.clone()
+    stale[1, 3] = 4  # one token from the previous weights (e.g. interrupted generation)
+    assert needs_logp_recompute("auto", stale, mask, 5)
+    assert not needs_logp_recompute("never", stale, mask, 5)
+    assert needs_logp_recompute("auto", on, mask, 6)  # the trainer moved on since
+    ahead = torch.where(mask.bool(), 6, -1)
+    assert needs_logp_recompute("auto", ahead, mask, 5)  # not the trainer's weights either
+    assert needs_logp_recompute("auto", None, mask, 5)  # unlabelled tokens: cannot prove on-policy
+    # Prompt/padding versions do not matter; no generated token at all is vacuously on-policy.
+    assert not needs_logp_recompute("auto", torch.where(mask.bool(), 5, 0), mask, 5)
+    assert not needs_logp_recompute("auto", on, torch.zeros_like(mask), 5)
+    with pytest.raises(ValueError, match="recompute_logprob: 'sometimes'"):
+        needs_logp_recompute("sometimes", on, mask, 5)
+    with pytest.raises(ValueError, match="'versions' has shape"):
+        needs_logp_recompute("auto", on[:, :3], mask, 5)
+    # The server's logprobs in the trainer's next-token layout: the behaviour logprobs of compute_advantages.
+    b = _batch()
+    got = server_logp(b["logprobs"], _actor().compute_advantages(b)["action_mask"])
+    assert torch.equal(got, _actor().compute_advantages(_batch())["behav_logp"])
+    with pytest.raises(ValueError, match="'never' cannot serve use_decoupled_loss"):
+        _actor(recompute_logprob="never", use_decoupled_loss=True)
+    with pytest.raises(ValueError, match="recompute_logprob: 'True'"):
+        _actor(recompute_logprob="True")
+
+
 def test_registry_rows() -> None:
     from tandemrl.algorithms.reinforce import ReinforceActor
     from tandemrl.engines.fsdp import FSDPEngine
@@ -269,6 +300,23 @@ def test_compute_logp_equals_hf(results: tuple[dict, Path], tiny_model_dir: str)
                 lp = torch.log_softmax(model(input_ids=ids).logits[0], -1)[:-1].gather(-1, ids[0, 1:, None])
                 assert (logp[i, : n - 1] - lp.squeeze(-1)).abs().max().item() < 1e-5
                 assert logp[i, n - 1 :].abs().max().item() == 0.0  # last token and padding
+
+
+def test_recompute_skipped_exactly_when_on_policy_and_loss_unchanged(results: tuple[dict, Path]) -> None:
+    rec = results[0]["recompute"]
+    auto, always, stale = rec["auto"]["exported"], rec["always"]["exported"], rec["stale"]["exported"]
+    # On-policy (every token from the engine's version): auto uses the server's logprobs, no forward.
+    assert auto["actor/recompute_skipped"] == 1.0 and "timeperf/actor/recompute_logp" not in auto, sorted(auto)
+    assert always["actor/recompute_skipped"] == 0.0 and always["timeperf/actor/recompute_logp"] > 0.0
+    # Those logprobs are the trainer's own, so the loss and the update equal the recomputed ones (fp32).
+    loss = "actor/ppo_actor/update/loss"
+    assert auto[loss] == pytest.approx(always[loss], abs=1e-6, rel=1e-6) and auto[loss] != 0.0
+    assert _max_diff(rec["auto"]["params"], rec["always"]["params"]) < 1e-6
+    # One stale row on rank 1 only: both ranks recompute (the forward is collective).
+    assert stale["actor/recompute_skipped"] == 0.0 and stale["timeperf/actor/recompute_logp"] > 0.0
+    # The engine timed its phases of train_batch.
+    assert auto["timeperf/actor/ppo_actor/update/fwd_bwd"] > 0.0
+    assert auto["timeperf/actor/ppo_actor/update/optimizer_step"] > 0.0
 
 
 def test_minibatches_and_epochs_take_one_step_each(results: tuple[dict, Path], initial_params: dict) -> None:

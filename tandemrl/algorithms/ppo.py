@@ -19,6 +19,7 @@ from tandemrl.algorithms.aggregation import aggregate_loss, aggregation_weight
 from tandemrl.algorithms.kl import kl_estimate, kl_penalty_rewards
 from tandemrl.algorithms.layout import shift_left
 from tandemrl.algorithms.policy_loss import entropy_bonus, ppo_policy_loss
+from tandemrl.algorithms.recompute import RECOMPUTE_MODES, needs_logp_recompute, server_logp
 from tandemrl.algorithms.rewards import (
     apply_no_eos_penalty,
     overlong_penalty,
@@ -37,7 +38,7 @@ from tandemrl.utils import stats_tracker
 class PPOBatch(RolloutBatch, total=False):
     """A rollout batch plus the fields of the PPO family, all [B, L] next-token aligned unless noted."""
 
-    prox_logp: torch.Tensor  # PPOActor.compute_logp with the weights before the update
+    prox_logp: torch.Tensor  # PPOActor.proximal_logp: the policy before the update (recomputed or the server's)
     ref_logp: torch.Tensor  # PPOActor.compute_logp on the reference engine
     values: torch.Tensor  # PPOCritic.compute_values
     # Written by PPOActor.compute_advantages:
@@ -92,6 +93,16 @@ class PPOActor:
             raise ValueError("PPOActorConfig.adv_norm: group-level statistics need group_size > 1")
         if config.overlong_buffer > 0 and config.max_new_tokens is None:
             raise ValueError("PPOActorConfig.max_new_tokens must be set when overlong_buffer > 0")
+        if config.recompute_logprob not in RECOMPUTE_MODES:
+            raise ValueError(
+                f"PPOActorConfig.recompute_logprob: '{config.recompute_logprob}' is not one of "
+                f"{', '.join(RECOMPUTE_MODES)}"
+            )
+        if config.use_decoupled_loss and config.recompute_logprob == "never":
+            raise ValueError(
+                "PPOActorConfig.recompute_logprob: 'never' cannot serve use_decoupled_loss "
+                "(off-policy batches need the recomputed proximal policy); use 'auto'"
+            )
         self.config = config
         self.engine = engine
 
@@ -107,6 +118,27 @@ class PPOActor:
         temp = self.config.temperature
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
         return self.engine.forward(inputs, post_hook=lambda logits, mb: next_token_logp(logits, mb, temp))
+
+    def proximal_logp(self, batch: RolloutBatch) -> torch.Tensor:
+        """``batch["prox_logp"]`` for the update: the policy before it, next-token aligned like ``compute_logp``.
+
+        Recomputed (one forward) when ``config.recompute_logprob`` asks for it
+        (:func:`~tandemrl.algorithms.recompute.needs_logp_recompute`; ``auto``: some generated
+        token came from weights older than ``engine.get_version()``), else the server's
+        ``logprobs`` shifted to next-token alignment. The data-parallel ranks decide together (a
+        stale token on any rank recomputes on all). Records ``recompute_skipped`` (1: server's
+        logprobs used) and ``timeperf/.../recompute_logp``.
+        """
+        require_fields(batch, ("input_ids", "attention_mask", "loss_mask", "logprobs"), "proximal_logp")
+        versions = batch["versions"] if "versions" in batch else None
+        version = self.engine.get_version()
+        local = needs_logp_recompute(self.config.recompute_logprob, versions, batch["loss_mask"], version)
+        recompute = bool(self._dp_sum(torch.tensor([float(local)])).item() > 0)
+        stats_tracker.scalar(recompute_skipped=float(not recompute))
+        if recompute:
+            with stats_tracker.record_timing("recompute_logp"):
+                return self.compute_logp(batch)
+        return server_logp(batch["logprobs"], action_mask_of(batch))
 
     # ------------------------------------------------------------ advantages
     def _model_path(self) -> str:
@@ -172,7 +204,7 @@ class PPOActor:
         if tuple(batch["rewards"].shape) != (bsz,):
             raise ValueError(f"batch field 'rewards' must be per-sequence [{bsz}], got {tuple(batch['rewards'].shape)}")
         action = action_mask_of(batch)
-        behav = torch.where(action, shift_left(batch["logprobs"].float()), 0.0)
+        behav = server_logp(batch["logprobs"], action)
         rewards = batch["rewards"].float().to(action.device)
         if cfg.mask_no_eos or cfg.no_eos_penalty is not None:
             ended = response_ends_with_eos(batch["input_ids"], batch["loss_mask"], self._eos_ids())
@@ -272,7 +304,7 @@ class PPOActor:
     def ppo_update(self, batch: PPOBatch) -> list[dict[str, float]]:
         """``ppo_n_epochs`` passes over ``ppo_n_minibatches`` minibatches (whole groups); one step each.
 
-        The ratio's old policy is ``prox_logp`` when present (recomputed), else the behaviour
+        The ratio's old policy is ``prox_logp`` when present (:meth:`proximal_logp`), else the behaviour
         logprobs; ``use_decoupled_loss`` additionally weights by ``exp(prox - behaviour)``.
         Returns the engine's stats of every step; per-token stats go to ``stats_tracker``
         under ``ppo_actor/``.
@@ -281,7 +313,7 @@ class PPOActor:
         hint = " (batch = compute_advantages(batch) first)"
         require_fields(batch, ("advantages", "action_mask", "behav_logp", "returns"), "ppo_update", hint)
         if cfg.use_decoupled_loss:
-            hint = " (use_decoupled_loss: set batch['prox_logp'] = compute_logp(batch) before the update)"
+            hint = " (use_decoupled_loss: set batch['prox_logp'] = proximal_logp(batch) before the update)"
             require_fields(batch, ("prox_logp",), "ppo_update", hint)
         data = {
             "input_ids": batch["input_ids"],

@@ -69,7 +69,8 @@ class PPOActorConfig:
                   std_level: none} (or ReinforceActor.train_reinforce)
     ============  ==============================================================================
 
-    Off-policy (asynchronous) samples: use_decoupled_loss + recompute_logprob + behav_imp_weight_cap.
+    Off-policy (asynchronous) samples: use_decoupled_loss + behav_imp_weight_cap; recompute_logprob
+    'auto' (default) recomputes the proximal logprobs only for batches with off-policy tokens.
     """
 
     engine: TrainEngineConfig = field(
@@ -88,8 +89,19 @@ class PPOActorConfig:
     reward_clip: float = field(default=20.0, metadata={"help": "Clip rewards to [-x, x]."})
     discount: float = field(default=1.0, metadata={"help": "GAE gamma."})
     gae_lambda: float = field(default=1.0, metadata={"help": "GAE lambda."})
-    recompute_logprob: bool = field(default=True, metadata={"help": "Recompute proximal logprobs before update."})
-    use_decoupled_loss: bool = field(default=False, metadata={"help": "Decoupled PPO with behaviour weights."})
+    recompute_logprob: str = field(
+        default="auto",
+        metadata={
+            "help": "Proximal (pre-update) logprobs: 'auto' recomputes them with an extra forward only when "
+            "some generated token of the batch came from older weights than the trainer's, else uses the "
+            "server's; 'always' recomputes every step; 'never' uses the server's (behaviour) logprobs.",
+            "choices": ["auto", "always", "never"],
+        },
+    )
+    use_decoupled_loss: bool = field(
+        default=False,
+        metadata={"help": "Decoupled PPO with behaviour weights exp(prox - behav) (needs recompute_logprob != never)."},
+    )
     behav_imp_weight_cap: float | None = field(default=None, metadata={"help": "Cap of behaviour importance weight."})
     # ---- additions: advantage normalization, KL form, loss shape, reward shaping, critic
     adv_norm: NormConfig = field(default_factory=NormConfig)

@@ -197,6 +197,11 @@ class BaseTrainEngine(TrainEngine):
     def _reduce_device(self) -> torch.device:
         return self.device if self.device.type == "cuda" else torch.device("cpu")
 
+    def _sync_device(self) -> None:
+        """Wait for the device's queued kernels (CUDA); a no-op on CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     # ------------------------------------------------- micro-batch loops
     def _train_micro_batches(self, mbs: MicroBatches, weights: list[float], scale: float, loss_fn: LossFn) -> float:
         """Forward+backward every micro-batch, its loss weighted by ``w * scale``; returns sum(loss * w).
@@ -257,7 +262,8 @@ class BaseTrainEngine(TrainEngine):
 
         Each micro-batch loss is weighted by ``loss_weight_fn(mb) / global_weight``; the
         global weight sums over all micro-batches of all DP ranks. Gradients are averaged
-        over DP ranks by the backend, hence the extra ``dp_world_size`` factor.
+        over DP ranks by the backend, hence the extra ``dp_world_size`` factor. Records the
+        times ``timeperf/<scope>/fwd_bwd`` and ``timeperf/<scope>/optimizer_step``.
         """
         self._require_initialized("train_batch")
         if self.optimizer is None:
@@ -268,8 +274,11 @@ class BaseTrainEngine(TrainEngine):
         total = self._all_reduce_sum(sum(weights))
         if total <= 0:
             raise ValueError("train_batch: total loss weight over all ranks is 0 (no tokens to train on)")
-        loss_sum = self._train_micro_batches(mbs, weights, self.data_parallel_world_size / total, loss_fn)
-        grad_norm, stepped = self._optimizer_step()
+        with stats_tracker.record_timing("fwd_bwd"):
+            loss_sum = self._train_micro_batches(mbs, weights, self.data_parallel_world_size / total, loss_fn)
+            self._sync_device()  # kernels still queued belong to this timing, not the optimizer's
+        with stats_tracker.record_timing("optimizer_step"):
+            grad_norm, stepped = self._optimizer_step()
         lr = self.optimizer.param_groups[0]["lr"]
         stats = {
             "loss": self._all_reduce_sum(loss_sum) / total,

@@ -16,8 +16,11 @@ here: :func:`ppo_train_step` (PPO family, optionally with reference and critic) 
 :func:`reinforce_train_step` (ReMax). Each step of the loop, through the
 :class:`~tandemrl.rollout.controller.RolloutController`: rollout (``prepare_batch`` when
 ``async_training`` else ``rollout_batch``) -> ``train_step(batch, global_step)`` ->
-``push_weights`` -> save -> evaluate -> log -> recoverable checkpoint (``recover.mode`` auto/resume, every
-``recover.freq_*``). A run restarted with a checkpoint present restores the engines, the
+``push_weights`` -> save -> evaluate -> recoverable checkpoint (``recover.mode`` auto/resume, every
+``recover.freq_*``) -> log. Each phase is timed under ``timeperf/`` (``rollout_wait``: the trainer idle,
+waiting for its batch; ``actor/recompute_logp``, ``ref_logp``, ``.../fwd_bwd``, ``.../optimizer_step``,
+``update_weights``, ``save``, ``eval``, ``recover``, ``step``); the run ends with a one-line split of its
+wall time (``tandemrl.trainers.time_split``). A run restarted with a checkpoint present restores the engines, the
 dataloader position, the rows still in flight (generated again first) and the counters, pushes the restored weights to the servers (labelled
 with the restored version) and continues at the next step; see ``tandemrl.trainers.recover``.
 """
@@ -56,6 +59,7 @@ from tandemrl.trainers.prompt_log import log_prompt_ids
 from tandemrl.trainers.recover import RecoverHandler
 from tandemrl.trainers.saver import Saver
 from tandemrl.trainers.stats_logger import StatsLogger
+from tandemrl.trainers.time_split import add_step_timings, format_time_split
 from tandemrl.utils import stats_tracker
 from tandemrl.workflows.rlvr import RLVRWorkflow
 
@@ -84,10 +88,10 @@ def ppo_train_step(actor: PPOActor, ref: PPOActor | None = None, critic: PPOCrit
 
     def step(rollout: TensorDict, global_step: int) -> None:
         batch = cast(PPOBatch, rollout)
-        with stats_tracker.record_timing("compute_logp"):
-            if config.recompute_logprob or config.use_decoupled_loss:
-                batch["prox_logp"] = actor.compute_logp(batch)
-            if ref is not None:
+        with stats_tracker.scope("actor"):  # recomputed only for off-policy tokens (recompute_logprob)
+            batch["prox_logp"] = actor.proximal_logp(batch)
+        if ref is not None and config.kl_ctl > 0:  # the reference forward serves the KL term only
+            with stats_tracker.record_timing("ref_logp"):
                 batch["ref_logp"] = ref.compute_logp(batch)
         if critic is not None:
             with stats_tracker.record_timing("compute_values"):
@@ -125,6 +129,7 @@ class RunSummary:
     n_tokens: int = 0
     rewards: list[float] = field(default_factory=list)
     evals: list[tuple[int, float]] = field(default_factory=list)  # (global step, greedy accuracy)
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # time_split.PHASES label -> seconds
 
 
 def _mean(xs: list[float]) -> float:
@@ -299,7 +304,9 @@ class RLTrainer:
         start = time.monotonic()
         for global_step in range(first_step, total_steps):
             epoch, step = divmod(global_step, spe)
-            with stats_tracker.record_timing("rollout"):
+            step_start = time.perf_counter()
+            # The trainer idles here: the whole generation when sync, what training did not overlap when async.
+            with stats_tracker.record_timing("rollout_wait"):
                 if config.async_training:
                     batch = rollout.prepare_batch(
                         self.train_dl, workflow, should_accept_fn=should_accept_fn, granularity=group
@@ -323,19 +330,21 @@ class RLTrainer:
                     self.evaluator.evaluate(
                         lambda gs=global_step + 1: self.evaluate(eval_workflow, gs), epoch, step, global_step
                     )
+            with stats_tracker.record_timing("recover"):
+                self.recover.dump(
+                    self._recoverable_engines(),
+                    actor,
+                    self.train_dl,
+                    step,
+                    global_step,
+                    self.saver,
+                    self.evaluator,
+                    rollout=rollout,
+                )
+            stats_tracker.scalar(**{"timeperf/step": time.perf_counter() - step_start})
             self._commit(epoch, step, global_step)
             if config.stats_logger.prompt_ids:
                 log_prompt_ids(self.logger.log_dir, global_step, rollout.last_batch_rows, rollout.pending_rows())
-            self.recover.dump(
-                self._recoverable_engines(),
-                actor,
-                self.train_dl,
-                step,
-                global_step,
-                self.saver,
-                self.evaluator,
-                rollout=rollout,
-            )
             bar.update(1)
             reward = summary.rewards[-1] if summary.rewards else None
             if reward is not None:
@@ -352,6 +361,7 @@ class RLTrainer:
         stats = self.rollout.export_stats(reduce_group=dp_group)
         stats.update(self.actor.export_stats())
         self.logger.commit(epoch, step, global_step, stats)
+        add_step_timings(self.summary.phase_seconds, stats, self.actor.data_parallel_world_size)
         reward = stats.get("rollout/reward")
         if reward is not None:
             self.summary.rewards.append(reward)
@@ -370,6 +380,7 @@ class RLTrainer:
             f"{s.n_tokens / secs:.0f} generated tokens/s; logs in {self.logger.log_dir}; checkpoints under {root}",
             flush=True,
         )
+        print(f"{self.name} {format_time_split(s.phase_seconds, secs)}", flush=True)
 
     def close(self) -> None:
         """Stop rollout (its weight-update group too) and the client; release every engine and the process group."""

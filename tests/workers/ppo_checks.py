@@ -39,7 +39,7 @@ CONFIGS = {
     # group mean / batch std over tokens (needs the cross-rank sum), per-sequence loss mean, entropy.
     "clipped": dict(
         adv_norm=NormConfig(mean_level="group", std_level="batch", unit="token"),
-        recompute_logprob=False,
+        recompute_logprob="never",
         eps_clip=0.2,
         eps_clip_higher=0.3,
         c_clip=1.5,
@@ -109,13 +109,47 @@ def ppo_step(model: str, global_batch: dict[str, torch.Tensor], fields: dict) ->
     actor = PPOActor(actor_config(model, **fields), e)
     batch = rank_slice(global_batch)
     prox = actor.compute_logp(batch)
-    if actor.config.recompute_logprob:
+    if actor.config.recompute_logprob != "never":
         batch["prox_logp"] = prox
     batch = actor.compute_advantages(batch)
     stats = actor.ppo_update(batch)
     exported = e.export_stats()
     out = {"params": e.full_state_dict(), "stats": stats, "exported": exported, "prox": prox}
     e.destroy()
+    return out
+
+
+def recompute_checks(model: str, global_batch: dict[str, torch.Tensor]) -> dict:
+    """ppo_train_step with recompute_logprob auto vs always on an on-policy batch whose ``logprobs``
+    are the trainer's own (so both must give the same loss), then auto on a batch with one stale row."""
+    from tandemrl.trainers.rl_loop import ppo_train_step
+
+    version = 3
+    fields = dict(CONFIGS["decoupled"], behav_imp_weight_cap=None)
+    out: dict[str, dict] = {}
+    logprobs = None
+    for mode in ("auto", "always"):
+        e = build(model)
+        e.set_version(version)
+        actor = PPOActor(actor_config(model, recompute_logprob=mode, **fields), e)
+        batch = rank_slice(global_batch)
+        if logprobs is None:  # the trainer's logprobs, token-aligned like a server's
+            nxt = actor.compute_logp(batch)
+            logprobs = torch.zeros_like(nxt)
+            logprobs[:, 1:] = nxt[:, :-1]
+            logprobs = torch.where(batch["loss_mask"].bool(), logprobs, 0.0)
+        batch["logprobs"] = logprobs
+        batch["versions"] = torch.where(batch["loss_mask"].bool(), version, -1)
+        ppo_train_step(actor)(batch, 0)
+        out[mode] = {"exported": e.export_stats(), "params": e.full_state_dict()}
+        if mode == "auto":  # one row on rank 1 came from the previous weights: every rank recomputes
+            batch = rank_slice(global_batch)
+            batch["versions"] = torch.where(batch["loss_mask"].bool(), version, -1)
+            if dist.get_rank() == 1:
+                batch["versions"][0] = torch.where(batch["loss_mask"][0].bool(), version - 1, -1)
+            ppo_train_step(actor)(batch, 1)
+            out["stale"] = {"exported": e.export_stats()}
+        e.destroy()
     return out
 
 
@@ -131,6 +165,8 @@ def main(args: argparse.Namespace) -> None:
             {"logp": res.pop("prox"), "rows": rank_slice(global_batch)}, os.path.join(args.out, f"logp_rank{rank}.pt")
         )
         results[tag] = res
+
+    results["recompute"] = recompute_checks(args.model, global_batch)
 
     # Several minibatches and epochs: 2 x 2 optimizer steps.
     e = build(args.model)

@@ -1,0 +1,44 @@
+"""The closing time split of an RL run, from the exported ``timeperf/`` stats of its steps (hand cases)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandemrl.trainers.time_split import add_step_timings, format_time_split
+
+
+def test_phases_add_up_over_steps_calls_and_ranks() -> None:
+    totals: dict[str, float] = {}
+    # Two DP ranks: each exported timing is the mean over both ranks' calls, key__count their number.
+    step = {
+        "timeperf/rollout_wait": 3.0,
+        "timeperf/rollout_wait__count": 2.0,
+        "timeperf/actor/recompute_logp": 1.0,
+        "timeperf/actor/recompute_logp__count": 2.0,
+        "timeperf/actor/ppo_actor/update/fwd_bwd": 2.0,  # two minibatches on each rank
+        "timeperf/actor/ppo_actor/update/fwd_bwd__count": 4.0,
+        "timeperf/critic/ppo_critic/fwd_bwd": 0.6,
+        "timeperf/critic/ppo_critic/fwd_bwd__count": 2.0,
+        "timeperf/update_weights": 0.5,
+        "timeperf/save": 0.25,
+        "timeperf/eval": 0.25,
+        "timeperf/train_step": 5.0,  # contains fwd_bwd: not counted again
+        "timeperf/step": 9.0,
+        "actor/recompute_skipped": 0.0,
+    }
+    add_step_timings(totals, step, n_ranks=2)
+    add_step_timings(totals, {"timeperf/rollout_wait": 1.0, "timeperf/rollout_wait__count": 2.0}, n_ranks=2)
+    assert totals == pytest.approx(
+        {
+            "rollout wait (trainer idle)": 4.0,
+            "recompute": 1.0,
+            "fwd+bwd": 4.6,
+            "weight sync": 0.5,
+            "save/eval": 0.5,
+        }
+    )
+    line = format_time_split(totals, seconds=20.0)
+    assert line == (
+        "time split: rollout wait (trainer idle) 20% | recompute 5% | fwd+bwd 23% | weight sync 2% "
+        "| save/eval 2% | other 47%"
+    )
