@@ -139,6 +139,8 @@ def _check_no_waste_and_profile(stats: dict[str, list[float]], trainer_log: Path
     assert len(split) == 1, (trial, split)
     for label in ("rollout wait (trainer idle) ", "fwd+bwd ", "optimizer ", "weight sync ", "save/eval ", "other "):
         assert label in split[0], (trial, split[0])
+    shares = [int(part.rsplit(" ", 1)[1].rstrip("%")) for part in split[0].split("time split: ")[1].split(" | ")]
+    assert abs(sum(shares) - 100) <= len(shares), (trial, split[0])  # shares of the steps' time, rounded
 
 
 def _grpo_dp2(

@@ -23,11 +23,13 @@ def test_phases_add_up_over_steps_calls_and_ranks() -> None:
         "timeperf/save": 0.25,
         "timeperf/eval": 0.25,
         "timeperf/train_step": 5.0,  # contains fwd_bwd: not counted again
-        "timeperf/step": 9.0,
+        "timeperf/step": 12.0,
+        "timeperf/step__count": 2.0,
         "actor/recompute_skipped": 0.0,
     }
     add_step_timings(totals, step, n_ranks=2)
-    add_step_timings(totals, {"timeperf/rollout_wait": 1.0, "timeperf/rollout_wait__count": 2.0}, n_ranks=2)
+    second = {"timeperf/rollout_wait": 1.0, "timeperf/rollout_wait__count": 2.0, "timeperf/step": 8.0}
+    add_step_timings(totals, second, n_ranks=2)
     assert totals == pytest.approx(
         {
             "rollout wait (trainer idle)": 4.0,
@@ -35,10 +37,13 @@ def test_phases_add_up_over_steps_calls_and_ranks() -> None:
             "fwd+bwd": 4.6,
             "weight sync": 0.5,
             "save/eval": 0.5,
+            "step": 20.0,
         }
     )
-    line = format_time_split(totals, seconds=20.0)
+    line = format_time_split(totals)
     assert line == (
         "time split: rollout wait (trainer idle) 20% | recompute 5% | fwd+bwd 23% | weight sync 2% "
         "| save/eval 2% | other 47%"
     )
+    # Without step timings the phases are the whole.
+    assert format_time_split({"fwd+bwd": 3.0, "optimizer": 1.0}) == "time split: fwd+bwd 75% | optimizer 25% | other 0%"

@@ -111,31 +111,6 @@ def test_concat_padded_tensors_right_pads_to_the_longest() -> None:
     assert custom["input_ids"][1].tolist() == [6, 0, 99]
 
 
-def test_concat_padded_tensors_equals_padding_each_item_first() -> None:
-    """One copy per item into the output gives what padding every item to the longest and concatenating gives."""
-    g = torch.Generator().manual_seed(0)
-    items = []
-    for bsz, n in ((2, 5), (1, 9), (3, 1)):
-        items.append(
-            {
-                "input_ids": torch.randint(1, 50, (bsz, n), generator=g),
-                "attention_mask": torch.ones(bsz, n, dtype=torch.bool),
-                "versions": torch.randint(0, 3, (bsz, n), generator=g),
-                "logprobs": -torch.rand(bsz, n, generator=g, dtype=torch.float64 if bsz == 1 else torch.float32),
-                "rewards": torch.rand(bsz, generator=g),
-            }
-        )
-    out = concat_padded_tensors(items)
-    for key, pad in (("input_ids", 0), ("attention_mask", False), ("versions", -1), ("logprobs", 0.0)):
-        padded = [torch.nn.functional.pad(it[key], (0, 9 - it[key].shape[1]), value=pad) for it in items]
-        expected = torch.cat(padded)
-        assert out[key].dtype == expected.dtype and torch.equal(out[key], expected), key
-    assert out["logprobs"].dtype == torch.float64  # promoted like torch.cat
-    bad = [{**items[0], "emb": torch.zeros(2, 5, 2)}, {**items[1], "emb": torch.zeros(1, 9, 3)}]
-    with pytest.raises(ValueError, match="cannot concatenate field 'emb': trailing dims"):
-        concat_padded_tensors(bad)
-
-
 def test_concat_padded_tensors_errors_name_the_problem() -> None:
     good = {"input_ids": torch.zeros(1, 2, dtype=torch.long), "attention_mask": torch.ones(1, 2, dtype=torch.bool)}
     with pytest.raises(ValueError, match="no batches"):

@@ -29,23 +29,6 @@ def _is_per_token(value: torch.Tensor, bsz: int, seq_len: int) -> bool:
     return value.dim() >= 2 and value.shape[0] == bsz and value.shape[1] == seq_len
 
 
-def _pad_concat(values: Sequence[torch.Tensor], rows: int, max_len: int, pad: float) -> torch.Tensor:
-    """[sum B_i, max_len, ...] filled with ``pad``, each item copied once into its rows (no per-item padded copy)."""
-    first = values[0]
-    for value in values[1:]:
-        if value.shape[2:] != first.shape[2:]:
-            raise RuntimeError(f"trailing dims {tuple(value.shape[2:])} differ from {tuple(first.shape[2:])}")
-    dtype = first.dtype
-    for value in values[1:]:
-        dtype = torch.promote_types(dtype, value.dtype)  # as torch.cat would
-    out = torch.full((rows, max_len, *first.shape[2:]), pad, dtype=dtype, device=first.device)
-    start = 0
-    for value in values:
-        out[start : start + value.shape[0], : value.shape[1]] = value
-        start += value.shape[0]
-    return out
-
-
 def concat_padded_tensors(
     tensor_dicts: Sequence[Mapping[str, torch.Tensor]],
     pad_values: Mapping[str, float] | None = None,
@@ -84,12 +67,20 @@ def concat_padded_tensors(
             kinds.add(_is_per_token(value, bsz, seq_len))
         if len(kinds) > 1:
             raise ValueError(f"concat_padded_tensors: field {key!r} is per-token in some items and not in others")
-        per_token = kinds.pop()
+        if kinds.pop():
+            pad = pads.get(key, 0)
+            padded = []
+            for value in values:
+                extra = max_len - value.shape[1]
+                if extra:
+                    filler = torch.full(
+                        (value.shape[0], extra, *value.shape[2:]), pad, dtype=value.dtype, device=value.device
+                    )
+                    value = torch.cat([value, filler], dim=1)
+                padded.append(value)
+            values = padded
         try:
-            if per_token:
-                out[key] = _pad_concat(values, sum(bsz for bsz, _ in shapes), max_len, pads.get(key, 0))
-            else:
-                out[key] = torch.cat(values, dim=0)
+            out[key] = torch.cat(values, dim=0)
         except RuntimeError as e:
             first = str(e).splitlines()[0]
             raise ValueError(f"concat_padded_tensors: cannot concatenate field {key!r}: {first}") from None

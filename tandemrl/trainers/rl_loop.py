@@ -129,7 +129,7 @@ class RunSummary:
     n_tokens: int = 0
     rewards: list[float] = field(default_factory=list)
     evals: list[tuple[int, float]] = field(default_factory=list)  # (global step, greedy accuracy)
-    phase_seconds: dict[str, float] = field(default_factory=dict)  # time_split.PHASES label -> seconds
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # time_split label -> seconds, ranks' mean
 
 
 def _mean(xs: list[float]) -> float:
@@ -380,7 +380,7 @@ class RLTrainer:
             f"{s.n_tokens / secs:.0f} generated tokens/s; logs in {self.logger.log_dir}; checkpoints under {root}",
             flush=True,
         )
-        print(f"{self.name} {format_time_split(s.phase_seconds, secs)}", flush=True)
+        print(f"{self.name} {format_time_split(s.phase_seconds)}", flush=True)
 
     def close(self) -> None:
         """Stop rollout (its weight-update group too) and the client; release every engine and the process group."""

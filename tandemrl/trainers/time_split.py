@@ -1,8 +1,9 @@
 """Where a run's wall time went: totals of the ``timeperf/`` stats per phase, and the closing one-line split.
 
 Phases are matched by the last part of a timing key, whatever its scope (``timeperf/rollout_wait``,
-``timeperf/actor/ppo_actor/update/fwd_bwd``, ``timeperf/critic/ppo_critic/fwd_bwd`` ...). Timings
-not named here (``train_step``, ``step``) contain the phases and are not counted again.
+``timeperf/actor/ppo_actor/update/fwd_bwd``, ``timeperf/critic/ppo_critic/fwd_bwd`` ...). Shares are
+of ``timeperf/step`` (the whole step), averaged over ranks like the phases; timings not named here
+(``train_step``) contain phases and are not counted again.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ PHASES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("weight sync", ("update_weights",)),
     ("save/eval", ("save", "eval", "recover")),
 )
-_LABEL = {name: label for label, names in PHASES for name in names}
+STEP = "step"  # the whole step; the denominator of the shares
+_LABEL = {name: label for label, names in PHASES for name in names} | {STEP: STEP}
 _PREFIX = "timeperf/"
 _COUNT = "__count"
 
 
 def add_step_timings(totals: dict[str, float], stats: dict[str, float], n_ranks: int) -> None:
-    """Add one step's exported timings to ``totals`` (seconds per phase label, averaged over ranks).
+    """Add one step's exported timings to ``totals`` (seconds per phase label and ``STEP``, averaged over ranks).
 
     An exported timing is the mean over its calls on ``n_ranks`` ranks, with ``key__count`` calls.
     """
@@ -37,10 +39,11 @@ def add_step_timings(totals: dict[str, float], stats: dict[str, float], n_ranks:
             totals[label] = totals.get(label, 0.0) + mean * calls / n_ranks
 
 
-def format_time_split(totals: dict[str, float], seconds: float) -> str:
-    """``time split: rollout wait (trainer idle) 12% | recompute 20% | ... | other 3%`` over ``seconds``."""
-    seconds = max(seconds, 1e-9)
+def format_time_split(totals: dict[str, float]) -> str:
+    """``time split: rollout wait (trainer idle) 12% | recompute 20% | ... | other 3%`` of the steps' time."""
+    phases = sum(v for k, v in totals.items() if k != STEP)
+    seconds = max(totals.get(STEP, phases), 1e-9)
     parts = [f"{label} {100 * totals[label] / seconds:.0f}%" for label, _ in PHASES if label in totals]
-    other = max(0.0, seconds - sum(totals.values()))
+    other = max(0.0, seconds - phases)
     parts.append(f"other {100 * other / seconds:.0f}%")
     return "time split: " + " | ".join(parts)
