@@ -20,7 +20,7 @@ here: :func:`ppo_train_step` (PPO family, optionally with reference and critic) 
 ``recover.freq_*``) -> log. Each phase is timed under ``timeperf/`` (``rollout_wait``: the trainer idle,
 waiting for its batch; ``actor/recompute_logp``, ``ref_logp``, ``.../fwd_bwd``, ``.../optimizer_step``,
 ``update_weights``, ``save``, ``eval``, ``recover``, ``step``); the run ends with a one-line split of its
-wall time (``tandemrl.trainers.time_split``). A run restarted with a checkpoint present restores the engines, the
+steps' time (``tandemrl.trainers.time_split``). A run restarted with a checkpoint present restores the engines, the
 dataloader position, the rows still in flight (generated again first) and the counters, pushes the restored weights to the servers (labelled
 with the restored version) and continues at the next step; see ``tandemrl.trainers.recover``.
 """
