@@ -1,15 +1,8 @@
 """Which dtypes an engine keeps its weights in and computes in (``dtype`` and ``mixed_precision``).
 
 One meaning on every backend: ``mixed_precision`` is the compute dtype of forward and backward;
-the weights the optimizer updates (master weights), its states, gradient reductions across
-data-parallel ranks and the loss stay in ``dtype`` (fp32 by default). How each backend gets there:
-
-- FSDP2: fp32 sharded parameters and a ``MixedPrecisionPolicy`` (16-bit all-gathered parameters,
-  fp32 gradient reduce-scatter).
-- DeepSpeed: its ``bf16``/``fp16`` section (16-bit module, fp32 master partitions in the optimizer),
-  with fp32 gradient accumulation and fp32 communication.
-- Megatron-core: 16-bit model parameters, fp32 main parameters in its optimizer, gradients
-  accumulated and reduced in fp32 (``grad_reduce_in_fp32``).
+master weights, optimizer states and gradient reductions stay in ``dtype``. How FSDP2, DeepSpeed
+and Megatron-core each get there: docs/precision.md.
 """
 
 from __future__ import annotations
