@@ -1,4 +1,9 @@
-"""Training throughput of the FSDP engine: packed micro-batches vs a right-padded baseline.
+"""Training throughput: packed micro-batches vs a right-padded baseline, or fp32 vs bf16 compute.
+
+``--compare padding`` (the default, FSDP only) is described here; ``--compare precision``
+trains two packed engines of ``--backend`` (fsdp, deepspeed or megatron) interleaved the same
+way, one computing in fp32 (``mixed_precision=null``) and one in bf16 over fp32 master weights
+(``mixed_precision=bfloat16``), and prints both step times and the largest loss gap.
 
 The engine packs each batch into 1-D micro-batches (no pad tokens; ``position_ids``
 restart per sequence). This measures what that buys on real GSM8K SFT lengths: the same
@@ -13,6 +18,8 @@ Figures are printed, never asserted. Rank 0 prints.
     OMP_NUM_THREADS=2 python bench/train_throughput.py
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/train_throughput.py
     python bench/train_throughput.py --hidden 256 --layers 4 --steps 5
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 bench/train_throughput.py \
+        --compare precision --backend deepspeed
 
 Set OMP_NUM_THREADS to the cores per process (cores / nproc_per_node): torch's default
 under torchrun is 1 thread per process, and more threads than cores makes ranks
@@ -22,6 +29,7 @@ oversubscribe the CPU and time mostly contention.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -31,9 +39,12 @@ import torch
 import torch.distributed as dist
 
 from tandemrl.algorithms.lm import LMEngine
+from tandemrl.api.allocation import AllocationMode
 from tandemrl.api.types import FinetuneSpec, TensorDict
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
+from tandemrl.engines.base import BaseTrainEngine
 from tandemrl.engines.fsdp import FSDPEngine
+from tandemrl.engines.registry import make_engine
 from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.models.functional import gather_logprobs
 
@@ -89,7 +100,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-tokens-per-mb", type=int, default=None, help="Packed path token budget per micro-batch (default: one)."
     )
     ap.add_argument("--max-length", type=int, default=None, help="Drop samples longer than this many tokens.")
+    ap.add_argument(
+        "--compare",
+        choices=["padding", "precision"],
+        default="padding",
+        help="padding: packed vs right-padded (fsdp); precision: fp32 vs bf16 compute, both packed.",
+    )
+    ap.add_argument("--backend", choices=["fsdp", "deepspeed", "megatron"], default="fsdp")
     a = ap.parse_args(argv)
+    if a.compare == "padding" and a.backend != "fsdp":
+        ap.error("--compare padding measures the FSDP engine only; use --backend fsdp")
     for name in ("batch_size", "steps", "layers"):
         if getattr(a, name) <= 0:
             ap.error(f"--{name.replace('_', '-')}={getattr(a, name)} must be positive")
@@ -151,18 +171,33 @@ def load_batches(a: argparse.Namespace, model: str, rank: int, world: int) -> li
     return [pad_sequences_to_tensors(rows[i * per_rank : (i + 1) * per_rank], pad_id) for i in range(n_steps)]
 
 
-def build_engine(model: str, a: argparse.Namespace, n_steps: int) -> FSDPEngine:
+def build_engine(
+    model: str, a: argparse.Namespace, n_steps: int, mixed_precision: str | None = "bfloat16"
+) -> BaseTrainEngine:
     cfg = TrainEngineConfig(
         path=model,
+        mixed_precision=mixed_precision,
         mb_spec=MicroBatchSpec(n_mbs=1, max_tokens_per_mb=a.max_tokens_per_mb),
         optimizer=OptimizerConfig(lr=1e-4, gradient_clipping=1.0),
     )
-    e = FSDPEngine(cfg)
-    e.create_process_group()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    e = make_engine(a.backend, cfg)
+    e.create_process_group(AllocationMode.from_str(f"{a.backend}:d{world}").train.strategy)
     e.initialize(
         None, FinetuneSpec(total_train_epochs=1, dataset_size=n_steps * a.batch_size, train_batch_size=a.batch_size)
     )
     return e
+
+
+def build_methods(model: str, a: argparse.Namespace, n_steps: int) -> dict[str, LMEngine]:
+    """The two interleaved methods of ``--compare``, by name."""
+    if a.compare == "precision":
+        return {
+            "fp32": LMEngine(build_engine(model, a, n_steps, mixed_precision=None)),
+            "bf16": LMEngine(build_engine(model, a, n_steps, mixed_precision="bfloat16")),
+        }
+    packed, padded = (build_engine(model, a, n_steps, mixed_precision=None) for _ in range(2))
+    return {"packed": LMEngine(packed), "padded": PaddedLM(padded)}
 
 
 def sync(device: torch.device) -> None:
@@ -210,10 +245,9 @@ def run(a: argparse.Namespace) -> None:
         model = box[0]
     batches = load_batches(a, model, rank, world)
     n_steps = a.warmup + a.steps
-    engines = {"packed": build_engine(model, a, n_steps), "padded": build_engine(model, a, n_steps)}
-    methods = {"packed": LMEngine(engines["packed"]), "padded": PaddedLM(engines["padded"])}
-    timings = {name: Timing() for name in engines}
-    order = list(engines)
+    methods = build_methods(model, a, n_steps)
+    timings = {name: Timing() for name in methods}
+    order = list(methods)
     for step, batch in enumerate(batches):
         # Alternate which method goes first so neither always inherits the other's cache state.
         for name in order if step % 2 == 0 else order[::-1]:
@@ -226,18 +260,39 @@ def run(a: argparse.Namespace) -> None:
     real = global_sum(sum(int(b["attention_mask"].sum()) for b in timed))
     slots = global_sum(sum(b["attention_mask"].numel() for b in timed))
     lens = torch.tensor(all_lengths(timed), dtype=torch.float32)
-    n_params = sum(p.numel() for p in engines["packed"].model.parameters())  # DTensor numel is global
-    if rank != 0:
-        return
-    cfg = engines["packed"].model_config
-    gap = max(abs(x - y) for x, y in zip(timings["packed"].losses, timings["padded"].losses, strict=True))
+    first = methods[order[0]].engine
+    if rank == 0:
+        report(a, model, first, timings, real, slots, lens, world)
+
+
+def n_parameters(engine: BaseTrainEngine) -> int:
+    """Unsharded parameter count (a tied LM head counted once)."""
+    tied = getattr(engine.model_config, "tie_word_embeddings", False)
+    return sum(math.prod(s.shape) for s in engine.hf_param_specs() if not (tied and s.name == "lm_head.weight"))
+
+
+def report(
+    a: argparse.Namespace,
+    model: str,
+    engine: BaseTrainEngine,
+    timings: dict[str, Timing],
+    real: int,
+    slots: int,
+    lens: torch.Tensor,
+    world: int,
+) -> None:
+    cfg = engine.model_config
+    first, second = timings
+    n_steps = a.warmup + a.steps
+    gap = max(abs(x - y) for x, y in zip(timings[first].losses, timings[second].losses, strict=True))
     print(
         f"model: {model}\n"
         f"  hidden={cfg.hidden_size} layers={cfg.num_hidden_layers} vocab={cfg.vocab_size} "
-        f"params~{n_params / 1e6:.2f}M attn={engines['packed'].config.attn_impl} device={engines['packed'].device.type}\n"
+        f"params~{n_parameters(engine) / 1e6:.2f}M attn={engine.config.attn_impl} device={engine.device.type} "
+        f"backend={a.backend}\n"
         f"world={world} OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} "
         f"torch_threads={torch.get_num_threads()} batch={a.batch_size} warmup={a.warmup} steps={a.steps} "
-        f"max_tokens_per_mb={a.max_tokens_per_mb}\n"
+        f"max_tokens_per_mb={a.max_tokens_per_mb} load_avg={os.getloadavg()[0]:.1f}\n"
         f"GSM8K lengths (timed batches): mean={lens.mean():.0f} max={lens.max():.0f} min={lens.min():.0f}; "
         f"padded-token fraction={1 - real / slots:.3f}\n"
     )
@@ -245,11 +300,11 @@ def run(a: argparse.Namespace) -> None:
     rates = {}
     for name, t in timings.items():
         rates[name] = real / t.seconds
-        frac = 0.0 if name == "packed" else 1 - real / slots
+        frac = 1 - real / slots if name == "padded" else 0.0
         ms = 1000 * t.seconds / a.steps
         print(f"{name:<8} {rates[name]:>19.0f} {ms:>9.1f} {frac:>9.3f} {t.losses[-1]:>11.4f}")
-    print(f"\nspeed-up packed/padded: {rates['packed'] / rates['padded']:.2f}x")
-    print(f"max |loss_packed - loss_padded| over {n_steps} steps: {gap:.2e}")
+    print(f"\nspeed-up {second}/{first}: {rates[second] / rates[first]:.2f}x")
+    print(f"max |loss_{first} - loss_{second}| over {n_steps} steps: {gap:.2e}")
 
 
 def main(argv: list[str] | None = None) -> None:

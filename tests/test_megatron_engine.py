@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from utils import run_torchrun
+from utils import assert_bf16_tracks_fp32, run_torchrun
 
 WORKER = Path(__file__).parent / "workers" / "megatron_checks.py"
 ENV = {"TANDEMRL_DIST_TIMEOUT": "120"}
@@ -62,6 +62,13 @@ def test_bf16_model_resumes_bit_identically(runs: tuple[dict, dict, Path]) -> No
     assert [s["loss"] for s in resume["continued"]] == [s["loss"] for s in train["continued_bf16"]]
     assert [s["grad_norm"] for s in resume["continued"]] == [s["grad_norm"] for s in train["continued_bf16"]]
     assert resume["weights"]["model.norm.weight"].dtype == torch.bfloat16
+
+
+def test_bf16_tracks_fp32_with_fp32_main_params(runs: tuple[dict, dict, Path]) -> None:
+    """bf16 model parameters, fp32 main params and Adam state in the optimizer: 5 steps follow fp32."""
+    precision = runs[0]["precision"]
+    assert_bf16_tracks_fp32(precision["fp32"], precision["bf16"])
+    assert precision["bf16"]["export_dtypes"] == ["bfloat16"]
 
 
 def test_plain_optimizer_checkpoint_resumes_on_another_layout(runs: tuple[dict, dict, Path]) -> None:

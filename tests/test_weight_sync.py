@@ -183,6 +183,10 @@ def test_trainer_recomputes_server_logprobs(vllm_server: VLLMTestServer, tiny_mo
         diff = (server - trainer).abs()
         print(f"T={temp}: mean |server - trainer| {diff.mean():.4f}, max {diff.max():.4f}")
         assert diff.mean() < LOGPROB_TOL, f"T={temp}: mean logprob diff {diff.mean():.4f}"
+        # The default trainer computes in bf16 over fp32 weights, as the bf16 server does (docs/precision.md).
+        bf16 = (server - torch.tensor(r["trainer_bf16"])).abs()
+        print(f"T={temp}: mean |server - bf16 trainer| {bf16.mean():.4f}, max {bf16.max():.4f}")
+        assert bf16.mean() < LOGPROB_TOL, f"T={temp}: mean logprob diff, bf16 trainer {bf16.mean():.4f}"
         if temp != 1.0:  # the temperature matters: logprobs of the raw logits are clearly off
             raw = (server - torch.tensor(r["trainer_raw"])).abs().mean()
             print(f"T={temp}: mean |server - trainer at T=1| {raw:.4f}")

@@ -97,11 +97,21 @@ class TrainEngineConfig:
     tokenizer_path: str = field(default="", metadata={"help": "Tokenizer directory; empty means `path`."})
     init_from_scratch: bool = field(default=False, metadata={"help": "Random init from the HF config at `path`."})
     dtype: str = field(
-        default="float32", metadata={"help": "Parameter dtype.", "choices": ["float32", "bfloat16", "float16"]}
+        default="float32",
+        metadata={
+            "help": "Dtype of the weights the engine keeps and the optimizer updates (the master weights); "
+            "also the compute dtype when mixed_precision is null.",
+            "choices": ["float32", "bfloat16", "float16"],
+        },
     )
     mixed_precision: str | None = field(
-        default=None,
-        metadata={"help": "Compute dtype under FSDP MixedPrecisionPolicy (e.g. bfloat16); None computes in `dtype`."},
+        default="bfloat16",
+        metadata={
+            "help": "Compute dtype of forward and backward on every backend; master weights, optimizer states, "
+            "gradient reductions, log-probs and the loss stay in `dtype` (fp32). null computes in `dtype`. "
+            "See docs/precision.md.",
+            "choices": ["bfloat16", "float16", "float32"],
+        },
     )
     attn_impl: str = field(
         default="varlen_sdpa",

@@ -25,6 +25,7 @@ from tandemrl.api.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta
 from tandemrl.configs.engine import TrainEngineConfig
 from tandemrl.engines.base import BaseTrainEngine, data_parallel_only
 from tandemrl.engines.hf_model import build_hf_model, read_hf_state_dict
+from tandemrl.engines.precision import resolve_precision
 from tandemrl.engines.teardown import drop_module_groups, register_group_releaser
 
 logger = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ def deepspeed_config(cfg: TrainEngineConfig, dp_world_size: int) -> dict[str, An
             raise ValueError(f"deepspeed.config_path: {ds.config_path} must hold a JSON object")
     user = _drop_auto(_merge(user, dict(ds.extra)))
 
-    dtype = cfg.mixed_precision or cfg.dtype
+    compute = resolve_precision(cfg).compute
     clip = cfg.optimizer.gradient_clipping if cfg.optimizer is not None else 0.0
     zero = dict(user.get("zero_optimization", {}))
     owned: dict[str, Any] = {
@@ -86,8 +87,8 @@ def deepspeed_config(cfg: TrainEngineConfig, dp_world_size: int) -> dict[str, An
         "train_batch_size": dp_world_size,
         "managed_gradient_accumulation": False,
         "gradient_clipping": max(clip, 0.0),
-        "bf16": {**user.get("bf16", {}), "enabled": dtype == "bfloat16"},
-        "fp16": {**user.get("fp16", {}), "enabled": dtype == "float16"},
+        "bf16": {**user.get("bf16", {}), "enabled": compute == torch.bfloat16},
+        "fp16": {**user.get("fp16", {}), "enabled": compute == torch.float16},
     }
     for key in _OWNED_KEYS:
         if key in user and user[key] != owned.get(key):
@@ -104,6 +105,8 @@ def deepspeed_config(cfg: TrainEngineConfig, dp_world_size: int) -> dict[str, An
         zero["offload_optimizer"] = {**zero.get("offload_optimizer", {}), "device": "cpu"}
     if ds.offload_params:
         zero["offload_param"] = {**zero.get("offload_param", {}), "device": "cpu"}
+    if compute != torch.float32:  # 16-bit compute; gradients accumulate and reduce in fp32 unless the user says
+        user = _merge({"communication_data_type": "fp32", "data_types": {"grad_accum_dtype": "fp32"}}, user)
     out = {k: v for k, v in user.items() if k not in _OWNED_KEYS}
     out.update(owned)
     out["zero_optimization"] = zero

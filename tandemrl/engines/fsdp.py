@@ -26,7 +26,8 @@ from tandemrl.api.inference import ParamSpec
 from tandemrl.api.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta
 from tandemrl.configs.engine import TrainEngineConfig
 from tandemrl.engines.base import BaseTrainEngine, data_parallel_only
-from tandemrl.engines.hf_model import DTYPES, build_hf_model, read_hf_state_dict
+from tandemrl.engines.hf_model import build_hf_model, read_hf_state_dict
+from tandemrl.engines.precision import resolve_precision
 from tandemrl.engines.teardown import register_group_releaser
 
 
@@ -93,11 +94,11 @@ class FSDPEngine(BaseTrainEngine):
     # ------------------------------------------------------------------ build
     def _build_model(self, ft_spec: FinetuneSpec | None) -> torch.nn.Module:
         cfg = self.config
+        precision = resolve_precision(cfg)
         model, self.model_config = build_hf_model(cfg, self._device)
-        mp = None
-        if cfg.mixed_precision:
-            mp = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.mixed_precision], reduce_dtype=torch.float32)
-        kwargs = {"mesh": self.mesh} if mp is None else {"mesh": self.mesh, "mp_policy": mp}
+        kwargs: dict = {"mesh": self.mesh}
+        if precision.mixed:  # sharded fp32 master weights; 16-bit gathered copies; fp32 gradient reduction
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=precision.compute, reduce_dtype=precision.weights)
         for layer in model.model.layers:
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)  # root keeps embeddings, final norm and lm_head

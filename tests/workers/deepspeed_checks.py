@@ -15,7 +15,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from fsdp_checks import make_batch, rank_slice
+from fsdp_checks import PRECISION_LR, make_batch, precision_run, rank_slice
 from ppo_checks import GROUP, make_rollout_batch
 
 from tandemrl.algorithms.lm import LMEngine
@@ -39,13 +39,16 @@ CONTINUED_SEEDS = (300, 301, 302)
 TOTAL_STEPS = 10  # linear LR decay over these, so a resumed schedule shows in the losses
 
 
-def engine(stage: int, dtype: str = "float32", gradient_checkpointing: bool = False) -> DeepSpeedEngine:
+def engine(
+    stage: int, mixed_precision: str | None = None, gradient_checkpointing: bool = False, lr: float = 1e-4
+) -> DeepSpeedEngine:
+    """A ZeRO engine computing in fp32 unless ``mixed_precision`` says otherwise."""
     cfg = TrainEngineConfig(
         path=ARGS.model,
-        dtype=dtype,
+        mixed_precision=mixed_precision,
         gradient_checkpointing=gradient_checkpointing,
         mb_spec=MicroBatchSpec(n_mbs=2),
-        optimizer=OptimizerConfig(lr=1e-4, gradient_clipping=1.0, lr_scheduler_type="linear"),
+        optimizer=OptimizerConfig(lr=lr, gradient_clipping=1.0, lr_scheduler_type="linear"),
         # 1 MB buckets: the tiny model's weights take several gathers under ZeRO-3.
         deepspeed=DeepSpeedEngineConfig(zero_stage=stage, param_gather_bucket_mb=1),
     )
@@ -92,18 +95,22 @@ def train_stage(stage: int) -> dict:
     return out
 
 
-def train_bf16(stage: int) -> dict:
-    e = engine(stage, dtype="bfloat16", gradient_checkpointing=stage == 3)
-    stats = [step(e, seed) for seed in FIRST_SEEDS]
-    specs = e.hf_param_specs()
-    e.destroy()
-    return {"stats": stats, "dtypes": sorted({s.dtype for s in specs})}
+def bf16_runs() -> dict:
+    """5 steps in fp32 (ZeRO-1) and in bf16 over fp32 master weights: ZeRO-1, and ZeRO-3 with gradient
+    checkpointing (fp32 updates do not depend on the stage, so one fp32 run is the reference of both)."""
+    return {
+        "fp32": precision_run(engine(1, lr=PRECISION_LR)),
+        "bf16_z1": precision_run(engine(1, "bfloat16", lr=PRECISION_LR)),
+        "bf16_z3": precision_run(engine(3, "bfloat16", gradient_checkpointing=True, lr=PRECISION_LR)),
+    }
 
 
 def other_models() -> dict:
     """A ZeRO-3 critic (3 value updates) alive next to forward-only reference engines (ZeRO-1 and -3)."""
     zero3 = DeepSpeedEngineConfig(zero_stage=3)
-    cfg = TrainEngineConfig(path=ARGS.model, optimizer=OptimizerConfig(lr=1e-5), is_critic=True, deepspeed=zero3)
+    cfg = TrainEngineConfig(
+        path=ARGS.model, mixed_precision=None, optimizer=OptimizerConfig(lr=1e-5), is_critic=True, deepspeed=zero3
+    )
     critic_engine = DeepSpeedEngine(cfg)
     critic = PPOCritic(PPOCriticConfig(engine=cfg, group_size=GROUP), critic_engine)
     critic_engine.create_process_group()
@@ -111,7 +118,8 @@ def other_models() -> dict:
     batch = make_rollout_batch(ARGS.model)
     out: dict = {"batch": batch, "ref_logp": {}}
     for stage in (1, 3):
-        ref_cfg = TrainEngineConfig(path=ARGS.model, optimizer=None, deepspeed=DeepSpeedEngineConfig(zero_stage=stage))
+        zero = DeepSpeedEngineConfig(zero_stage=stage)
+        ref_cfg = TrainEngineConfig(path=ARGS.model, mixed_precision=None, optimizer=None, deepspeed=zero)
         ref_engine = DeepSpeedEngine(ref_cfg)
         ref = PPOActor(PPOActorConfig(engine=ref_cfg, group_size=GROUP), ref_engine)
         ref_engine.create_process_group()
@@ -133,7 +141,7 @@ def train() -> None:
     res: dict = {"batches": [make_batch(s) for s in FIRST_SEEDS]}
     for stage in STAGES:
         res[stage] = train_stage(stage)
-    res["bf16"] = {stage: train_bf16(stage) for stage in (1, 3)}
+    res["bf16"] = bf16_runs()
     res["others"] = other_models()
     if dist.get_rank() == 0:
         torch.save(res, os.path.join(ARGS.out, "train.pt"))

@@ -47,6 +47,7 @@ from tandemrl.rollout.controller import RolloutController
 def make_engine(model: str, lr: float) -> DeepSpeedEngine:
     cfg = TrainEngineConfig(
         path=model,
+        mixed_precision=None,
         optimizer=OptimizerConfig(lr=lr, gradient_clipping=0.0),
         deepspeed=DeepSpeedEngineConfig(zero_stage=3, param_gather_bucket_mb=1),
     )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,8 +16,11 @@ from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngine
 from tandemrl.engines.base import init_default_process_group
 from tandemrl.engines.fsdp import FSDPEngine
 from tandemrl.engines.teardown import destroy_process_groups
+from tandemrl.models.functional import gather_logprobs, next_token_labels
 
 VOCAB = 200
+PRECISION_SEEDS = (500, 501, 502, 503, 504)  # bf16 vs fp32: 5 optimizer steps on these batches
+PRECISION_LR = 1e-3  # large enough that 5 steps move the loss visibly
 
 
 def make_batch(seed: int, n: int = 8, max_len: int = 40) -> dict[str, torch.Tensor]:
@@ -36,8 +41,45 @@ def rank_slice(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v[r * n : (r + 1) * n] for k, v in batch.items()}
 
 
-def engine(model: str, mb: MicroBatchSpec, lr: float = 1e-4) -> FSDPEngine:
-    cfg = TrainEngineConfig(path=model, mb_spec=mb, optimizer=OptimizerConfig(lr=lr, gradient_clipping=1.0))
+def next_token_logp(logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    return gather_logprobs(logits, next_token_labels(mb["input_ids"], mb["cu_seqlens"]))
+
+
+def optimizer_dtypes(e: Any) -> list[str]:
+    """Dtypes of the tensors the optimizer updates and of its Adam moments (the master weights)."""
+    opt = getattr(e.optimizer, "optimizer", e.optimizer)  # megatron wraps a torch optimizer
+    params = [p for g in opt.param_groups for p in g["params"]]
+    zero = getattr(e.model, "optimizer", None)  # DeepSpeed's ZeRO optimizer keeps its own fp32 partitions
+    for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+        params += list(getattr(zero, attr, []))
+    moments = [v for p in params for v in opt.state.get(p, {}).values() if torch.is_tensor(v) and v.dim() > 0]
+    return sorted({str(t.dtype) for t in params + moments})
+
+
+def precision_run(e: Any) -> dict[str, Any]:
+    """5 SFT steps of a built engine on the precision batches (then destroyed): losses and the dtypes of
+    log-probs, exported weights and optimizer tensors."""
+    lm = LMEngine(e)
+    losses = [lm.train_lm(rank_slice(make_batch(seed)))["loss"] for seed in PRECISION_SEEDS]
+    out = {
+        "losses": losses,
+        "logp_dtype": str(e.forward(make_batch(999, n=4), post_hook=next_token_logp).dtype),
+        "export_dtypes": sorted({s.dtype for s in e.hf_param_specs()}),
+        "optimizer_dtypes": optimizer_dtypes(e),
+    }
+    e.destroy()
+    return out
+
+
+def bf16_vs_fp32(build: Callable[[str | None], Any]) -> dict[str, dict[str, Any]]:
+    """``precision_run`` of ``build(mixed_precision)`` computing in fp32 and in bf16, from the same weights."""
+    return {"fp32": precision_run(build(None)), "bf16": precision_run(build("bfloat16"))}
+
+
+def engine(model: str, mb: MicroBatchSpec, lr: float = 1e-4, mixed_precision: str | None = None) -> FSDPEngine:
+    """An FSDP engine computing in fp32 unless ``mixed_precision`` says otherwise."""
+    opt = OptimizerConfig(lr=lr, gradient_clipping=1.0)
+    cfg = TrainEngineConfig(path=model, mb_spec=mb, mixed_precision=mixed_precision, optimizer=opt)
     e = FSDPEngine(cfg)
     e.create_process_group()
     e.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=100, train_batch_size=10))
@@ -86,22 +128,19 @@ def checkpoint(args: argparse.Namespace) -> None:
 
 
 def variants(args: argparse.Namespace) -> None:
-    """Gradient checkpointing, bf16 mixed precision and the NaN-gradient guard."""
+    """Gradient checkpointing, bf16 mixed precision against fp32 and the NaN-gradient guard."""
     init_default_process_group()
     batch = rank_slice(make_batch(400))
-    out = {}
-    for tag, extra in {
-        "plain": {},
-        "ckpt": {"gradient_checkpointing": True},
-        "bf16": {"mixed_precision": "bfloat16"},
-    }.items():
-        cfg = TrainEngineConfig(path=args.model, optimizer=OptimizerConfig(lr=1e-4), **extra)
+    out: dict[str, Any] = {}
+    for tag, extra in {"plain": {}, "ckpt": {"gradient_checkpointing": True}}.items():
+        cfg = TrainEngineConfig(path=args.model, mixed_precision=None, optimizer=OptimizerConfig(lr=1e-4), **extra)
         e = FSDPEngine(cfg)
         e.create_process_group()
         e.initialize(None, None)
         stats = LMEngine(e).train_lm(batch)
         out[tag] = {"stats": stats, "params": e.full_state_dict()}
         e.destroy()
+    out["precision"] = bf16_vs_fp32(lambda mixed: engine(args.model, MicroBatchSpec(n_mbs=2), PRECISION_LR, mixed))
     e = engine(args.model, MicroBatchSpec())
     before = e.full_state_dict()
 

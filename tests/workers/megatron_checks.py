@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from fsdp_checks import make_batch
+from fsdp_checks import bf16_vs_fp32, make_batch
 from parity_checks import dp_slice
 
 from tandemrl.algorithms.lm import LMEngine
@@ -42,11 +42,12 @@ TOTAL_STEPS = 10  # linear LR decay over these, so a resumed schedule shows in t
 
 
 def engine(
-    allocation: str, model: str, n_mbs: int = 2, dist_opt: bool = True, dtype: str = "float32"
+    allocation: str, model: str, n_mbs: int = 2, dist_opt: bool = True, mixed_precision: str | None = None
 ) -> MegatronEngine:
+    """A Megatron engine computing in fp32 unless ``mixed_precision`` says otherwise."""
     cfg = TrainEngineConfig(
         path=model,
-        dtype=dtype,
+        mixed_precision=mixed_precision,
         mb_spec=MicroBatchSpec(n_mbs=n_mbs),
         optimizer=OptimizerConfig(lr=1e-3, gradient_clipping=1.0, lr_scheduler_type="linear"),
     )
@@ -86,8 +87,10 @@ def train() -> None:
     out["continued_plain"] = [step(c, seed) for seed in CONTINUED_SEEDS]
     c.destroy()
 
-    # bf16 weights (fp32 main params and Adam state in the optimizer): its state saves and comes back too.
-    h = engine("megatron:d2", ARGS.model, n_mbs=1, dtype="bfloat16")
+    # bf16 compute over fp32 main params and Adam state in the optimizer: tracks fp32 over 5 steps, and
+    # its state saves and comes back.
+    out["precision"] = bf16_vs_fp32(lambda mixed: engine("megatron:d2", ARGS.model, mixed_precision=mixed))
+    h = engine("megatron:d2", ARGS.model, n_mbs=1, mixed_precision="bfloat16")
     step(h, FIRST_SEED)
     h.save(SaveLoadMeta(path=os.path.join(ARGS.out, "ckpt_bf16"), weight_format="dcp", with_optim=True))
     out["continued_bf16"] = [step(h, seed) for seed in CONTINUED_SEEDS]
@@ -132,10 +135,10 @@ def resumed(
     model: str = "",
     n_mbs: int = 1,
     seeds: tuple = CONTINUED_SEEDS,
-    dtype: str = "float32",
+    mixed_precision: str | None = None,
 ) -> dict[str, Any]:
     """Load ``ckpt`` into a fresh engine at ``allocation`` and replay the continued steps."""
-    e = engine(allocation, model or ARGS.model, n_mbs=n_mbs, dist_opt=dist_opt, dtype=dtype)
+    e = engine(allocation, model or ARGS.model, n_mbs=n_mbs, dist_opt=dist_opt, mixed_precision=mixed_precision)
     e.load(SaveLoadMeta(path=os.path.join(ARGS.out, ckpt), weight_format="dcp", with_optim=True))
     res = {"version": e.get_version(), "weights": e.full_state_dict()}
     res["continued"] = [step(e, seed) for seed in seeds]
@@ -147,7 +150,7 @@ def resume() -> None:
     init_default_process_group()
     out = {alloc: resumed(alloc, "ckpt") for alloc in ("megatron:d2", "megatron:t2", "megatron:p2")}
     out["plain"] = resumed("megatron:p2", "ckpt_plain", dist_opt=False)
-    out["bf16"] = resumed("megatron:d2", "ckpt_bf16", dtype="bfloat16")
+    out["bf16"] = resumed("megatron:d2", "ckpt_bf16", mixed_precision="bfloat16")
     if ARGS.moe:
         out["moe"] = resumed("megatron:d2", "ckpt_moe", model=ARGS.moe, n_mbs=2, seeds=MOE_SEEDS[1:])
     # A checkpoint whose engine files exist but whose dist checkpoint is gone: one clear error.

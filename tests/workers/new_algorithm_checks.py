@@ -85,7 +85,9 @@ def dp_share(engine: TrainEngine, batch: RolloutBatch) -> RolloutBatch:
 def run_backend(model: str, allocation: str, extra: dict, batch: RolloutBatch) -> dict:
     component = AllocationMode.from_str(allocation).train
     assert component is not None, allocation
-    cfg = TrainEngineConfig(path=model, optimizer=OptimizerConfig(lr=1e-3, gradient_clipping=1.0), **extra)
+    cfg = TrainEngineConfig(
+        path=model, mixed_precision=None, optimizer=OptimizerConfig(lr=1e-3, gradient_clipping=1.0), **extra
+    )
     engine = make_engine(component.backend, cfg)
     engine.create_process_group(component.strategy)
     engine.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=STEPS, train_batch_size=1))

@@ -99,7 +99,7 @@ def save_critic_checkpoint(model: str, path: str) -> None:
 
 
 def build_critic(case: dict[str, Any], path: str, model: str) -> Any:
-    cfg = TrainEngineConfig(path=path, tokenizer_path=model, is_critic=True)
+    cfg = TrainEngineConfig(path=path, tokenizer_path=model, is_critic=True, mixed_precision=None)
     return build(case, cfg, PPO_STEPS)
 
 
@@ -150,7 +150,7 @@ def export_fresh_critic(case: dict[str, Any], model: str, out_dir: str) -> dict[
 
 def run_case(case: dict[str, Any], model: str) -> dict[str, list[float]]:
     """One engine per row: 5 SFT steps (through LMEngine), then 3 decoupled-PPO steps on fresh rollouts."""
-    cfg = PPOActorConfig(engine=TrainEngineConfig(path=model), group_size=GROUP)
+    cfg = PPOActorConfig(engine=TrainEngineConfig(path=model, mixed_precision=None), group_size=GROUP)
     apply_overrides(cfg, CONFIGS["decoupled"])
     e = build(case, cfg.engine, SFT_STEPS + PPO_STEPS)
     actor = PPOActor(cfg, e)

@@ -93,7 +93,12 @@ def rank_slice(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def build(model: str, lr: float = 1e-4, is_critic: bool = False) -> FSDPEngine:
     e = FSDPEngine(
-        TrainEngineConfig(path=model, is_critic=is_critic, optimizer=OptimizerConfig(lr=lr, gradient_clipping=1.0))
+        TrainEngineConfig(
+            path=model,
+            is_critic=is_critic,
+            mixed_precision=None,
+            optimizer=OptimizerConfig(lr=lr, gradient_clipping=1.0),
+        )
     )
     e.create_process_group()
     e.initialize(None, None)
@@ -101,7 +106,7 @@ def build(model: str, lr: float = 1e-4, is_critic: bool = False) -> FSDPEngine:
 
 
 def actor_config(model: str, **fields: object) -> PPOActorConfig:
-    return PPOActorConfig(engine=TrainEngineConfig(path=model), group_size=GROUP, **fields)
+    return PPOActorConfig(engine=TrainEngineConfig(path=model, mixed_precision=None), group_size=GROUP, **fields)
 
 
 def ppo_step(model: str, global_batch: dict[str, torch.Tensor], fields: dict) -> dict:

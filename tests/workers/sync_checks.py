@@ -41,9 +41,11 @@ from tandemrl.rollout.controller import RolloutController
 GREEDY_TOKENS = 12  # greedy continuation length compared with transformers
 
 
-def make_engine(model: str, lr: float, allocation: str = "fsdp:d2") -> TrainEngine:
-    """An SFT engine of the backend and layout ``allocation`` names (the engine registry picks the class)."""
-    cfg = TrainEngineConfig(path=model, optimizer=OptimizerConfig(lr=lr, gradient_clipping=0.0))
+def make_engine(model: str, lr: float, allocation: str = "fsdp:d2", mixed_precision: str | None = None) -> TrainEngine:
+    """An SFT engine of the backend and layout ``allocation`` names (the engine registry picks the class);
+    fp32 compute unless ``mixed_precision`` says otherwise."""
+    opt = OptimizerConfig(lr=lr, gradient_clipping=0.0)
+    cfg = TrainEngineConfig(path=model, mixed_precision=mixed_precision, optimizer=opt)
     component = AllocationMode.from_str(allocation).train
     engine = engine_class(component.backend)(cfg)
     engine.create_process_group(component.strategy)
@@ -100,6 +102,7 @@ def gather_to_rank0(obj: object) -> list[object]:
 def logprobs(args: argparse.Namespace) -> None:
     """Server (behaviour) logprobs vs the trainer's recomputation, per temperature."""
     engine = make_engine(args.model, lr=1e-4)
+    bf16 = make_engine(args.model, lr=1e-4, mixed_precision="bfloat16")  # the default: bf16 compute
     rollout = make_rollout(args.addr)
     vocab = int(engine.model_config.vocab_size)
     rank = dist.get_rank()
@@ -126,13 +129,15 @@ def logprobs(args: argparse.Namespace) -> None:
             batch = padded([r.input_tokens + r.output_tokens for r in resps])
             recomputed = engine.forward(batch, post_hook=post_hook)
             raw = engine.forward(batch, post_hook=raw_hook)  # ignoring the temperature (a control)
-            out: dict[str, list[float]] = {"server": [], "trainer": [], "trainer_raw": []}
+            in_bf16 = bf16.forward(batch, post_hook=post_hook)
+            out: dict[str, list[float]] = {"server": [], "trainer": [], "trainer_raw": [], "trainer_bf16": []}
             for i, r in enumerate(resps):
                 assert r.output_len == args.new_tokens, (r.output_len, r.stop_reason)
                 # Position t holds log p(token t + 1 | tokens <= t).
                 span = slice(r.input_len - 1, r.input_len - 1 + r.output_len)
                 out["trainer"] += recomputed[i, span].tolist()
                 out["trainer_raw"] += raw[i, span].tolist()
+                out["trainer_bf16"] += in_bf16[i, span].tolist()
                 out["server"] += r.output_logprobs
             result[temp] = out
     finally:

@@ -32,8 +32,9 @@ from tandemrl.api.inference import ParamSpec
 from tandemrl.api.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta, TensorDict
 from tandemrl.configs.engine import TrainEngineConfig
 from tandemrl.engines.base import BaseTrainEngine, _filler_guard, init_default_process_group
-from tandemrl.engines.hf_model import DTYPES, load_model_config
+from tandemrl.engines.hf_model import load_model_config
 from tandemrl.engines.packing import MicroBatches
+from tandemrl.engines.precision import resolve_precision
 from tandemrl.engines.teardown import register_group_releaser
 
 _LIVE_ENGINES = 0  # megatron's parallel_state is process-global: engines of one process share it
@@ -142,13 +143,12 @@ class MegatronEngine(BaseTrainEngine):
         from tandemrl.engines.megatron.value_head import install_value_head
 
         cfg = self.config
-        if cfg.mixed_precision:
-            raise ValueError("TrainEngineConfig.mixed_precision: not supported by the megatron engine; set dtype")
         if cfg.gradient_checkpointing:
             raise ValueError("TrainEngineConfig.gradient_checkpointing: not supported by the megatron engine yet")
         s = self.parallel_strategy
         self.model_config = load_model_config(cfg)
-        dtype = DTYPES[cfg.dtype]
+        # 16-bit model parameters; the optimizer keeps fp32 main copies (see precision.py)
+        dtype = resolve_precision(cfg).compute
         self.tf_config = transformer_config_from_hf(self.model_config, tp=s.tp, pp=s.pp, ep=s.ep, params_dtype=dtype)
         # The allocation's expert TP (1 unless the hybrid attn|ffn form says otherwise); megatron's
         # config would default it to the attention TP, disagreeing with the groups built above.
@@ -179,6 +179,7 @@ class MegatronEngine(BaseTrainEngine):
 
         cfg, opt = self.config, self.config.optimizer
         assert opt is not None
+        compute = resolve_precision(cfg).compute
         if opt.type != "adamw":
             raise ValueError(f"optimizer.type: unknown optimizer '{opt.type}' (expected 'adamw')")
         dist_opt = self.config.megatron.use_distributed_optimizer
@@ -199,9 +200,9 @@ class MegatronEngine(BaseTrainEngine):
             adam_beta2=opt.beta2,
             adam_eps=opt.eps,
             clip_grad=0.0,  # we clip ourselves after measuring the pre-clip norm (see _optimizer_step)
-            bf16=cfg.dtype == "bfloat16",
-            fp16=cfg.dtype == "float16",
-            params_dtype=DTYPES[cfg.dtype],
+            bf16=compute == torch.bfloat16,  # fp32 main params and Adam states for 16-bit model params
+            fp16=compute == torch.float16,
+            params_dtype=compute,
             use_distributed_optimizer=dist_opt,
         )
         # config_overrides={}: weight decay on every parameter, like torch AdamW on the other backends
@@ -424,7 +425,7 @@ class MegatronEngine(BaseTrainEngine):
     def hf_param_specs(self) -> list[ParamSpec]:
         from tandemrl.engines.megatron.hf_convert import hf_param_specs
 
-        return hf_param_specs(self.model_config, DTYPES[self.config.dtype], critic=self.config.is_critic)
+        return hf_param_specs(self.model_config, resolve_precision(self.config).compute, critic=self.config.is_critic)
 
     def iter_hf_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         from tandemrl.engines.megatron.hf_convert import iter_hf_weights
