@@ -250,6 +250,10 @@ def test_sft_multirun_sweep_makes_separate_trials(tiny_model_dir: str, gsm8k_dir
     [
         ("allocation_mode=vllm:d1+fsdp:d1p2", "fsdp does not support pipeline parallel"),
         ("actor.engine.path=/no/such/model", "actor.engine.path: model directory not found: /no/such/model"),
+        (
+            "allocation_mode=vllm:d1|fsdp:d1",
+            "'async_training' in the schema defaults must be false when allocation_mode",
+        ),
     ],
 )
 def test_bad_input_fails_before_any_process(override: str, expected: str, tmp_path: Path) -> None:

@@ -108,9 +108,25 @@ def _norm_levels(cfg: PPOActorConfig) -> tuple[str, str]:
     return cfg.adv_norm.mean_level, cfg.adv_norm.std_level
 
 
+def _turns_fit(config: Any) -> Problem | None:
+    """Colocated servers and trainer take turns, so they cannot overlap (async)."""
+    if getattr(config, "async_training", False) is not True:
+        return None
+    from tandemrl.api.allocation import AllocationMode
+
+    alloc = AllocationMode.from_str(config.allocation_mode)
+    if alloc.gen is not None and alloc.train is not None and alloc.colocated(alloc.gen, alloc.train):
+        return (
+            "async_training",
+            f"must be false when allocation_mode '{config.allocation_mode}' colocates the servers and the "
+            "trainer ('|': they take turns on the same devices); or place them apart with '+'",
+        )
+    return None
+
+
 def first_problem(config: Any) -> Problem | None:
     """The first pair of values that do not fit together, or None."""
     dp, problem = _data_parallel_size(config)
     if problem is not None or dp is None:
         return problem
-    return _batch_splits(config, dp) or _groups_fit(config, dp)
+    return _batch_splits(config, dp) or _groups_fit(config, dp) or _turns_fit(config)

@@ -149,6 +149,7 @@ class RemoteInfEngine:
         self._state_lock = threading.Lock()
         self._user_paused = False  # pause_generation() without continue_generation()
         self._updates_running = 0  # weight updates holding the servers paused
+        self._sleep_level: int | None = None  # set between sleep() and wake_up()
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -339,6 +340,28 @@ class RemoteInfEngine:
             resume = self._updates_running == 0
         if resume:
             self.http.run_sync(self._broadcast(self.backend.build_resume()))
+
+    def sleep(self, level: int) -> None:
+        """Colocated placement: pause every server, then (``level`` >= 1) free its device memory.
+
+        Level 0 only stops generation: what a CPU server needs to leave the cores to the trainer.
+        Weight updates work while asleep at level 0; at level 1 call ``wake_up`` first.
+        """
+        if level < 0:
+            raise ValueError(f"sleep: level must be >= 0, got {level}")
+        self.pause_generation()
+        if level >= 1:
+            self.http.run_sync(self._broadcast(self.backend.build_sleep(level)))
+        self._sleep_level = level
+
+    def wake_up(self) -> None:
+        """Undo ``sleep``: memory back on every server, then generation resumes."""
+        if self._sleep_level is None:
+            raise RuntimeError("wake_up: the servers were not put to sleep by this client")
+        if self._sleep_level >= 1:
+            self.http.run_sync(self._broadcast(self.backend.build_wake_up()))
+        self._sleep_level = None
+        self.continue_generation()
 
     # ------------------------------------------------------------------ weight updates
     def update_weights_from_disk(self, meta: WeightUpdateMeta) -> concurrent.futures.Future[None]:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from tandemrl.api.net import free_port
 from tandemrl.api.types import ParallelStrategy
+from tandemrl.inference.request_log import REQUEST_LOG_ENV, RequestLogMiddleware
 from tandemrl.inference.server_auth import TOKEN_ENV, TokenMiddleware
 from tandemrl.utils.lifeline import lifeline_command
 
@@ -151,6 +152,7 @@ def launch_server(
     log_file: str | None = None,
     env: dict[str, str] | None = None,
     token: str | None = None,
+    request_log: str | None = None,
 ) -> ServerProcess:
     """Start ``backend``'s server for ``model_path`` (not yet healthy: call ``wait_healthy``).
 
@@ -158,6 +160,8 @@ def launch_server(
     vLLM without CUDA gets ``--enforce-eager`` (skips a ~60 s compile warm-up) and a 1 GiB
     KV cache (``VLLM_CPU_KVCACHE_SPACE=1``) unless ``extra``/``env`` say otherwise.
     ``token``: requests need ``Authorization: Bearer <token>`` (vLLM only, see ``server_auth``).
+    ``request_log``: the server appends each request's path and times to this file (vLLM only,
+    see ``request_log``).
     """
     if not os.path.exists(model_path):
         raise FileNotFoundError(f"launch_server: model_path {model_path!r} does not exist")
@@ -173,10 +177,16 @@ def launch_server(
             flags["enforce_eager"] = True
         child_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default grabs a share of host RAM
     child_env.update(env or {})
+    middleware: list[str] = []
     if token:
-        flags.update(_auth_flags(backend.name))
+        middleware.append(_middleware(backend.name, TokenMiddleware, "token authentication"))
         child_env[TOKEN_ENV] = token
+    if request_log:
+        middleware.append(_middleware(backend.name, RequestLogMiddleware, "request logs"))
+        child_env[REQUEST_LOG_ENV] = str(Path(request_log).resolve())
     cmd = backend.server_command(model_path, host, port, strategy, flags)
+    for path in middleware:  # vLLM takes one --middleware per class
+        cmd += ["--middleware", path]
     if log_file is None:
         fd, log_file = tempfile.mkstemp(prefix=f"tandemrl-{backend.name}-{port}-", suffix=".log")
         os.close(fd)
@@ -196,11 +206,11 @@ def launch_server(
     return ServerProcess(backend, proc, host, port, log_file)
 
 
-def _auth_flags(backend: str) -> dict[str, str]:
-    """Server flags that make it require ``TOKEN_ENV``'s token."""
+def _middleware(backend: str, cls: type, what: str) -> str:
+    """Import path of an ASGI middleware class for the server's ``--middleware`` flag."""
     if backend != "vllm":
-        raise ValueError(f"launch_server: token authentication is not implemented for {backend} servers")
-    return {"middleware": f"{TokenMiddleware.__module__}.{TokenMiddleware.__qualname__}"}
+        raise ValueError(f"launch_server: {what} is not implemented for {backend} servers")
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _norm(key: str) -> str:

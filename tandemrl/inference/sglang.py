@@ -110,6 +110,13 @@ class SGLangBackend(TimeoutsMixin):
     def build_resume(self) -> HttpRequest:
         return HttpRequest("POST", "/continue_generation", {}, self.control_timeout)
 
+    def build_sleep(self, level: int) -> HttpRequest:
+        """Release weights and KV cache of a paused server (any level >= 1)."""
+        return HttpRequest("POST", "/release_memory_occupation", {}, self.update_timeout)
+
+    def build_wake_up(self) -> HttpRequest:
+        return HttpRequest("POST", "/resume_memory_occupation", {}, self.update_timeout)
+
     def build_health(self) -> HttpRequest:
         return HttpRequest("GET", "/health", None, self.control_timeout)
 

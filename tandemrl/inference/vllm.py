@@ -118,6 +118,13 @@ class VLLMBackend(TimeoutsMixin):
     def build_resume(self) -> HttpRequest:
         return HttpRequest("POST", "/resume", None, self.control_timeout)
 
+    def build_sleep(self, level: int) -> HttpRequest:
+        """Dev-mode route; level 1 needs ``--enable-sleep-mode`` (a CPU worker ignores the memory part)."""
+        return HttpRequest("POST", f"/sleep?level={int(level)}&mode=abort", None, self.update_timeout)
+
+    def build_wake_up(self) -> HttpRequest:
+        return HttpRequest("POST", "/wake_up", None, self.update_timeout)
+
     def build_health(self) -> HttpRequest:
         return HttpRequest("GET", "/health", None, self.control_timeout)
 

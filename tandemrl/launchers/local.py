@@ -37,6 +37,7 @@ from tandemrl.launchers.common import (
     trainer_failure,
 )
 from tandemrl.launchers.launch_config import LaunchSpec
+from tandemrl.launchers.placement import Placement, plan_placement, visible_cpus, visible_gpus
 from tandemrl.launchers.server_watch import wait_trainer
 from tandemrl.utils.lifeline import lifeline_command
 
@@ -57,7 +58,12 @@ class _Children:
 
 
 def start_servers(
-    spec: LaunchSpec, alloc: AllocationMode, run_dir: Path, children: _Children, token: str | None
+    spec: LaunchSpec,
+    alloc: AllocationMode,
+    run_dir: Path,
+    children: _Children,
+    token: str | None,
+    placement: Placement,
 ) -> list[str]:
     """One server per inference data-parallel replica; returns their addresses."""
     from tandemrl.api.types import ParallelStrategy
@@ -75,9 +81,11 @@ def start_servers(
             spec.model_path,
             host="127.0.0.1",
             strategy=per_server,
-            extra=spec.server_extra,
+            extra={**placement.server_flags, **spec.server_extra},
             log_file=str(run_dir / f"{gen.backend}-server-{i}.log"),
+            env=placement.server_env[i],
             token=token,
+            request_log=str(run_dir / f"{gen.backend}-server-{i}-requests.jsonl") if token else None,
         )
         children.servers.append(server)
     for server in children.servers:
@@ -92,9 +100,14 @@ def run_trial(script: str, config_path: str | None, overrides: list[str], spec: 
 
     def body(run_dir: Path) -> tuple[int, str]:
         token = new_token() if alloc.gen_backend == "vllm" else None  # fresh per run, never printed
-        addrs = start_servers(spec, alloc, run_dir, children, token)
+        placement = plan_placement(alloc, visible_gpus(), visible_cpus())
+        addrs = start_servers(spec, alloc, run_dir, children, token, placement)
         env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", "1")
+        for key, value in placement.trainer_env.items():
+            if key == "OMP_NUM_THREADS":
+                env.setdefault(key, value)  # a user's thread count wins
+            else:
+                env[key] = value
         env.pop(TOKEN_ENV, None)
         if token:
             env[TOKEN_ENV] = token

@@ -15,7 +15,8 @@ Engines come from ``tandemrl.engines.registry`` (one row per backend); algorithm
 here: :func:`ppo_train_step` (PPO family, optionally with reference and critic) and
 :func:`reinforce_train_step` (ReMax). Each step of the loop, through the
 :class:`~tandemrl.rollout.controller.RolloutController`: rollout (``prepare_batch`` when
-``async_training`` else ``rollout_batch``) -> ``train_step(batch, global_step)`` ->
+``async_training`` else ``rollout_batch``) -> ``train_step(batch, global_step)`` (with the servers
+asleep when colocated: ``tandemrl.trainers.turns``) ->
 ``push_weights`` -> save -> evaluate -> recoverable checkpoint (``recover.mode`` auto/resume, every
 ``recover.freq_*``) -> log. Each phase is timed under ``timeperf/`` (``rollout_wait``: the trainer idle,
 waiting for its batch; ``actor/recompute_logp``, ``ref_logp``, ``.../fwd_bwd``, ``.../optimizer_step``,
@@ -60,6 +61,7 @@ from tandemrl.trainers.recover import RecoverHandler
 from tandemrl.trainers.saver import Saver
 from tandemrl.trainers.stats_logger import StatsLogger
 from tandemrl.trainers.time_split import add_step_timings, format_time_split
+from tandemrl.trainers.turns import TurnTaker
 from tandemrl.utils import stats_tracker
 from tandemrl.workflows.rlvr import RLVRWorkflow
 
@@ -194,6 +196,8 @@ class RLTrainer:
         self.recover = RecoverHandler(config.recover, self.ft_spec)
         self._named_engines: dict[str, Any] = {"actor": self.actor}
         self.logger = StatsLogger(config.stats_logger, self.ft_spec)
+        # Colocated ('|'): the servers sleep during each train_step (turns.py); async is refused at load.
+        self.turns = TurnTaker(self.client, alloc.colocated(alloc.gen, alloc.train), self.logger.log_dir)
         if dist.get_rank() == 0:
             save_config(config, f"{self.logger.log_dir}/config.yaml")
         self.summary = RunSummary()
@@ -320,7 +324,8 @@ class RLTrainer:
             gen = batch["versions"][batch["loss_mask"].bool()]
             # Weight versions that produced this batch's tokens (the server labels each token).
             stats_tracker.scalar(rollout_version_min=gen.min(), rollout_version_max=gen.max())
-            train_step(batch, global_step)
+            with self.turns.trainer_turn():
+                train_step(batch, global_step)
             with stats_tracker.record_timing("update_weights"):
                 rollout.push_weights(global_step + 1)
             with stats_tracker.record_timing("save"):

@@ -1,0 +1,156 @@
+"""Colocated placement ('|'): servers and trainer take turns on the same devices.
+
+Placement plans (devices, threads, server flags) are pure; sleep/wake runs against the session's
+real vLLM server; GRPO runs 2 steps through the real local launcher, and the servers' own request
+log proves no generation ran during the trainer's turns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_launcher import _grpo_args, _run
+
+from tandemrl.api.allocation import AllocationMode
+from tandemrl.api.inference import HttpRequest, ModelRequest, ModelResponse
+from tandemrl.configs.rollout import InferenceEngineConfig
+from tandemrl.inference.http import HttpClient
+from tandemrl.inference.remote import RemoteVLLMEngine
+from tandemrl.inference.request_log import read_request_log
+from tandemrl.inference.sglang import SGLangBackend
+from tandemrl.inference.vllm import VLLMBackend
+from tandemrl.launchers.placement import plan_placement
+from tandemrl.trainers.turns import TURNS_FILE
+
+GENERATE = "/inference/v1/generate"
+
+
+# ---------------------------------------------------------------- placement plans (pure)
+def test_cpu_disaggregated_keeps_one_thread_per_rank_and_vllm_binding() -> None:
+    plan = plan_placement(AllocationMode.from_str("vllm:d1+fsdp:d2"), [], [0, 1, 2, 3])
+    assert not plan.colocated
+    assert plan.server_env == [{}] and plan.server_flags == {}
+    assert plan.trainer_env == {"OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.parametrize(
+    ("mode", "cpus", "binds", "threads"),
+    [
+        ("vllm:d1|fsdp:d1", [0, 1], ["0,1"], "2"),
+        ("vllm:d1|fsdp:d2", [0, 1, 2, 3], ["0,1,2,3"], "2"),
+        ("vllm:d2|fsdp:d1", [4, 5, 6, 7], ["4,5", "6,7"], "4"),
+        ("vllm:d1t2|fsdp:d1", [0, 1, 2, 3], ["0,1|2,3"], "4"),
+        ("vllm:d2|fsdp:d2", [0], ["0", "0"], "1"),  # fewer cores than ranks: shared, never 0 threads
+    ],
+)
+def test_cpu_colocated_gives_each_side_every_core(mode: str, cpus: list[int], binds: list[str], threads: str) -> None:
+    plan = plan_placement(AllocationMode.from_str(mode), [], cpus)
+    assert plan.colocated
+    assert [env["VLLM_CPU_OMP_THREADS_BIND"] for env in plan.server_env] == binds
+    assert plan.trainer_env == {"OMP_NUM_THREADS": threads}
+
+
+def test_gpu_placements_split_or_share_the_visible_devices() -> None:
+    gpus = ["3", "5", "6", "7"]
+    apart = plan_placement(AllocationMode.from_str("vllm:d1t2+fsdp:d2"), gpus, [0])
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in apart.server_env] == ["3,5"]
+    assert apart.trainer_env["CUDA_VISIBLE_DEVICES"] == "6,7" and apart.server_flags == {}
+    shared = plan_placement(AllocationMode.from_str("vllm:d2|fsdp:d2"), gpus, [0])
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in shared.server_env] == ["3", "5"]
+    assert shared.trainer_env["CUDA_VISIBLE_DEVICES"] == "3,5"
+    assert shared.server_flags["enable_sleep_mode"] is True and 0 < shared.server_flags["gpu_memory_utilization"] < 1
+    with pytest.raises(ValueError, match=r"needs 4 GPUs \(disaggregated\) but 2 are visible"):
+        plan_placement(AllocationMode.from_str("vllm:d2+fsdp:d2"), ["0", "1"], [0])
+
+
+def test_sleep_and_wake_requests_per_backend() -> None:
+    vllm, sglang = VLLMBackend(), SGLangBackend()
+    assert (vllm.build_sleep(1).method, vllm.build_sleep(1).path) == ("POST", "/sleep?level=1&mode=abort")
+    assert vllm.build_wake_up().path == "/wake_up"
+    assert sglang.build_sleep(1).path == "/release_memory_occupation"
+    assert sglang.build_wake_up().path == "/resume_memory_occupation"
+
+
+# ---------------------------------------------------------------- real vLLM server
+class PathsClient(HttpClient):
+    """The real client, remembering each request's path."""
+
+    def __init__(self) -> None:
+        super().__init__("paths-client")
+        self.paths: list[str] = []
+
+    async def send(self, addr: str, req: HttpRequest, *args: Any, **kwargs: Any) -> Any:
+        self.paths.append(req.path)
+        return await super().send(addr, req, *args, **kwargs)
+
+
+@pytest.mark.slow
+def test_sleep_holds_generation_until_wake_up_on_real_vllm(vllm_server) -> None:
+    """Level 1 (the GPU level; a CPU worker keeps its memory) aborts the running request, the server
+    reports it is sleeping, and after wake_up the request finishes with its full length."""
+    client = PathsClient()
+    engine = RemoteVLLMEngine(InferenceEngineConfig(setup_timeout=60), http_client=client)
+    engine.initialize([vllm_server.proc.address])
+    n, prompt = 32, [9, 31, 77, 5, 120, 64]
+    req = ModelRequest(input_ids=list(prompt), metadata={"ignore_eos": True})
+    req.gconfig.greedy, req.gconfig.max_new_tokens = True, n
+    is_sleeping = HttpRequest("GET", "/is_sleeping", None, 60.0)
+    try:
+
+        async def run() -> ModelResponse:
+            with vllm_server.gate(prompt) as gate:
+                task = asyncio.ensure_future(engine.agenerate(req))
+                held = await asyncio.to_thread(gate.wait_held)
+                await asyncio.to_thread(gate.release_until, lambda: engine.sleep(1), held, n - 1)
+            assert vllm_server.call(is_sleeping)["is_sleeping"] is True
+            assert not task.done()  # aborted; waits for wake_up to resubmit
+            await asyncio.to_thread(engine.wake_up)
+            return await task
+
+        resp = asyncio.run(run())
+        assert vllm_server.call(is_sleeping)["is_sleeping"] is False
+        assert resp.output_len == n and resp.stop_reason == "length"
+        sleep_wake = ["/pause?mode=abort", "/sleep?level=1&mode=abort", "/wake_up", "/resume"]
+        assert client.paths == ["/health", GENERATE, *sleep_wake, GENERATE], client.paths
+        with pytest.raises(RuntimeError, match="not put to sleep"):
+            engine.wake_up()
+    finally:
+        engine.destroy()
+        client.close()
+
+
+# ---------------------------------------------------------------- GRPO through the launcher
+def _overlaps(a: dict, b: dict) -> bool:
+    return a["start"] < b["end"] and b["start"] < a["end"]
+
+
+@pytest.mark.slow
+def test_colocated_grpo_never_generates_during_training(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
+    steps = 2
+    args = _grpo_args("examples/gsm8k_grpo.py", tiny_model_dir, gsm8k_dir, tmp_path, steps=steps, new_tokens=16)
+    proc = _run([*args, "allocation_mode=vllm:d1|fsdp:d2", "async_training=false"], timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    run = tmp_path / "logs" / "gsm8k-grpo" / "trial0"
+    turns = [json.loads(line) for line in (run / TURNS_FILE).read_text().splitlines()]
+    assert [t["turn"] for t in turns] == list(range(1, steps + 1))
+    requests = read_request_log(str(run / "vllm-server-0-requests.jsonl"))
+    generates = [r for r in requests if r["path"] == GENERATE]
+    # Training rollouts (8 prompts x 4 samples per step) and the final evaluation were served.
+    assert len(generates) >= steps * 32 + 8 and all(r["status"] == 200 for r in generates)
+    for turn in turns:
+        assert not [g for g in generates if _overlaps(g, turn)], turn
+        # Server-side: the last control request before the turn paused the server, and nothing
+        # resumed it before the turn ended.
+        control = [r for r in requests if r["path"] in ("/pause", "/resume")]
+        before = [r for r in control if r["end"] <= turn["start"]]
+        assert before and before[-1]["path"] == "/pause", turn
+        assert not [r for r in control if r["path"] == "/resume" and turn["start"] < r["end"] <= turn["end"]]
+    # The server bound every core (vLLM alone would hold one back for its front end).
+    cpus = sorted(os.sched_getaffinity(0))
+    server_log = (run / "vllm-server-0.log").read_text()
+    assert f"core ids={cpus}" in server_log or len(cpus) < 2, server_log[-2000:]
