@@ -24,7 +24,7 @@ from tandemrl.inference.remote import RemoteVLLMEngine
 from tandemrl.inference.request_log import read_request_log
 from tandemrl.inference.sglang import SGLangBackend
 from tandemrl.inference.vllm import VLLMBackend
-from tandemrl.launchers.placement import plan_placement
+from tandemrl.launchers.placement import RankSlot, plan_colocated, plan_placement
 from tandemrl.trainers.turns import TURNS_FILE
 
 GENERATE = "/inference/v1/generate"
@@ -66,6 +66,36 @@ def test_gpu_placements_split_or_share_the_visible_devices() -> None:
     assert shared.server_flags["enable_sleep_mode"] is True and 0 < shared.server_flags["gpu_memory_utilization"] < 1
     with pytest.raises(ValueError, match=r"needs 4 GPUs \(disaggregated\) but 2 are visible"):
         plan_placement(AllocationMode.from_str("vllm:d2+fsdp:d2"), ["0", "1"], [0])
+
+
+def test_colocated_over_nodes_gives_each_server_its_ranks_devices() -> None:
+    """Ray/Slurm: server i shares ranks i*tp*pp.. on their node; each node gets the one-machine plan."""
+    ranks = [RankSlot("a", [g], []) for g in ("4", "5", "6", "7")] + [RankSlot("b", [str(g)], []) for g in range(4)]
+    plan = plan_colocated(AllocationMode.from_str("vllm:d4t2|fsdp:d8"), ranks)
+    assert [(s.ranks, s.node, s.env["CUDA_VISIBLE_DEVICES"]) for s in plan.servers] == [
+        ([0, 1], "a", "4,5"),
+        ([2, 3], "a", "6,7"),
+        ([4, 5], "b", "0,1"),
+        ([6, 7], "b", "2,3"),
+    ]
+    assert plan.server_flags["enable_sleep_mode"] is True
+    assert (
+        plan.trainer_env["a"]["CUDA_VISIBLE_DEVICES"] == "4,5,6,7" and plan.trainer_env["b"]["OMP_NUM_THREADS"] == "1"
+    )
+    # CPU, one server for two nodes' ranks: it binds its node's cores; every rank splits its node's cores.
+    cpu = [RankSlot(n, [], [0, 1, 2, 3]) for n in ("a", "a", "b", "b")]
+    plan = plan_colocated(AllocationMode.from_str("vllm:d1|fsdp:d4"), cpu)
+    assert [(s.ranks, s.node, s.env) for s in plan.servers] == [([0], "a", {"VLLM_CPU_OMP_THREADS_BIND": "0,1,2,3"})]
+    assert plan.trainer_env == {"a": {"OMP_NUM_THREADS": "2"}, "b": {"OMP_NUM_THREADS": "2"}}
+    assert plan.server_flags == {}
+
+
+def test_colocated_over_nodes_refuses_servers_without_whole_ranks() -> None:
+    with pytest.raises(ValueError, match=r"'vllm:d3\|fsdp:d2': 3 server devices but 2 trainer ranks"):
+        plan_colocated(AllocationMode.from_str("vllm:d3|fsdp:d2"), [RankSlot("a")] * 2)
+    three_and_three = [RankSlot(n, [str(i % 3)]) for i, n in enumerate("aaabbb")]
+    with pytest.raises(ValueError, match=r"server 1 \(tp\*pp=2\) would share trainer ranks 2-3, which are not 2"):
+        plan_colocated(AllocationMode.from_str("vllm:d2t2|fsdp:d6"), three_and_three)
 
 
 def test_sleep_and_wake_requests_per_backend() -> None:
@@ -129,13 +159,10 @@ def _overlaps(a: dict, b: dict) -> bool:
     return a["start"] < b["end"] and b["start"] < a["end"]
 
 
-@pytest.mark.slow
-def test_colocated_grpo_never_generates_during_training(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
-    steps = 2
-    args = _grpo_args("examples/gsm8k_grpo.py", tiny_model_dir, gsm8k_dir, tmp_path, steps=steps, new_tokens=16)
-    proc = _run([*args, "allocation_mode=vllm:d1|fsdp:d2", "async_training=false"], timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    run = tmp_path / "logs" / "gsm8k-grpo" / "trial0"
+def assert_no_generation_during_turns(run: Path, steps: int) -> None:
+    """``run``'s turns.jsonl against vllm-server-0's request log: every turn had the server paused
+    and generating nothing, rollouts and the final evaluation were served, and the server bound
+    every core of this machine (vLLM alone would hold one back for its front end)."""
     turns = [json.loads(line) for line in (run / TURNS_FILE).read_text().splitlines()]
     assert [t["turn"] for t in turns] == list(range(1, steps + 1))
     requests = read_request_log(str(run / "vllm-server-0-requests.jsonl"))
@@ -150,7 +177,15 @@ def test_colocated_grpo_never_generates_during_training(tiny_model_dir: str, gsm
         before = [r for r in control if r["end"] <= turn["start"]]
         assert before and before[-1]["path"] == "/pause", turn
         assert not [r for r in control if r["path"] == "/resume" and turn["start"] < r["end"] <= turn["end"]]
-    # The server bound every core (vLLM alone would hold one back for its front end).
     cpus = sorted(os.sched_getaffinity(0))
     server_log = (run / "vllm-server-0.log").read_text()
     assert f"core ids={cpus}" in server_log or len(cpus) < 2, server_log[-2000:]
+
+
+@pytest.mark.slow
+def test_colocated_grpo_never_generates_during_training(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
+    steps = 2
+    args = _grpo_args("examples/gsm8k_grpo.py", tiny_model_dir, gsm8k_dir, tmp_path, steps=steps, new_tokens=16)
+    proc = _run([*args, "allocation_mode=vllm:d1|fsdp:d2", "async_training=false"], timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert_no_generation_during_turns(tmp_path / "logs" / "gsm8k-grpo" / "trial0", steps)

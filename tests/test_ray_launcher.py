@@ -1,4 +1,4 @@
-"""The Ray launcher on a real one-node Ray cluster: rendezvous, GRPO end to end, teardown."""
+"""The Ray launcher on a real one-node Ray cluster: rendezvous, GRPO end to end (apart and colocated), teardown."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_launcher import ENV, _two_async_grpo_steps
+from test_colocated import assert_no_generation_during_turns
+from test_launcher import ENV, _grpo_args, _run, _two_async_grpo_steps
 from utils import REPO_ROOT, free_port
 
 RAY = "tandemrl.launchers.ray"
@@ -154,6 +155,18 @@ def test_grpo_gsm8k_two_async_steps_on_ray(tiny_model_dir: str, gsm8k_dir: str, 
     assert trainer_log.strip()
     server_log = (tmp_path / "logs" / "gsm8k-grpo" / "trial0" / "vllm-server-0.log").read_text()
     assert "vllm" in server_log.lower() and "127.0.0.1" in server_log
+
+
+@pytest.mark.slow
+def test_colocated_grpo_on_ray_never_generates_during_training(
+    tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path
+) -> None:
+    """'|' through Ray: the server actor shares rank 0's bundle, binds every core and sleeps in each trainer turn."""
+    args = _grpo_args("examples/gsm8k_grpo.py", tiny_model_dir, gsm8k_dir, tmp_path, steps=2, new_tokens=16)
+    proc = _run([*args, "allocation_mode=vllm:d1|fsdp:d1", "async_training=false"], timeout=1200, launcher=RAY)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "ranks on 1 node(s)" in proc.stdout
+    assert_no_generation_during_turns(tmp_path / "logs" / "gsm8k-grpo" / "trial0", steps=2)
 
 
 def test_failing_rank_tears_everything_down(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from test_launcher import ENV
 from utils import REPO_ROOT, free_port
@@ -98,11 +99,40 @@ def test_sbatch_script_layout_and_settings(tiny_model_dir: str, tmp_path: Path) 
     assert "launcher.slurm" not in trainer
 
 
-def test_trainer_part_runs_under_torchrun_c10d(tmp_path: Path) -> None:
+def test_colocated_sbatch_script_puts_servers_on_trainer_nodes(tiny_model_dir: str, tmp_path: Path) -> None:
+    """'|': 8 tp=2 servers share the GPUs of 16 trainer ranks on 2 nodes; no server nodes."""
+    body = {
+        "allocation_mode": "vllm:d8t2|fsdp:d16",
+        "async_training": False,  # colocated runs synchronously
+        "actor": {"engine": {"path": tiny_model_dir}},
+        "train_dataset": {"batch_size": 32},
+    }
+    proc = _slurm(["examples/gsm8k_grpo.py", "--config", str(_config(tmp_path, body)), "--dry-run"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir = tmp_path / "logs" / "slurm-test" / "trial0"
+    assert f"wrote {run_dir / 'job.sbatch'} (2 nodes)" in proc.stdout
+    job = (run_dir / "job.sbatch").read_text()
+    assert "#SBATCH --nodes=2" in job and "#SBATCH --gpus-per-node=8" in job
+    assert 'TRAINER_NODES=("${NODES[@]:0:2}")' in job and 'SERVER_NODES=("${TRAINER_NODES[@]}")' in job
+    # Servers 0-3 on the first trainer node, 4-7 on the second, each on two of its ranks' GPUs.
+    assert "SERVER_GPUS=(0,1 2,3 4,5 6,7 0,1 2,3 4,5 6,7)" in job and 'node="${SERVER_NODES[$((i / 4))]}"' in job
+    server_step = next(line for line in job.splitlines() if line.strip().startswith("srun --nodes=1"))
+    assert server_step.strip() == 'srun --nodes=1 --ntasks=1 --nodelist="$node" --overlap --gpus-per-task=8 \\'
+    assert 'env CUDA_VISIBLE_DEVICES="${SERVER_GPUS[$i]}" ' in job and "--tp 2 --pp 1" in job
+    assert """--extra '{"enable_sleep_mode": true, "gpu_memory_utilization": 0.5}'""" in job
+    assert '--request-log "$RUN_DIR/vllm-server-$i-requests.jsonl"' in job
+    assert "--nodes=2 --ntasks-per-node=1" in job and "--gpus-per-task=8 --overlap --kill-on-bad-exit=1" in job
+    assert subprocess.run(["bash", "-n", str(run_dir / "job.sbatch")], capture_output=True).returncode == 0
+    trainer = (run_dir / "trainer.sh").read_text()
+    assert "--nnodes=2 --nproc_per_node=8" in trainer and "cluster.n_nodes=2 cluster.n_gpus_per_node=8" in trainer
+
+
+@pytest.mark.parametrize("mode", ["fsdp:d2", "vllm:d1|fsdp:d2"])
+def test_trainer_part_runs_under_torchrun_c10d(mode: str, tiny_model_dir: str, tmp_path: Path) -> None:
     """trainer.sh with a one-node job's SLURM_* env: 2 ranks rendezvous via c10d and all_reduce."""
     script = tmp_path / "allreduce.py"
     script.write_text(ALLREDUCE)
-    config = _config(tmp_path, {"allocation_mode": "fsdp:d2"})
+    config = _config(tmp_path, {"allocation_mode": mode, "actor": {"engine": {"path": tiny_model_dir}}})
     port = free_port()
     proc = _slurm(
         [str(script), "--config", str(config), "--dry-run", "--gpus-per-node", "2", f"launcher.slurm.rdzv_port={port}"]
@@ -147,6 +177,10 @@ def test_shapes_that_do_not_fit_fail_before_writing(tiny_model_dir: str, tmp_pat
     assert proc.stderr.strip() == "error: train world size 12 is not a multiple of gpus_per_node 8"
     proc = _slurm(["examples/gsm8k_sft.py", "--config", str(config), "--dry-run", "--gpus-per-node", "x"])
     assert proc.returncode == 2 and proc.stderr.strip() == "error: gpus_per_node must be an integer, got 'x'"
+    colocated = _config(tmp_path, {"allocation_mode": "vllm:d3t2|fsdp:d4", "model": {"path": tiny_model_dir}})
+    proc = _slurm(["examples/gsm8k_sft.py", "--config", str(colocated), "--dry-run", "--gpus-per-node", "8"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("error: allocation_mode 'vllm:d3t2|fsdp:d4': 6 server devices but 4 trainer")
     assert not (tmp_path / "logs").exists()
 
 

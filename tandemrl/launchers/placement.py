@@ -9,6 +9,10 @@ take turns. On GPU the servers start with sleep mode on and a share of the memor
 (``gpu_memory_utilization``, default 0.5 here), so the trainer can have the rest while they
 sleep. On CPU the servers' ranks bind every core between them (vLLM holds none back for its
 front end) and each trainer rank gets ``cores // train_world_size`` threads: whichever side has the turn uses the whole machine.
+
+Across nodes (the Ray and Slurm launchers, ``plan_colocated``), server ``i`` shares the devices of
+trainer ranks ``i*tp*pp .. (i+1)*tp*pp - 1``, which must sit on one node; each node then gets the
+one-machine plan above for its own ranks, their devices and the servers sharing them.
 """
 
 from __future__ import annotations
@@ -36,12 +40,28 @@ def is_colocated(alloc: AllocationMode) -> bool:
     return alloc.gen is not None and alloc.train is not None and alloc.colocated(alloc.gen, alloc.train)
 
 
+def _server_shape(alloc: AllocationMode) -> tuple[int, int]:
+    """(number of servers, devices per server)."""
+    gen = alloc.gen
+    return (gen.strategy.dp, gen.strategy.tp * gen.strategy.pp) if gen else (0, 0)
+
+
 def plan_placement(alloc: AllocationMode, gpus: list[str], cpus: list[int]) -> Placement:
     """``gpus``: ids of the visible GPUs (empty: a CPU run); ``cpus``: the cores this process may use."""
-    colocated = is_colocated(alloc)
-    gen, world = alloc.gen, alloc.train_world_size
-    n_servers = gen.strategy.dp if gen else 0
-    per_server = gen.strategy.tp * gen.strategy.pp if gen else 0
+    n_servers, per_server = _server_shape(alloc)
+    return plan_machine(alloc, is_colocated(alloc), n_servers, per_server, alloc.train_world_size, gpus, cpus)
+
+
+def plan_machine(
+    alloc: AllocationMode,
+    colocated: bool,
+    n_servers: int,
+    per_server: int,
+    world: int,
+    gpus: list[str],
+    cpus: list[int],
+) -> Placement:
+    """One machine's plan for ``n_servers`` servers of ``per_server`` devices and ``world`` trainer ranks."""
     plan = Placement(colocated)
     n_gpus = len(gpus)
     if n_gpus:
@@ -76,10 +96,79 @@ def plan_placement(alloc: AllocationMode, gpus: list[str], cpus: list[int]) -> P
 def _split_cores(cpus: list[int], ranks: int) -> list[str]:
     """``cpus`` in ``ranks`` contiguous chunks as vLLM bind lists ("0,1", ...); cores are shared when too few."""
     cpus = sorted(cpus)
+    if not ranks:
+        return []
     if ranks > len(cpus):
         return [",".join(map(str, cpus))] * ranks
     size = len(cpus) // ranks
     return [",".join(map(str, cpus[r * size : (r + 1) * size])) for r in range(ranks)]
+
+
+@dataclass
+class RankSlot:
+    """Where a trainer rank landed: its node, its GPU ids there (empty on CPU), the node's cores."""
+
+    node: str
+    gpus: list[str] = field(default_factory=list)
+    cpus: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ServerShare:
+    """A colocated server: the trainer ranks whose devices it shares, their node, its environment."""
+
+    ranks: list[int]
+    node: str
+    env: dict[str, str]
+
+
+@dataclass
+class ColocatedPlan:
+    """Colocated placement over nodes: every server's share, each node's trainer env, the server flags."""
+
+    servers: list[ServerShare]
+    trainer_env: dict[str, dict[str, str]]  # node -> OMP_NUM_THREADS (and CUDA_VISIBLE_DEVICES) of its ranks
+    server_flags: dict[str, Any]
+
+
+def check_colocated_fits(alloc: AllocationMode) -> None:
+    """Across nodes every server device is a trainer rank's: fewer trainer ranks than that is an error."""
+    n_servers, per_server = _server_shape(alloc)
+    if n_servers * per_server > alloc.train_world_size:
+        raise ValueError(
+            f"allocation_mode '{alloc}': {n_servers * per_server} server devices but {alloc.train_world_size} "
+            "trainer ranks; a colocated server shares the devices of tp*pp trainer ranks (give the trainer as many)"
+        )
+
+
+def plan_colocated(alloc: AllocationMode, ranks: list[RankSlot]) -> ColocatedPlan:
+    """``ranks`` in rank order, grouped by node: server ``i`` shares ranks ``i*tp*pp ..`` on one node."""
+    check_colocated_fits(alloc)
+    n_servers, per_server = _server_shape(alloc)
+    nodes = list(dict.fromkeys(r.node for r in ranks))
+    on_node = {n: [i for i, r in enumerate(ranks) if r.node == n] for n in nodes}
+    shares = []
+    for s in range(n_servers):
+        share = list(range(s * per_server, (s + 1) * per_server))
+        node = ranks[share[0]].node
+        if any(ranks[r].node != node for r in share) or on_node[node].index(share[0]) % per_server:
+            raise ValueError(
+                f"allocation_mode '{alloc}': server {s} (tp*pp={per_server}) would share trainer ranks "
+                f"{share[0]}-{share[-1]}, which are not {per_server} whole devices of one node; "
+                f"give every node a multiple of {per_server} trainer ranks"
+            )
+        shares.append(ServerShare(share, node, {}))
+    plan = ColocatedPlan(shares, {}, {})
+    for node in nodes:
+        mine = [s for s in shares if s.node == node]
+        local = [ranks[i] for i in on_node[node]]
+        gpus = [g for r in local for g in r.gpus]
+        machine = plan_machine(alloc, True, len(mine), per_server, len(local), gpus, local[0].cpus)
+        for share, env in zip(mine, machine.server_env, strict=True):
+            share.env = env
+        plan.trainer_env[node] = machine.trainer_env
+        plan.server_flags = machine.server_flags
+    return plan
 
 
 def visible_cpus() -> list[int]:

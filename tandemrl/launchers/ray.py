@@ -9,14 +9,18 @@ success, failure or Ctrl-C, ``--multirun`` sweeps), with Ray doing the placement
 * Cluster: ``RAY_ADDRESS`` if set, else a single-node cluster started here and bound to
   loopback, like the local launcher's servers (their weight-update routes have no auth).
   A cluster from ``ray start`` uses token auth: join it with ``RAY_AUTH_MODE=token``.
-* Servers: one actor per inference data-parallel replica owns the server subprocess,
-  bound to its node's IP. It reserves tp*pp GPUs when the cluster has GPUs, else tp*pp CPUs.
 * Trainer: ``train_world_size`` actors in one placement group (STRICT_PACK when one node
-  can hold every rank, else PACK), each running SCRIPT in a subprocess with the variables
+  can hold every rank, else PACK), placed first; each runs SCRIPT in a subprocess with the variables
   torchrun would set (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
   MASTER_ADDR/MASTER_PORT of rank 0's node), which is all ``init_default_process_group``
   reads. Ranks on one node see that node's GPUs in local-rank order, so
   ``cuda:LOCAL_RANK`` is their own GPU.
+* Servers: one actor per inference data-parallel replica owns the server subprocess,
+  bound to its node's IP, and writes its request log (vLLM). Apart (``+``), it reserves tp*pp
+  GPUs when the cluster has GPUs, else tp*pp CPUs. Colocated (``|``, ``launchers.placement``):
+  it reserves nothing and runs in the placement group on the bundle of the trainer ranks it
+  shares with, its server seeing their GPUs (with sleep mode) or binding their node's cores;
+  the ranks start once the servers are healthy.
 * The driver polls every actor, prints their output as ``[rank1] ...`` /
   ``[vllm-server-0] ...`` and writes ``trainer.log``; the first rank or server to fail
   stops everything, with a one-line error.
@@ -46,6 +50,14 @@ from tandemrl.inference.server_auth import TOKEN_ENV, new_token
 from tandemrl.launchers import common
 from tandemrl.launchers.common import LaunchError, TrialResult, guarded_trial, kill_group, write_prefixed
 from tandemrl.launchers.launch_config import LaunchSpec
+from tandemrl.launchers.placement import (
+    ColocatedPlan,
+    RankSlot,
+    check_colocated_fits,
+    is_colocated,
+    plan_colocated,
+    visible_cpus,
+)
 from tandemrl.utils.cli import first_line
 
 # Driver variables every actor gets (a remote node's actor starts from its raylet's env).
@@ -80,7 +92,16 @@ class ServerHost:
         self._server: Any = None
         self._offset = 0
 
-    def start(self, backend: str, model_path: str, tp: int, pp: int, extra: dict[str, Any], log_file: str) -> str:
+    def start(
+        self,
+        backend: str,
+        model_path: str,
+        strategy: tuple[int, int],
+        extra: dict[str, Any],
+        log_file: str,
+        request_log: str | None = None,
+    ) -> str:
+        """Launch the server (``strategy``: tp, pp); returns its address."""
         import ray
 
         from tandemrl.api.types import ParallelStrategy
@@ -91,10 +112,11 @@ class ServerHost:
             get_backend(backend),
             model_path,
             host=ray.util.get_node_ip_address(),
-            strategy=ParallelStrategy(tp=tp, pp=pp),
+            strategy=ParallelStrategy(tp=strategy[0], pp=strategy[1]),
             extra=extra,
             log_file=log_file,
             token=os.environ.get(TOKEN_ENV),
+            request_log=request_log,
         )
         return self._server.address
 
@@ -132,7 +154,7 @@ class RankHost:
         self._ended = 0.0  # wall time the rank's output closed (it exited): first failure wins
 
     def node(self) -> dict[str, Any]:
-        """Where this rank landed: node id and IP, its GPU ids, a free port for rendezvous."""
+        """Where this rank landed: node id and IP, its GPU ids, the node's cores, a free port for rendezvous."""
         import ray
 
         ip = ray.util.get_node_ip_address()
@@ -140,6 +162,7 @@ class RankHost:
             "node_id": ray.get_runtime_context().get_node_id(),
             "ip": ip,
             "gpus": [str(g) for g in ray.get_gpu_ids()],
+            "cpus": visible_cpus(),
             "port": free_port(ip),
         }
 
@@ -205,6 +228,9 @@ class _Trial:
     servers: list[_Member] = field(default_factory=list)
     ranks: list[_Member] = field(default_factory=list)
     placement_group: Any = None
+    strategy: str = ""  # the placement group's
+    infos: list[dict[str, Any]] = field(default_factory=list)  # RankHost.node() per bundle
+    bundles: list[int] = field(default_factory=list)  # bundle index of each rank
     trainer_log: Any = None  # every rank's lines, like the local launcher's trainer.log
 
     def stop(self) -> None:
@@ -258,29 +284,54 @@ def _drain(members: list[_Member]) -> None:
             m.rc, m.ended = rc, ended
 
 
-def _start_servers(spec: LaunchSpec, run_dir: Path, trial: _Trial, env: dict[str, str], gpus: bool) -> list[str]:
+def _server_actors(
+    spec: LaunchSpec, trial: _Trial, env: dict[str, str], gpus: bool, plan: ColocatedPlan | None
+) -> list[tuple[dict[str, Any], dict[str, str]]]:
+    """Each server actor's Ray options and environment.
+
+    Apart: its own tp*pp GPUs (or CPU slots). Colocated: no resources of its own, on the bundle of
+    the first trainer rank it shares with, with the placement plan's device/core variables.
+    """
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    gen = spec.allocation.gen
+    assert gen is not None
+    if plan is None:
+        per_server = gen.strategy.tp * gen.strategy.pp
+        opts = {"num_gpus": per_server, "num_cpus": 1} if gpus else {"num_gpus": 0, "num_cpus": per_server}
+        return [(opts, {"OMP_NUM_THREADS": "1", **env})] * gen.strategy.dp
+    actors = []
+    for share in plan.servers:
+        bundle = trial.bundles[share.ranks[0]]
+        where = PlacementGroupSchedulingStrategy(trial.placement_group, placement_group_bundle_index=bundle)
+        actors.append(({"num_gpus": 0, "num_cpus": 0, "scheduling_strategy": where}, {**env, **share.env}))
+    return actors
+
+
+def _start_servers(
+    spec: LaunchSpec, run_dir: Path, trial: _Trial, env: dict[str, str], gpus: bool, plan: ColocatedPlan | None
+) -> list[str]:
     import ray
 
     gen = spec.allocation.gen
     if gen is None:
         return []
-    per_server = gen.strategy.tp * gen.strategy.pp
     host_cls = ray.remote(ServerHost)
-    opts = {"num_gpus": per_server, "num_cpus": 1} if gpus else {"num_gpus": 0, "num_cpus": per_server}
+    extra = {**(plan.server_flags if plan else {}), **spec.server_extra}
     starts = []
-    for i in range(gen.strategy.dp):
-        actor = host_cls.options(max_concurrency=4, **opts).remote(env)
-        trial.servers.append(_Member(f"{gen.backend}-server-{i}", actor))
-        log_file = str(run_dir / f"{gen.backend}-server-{i}.log")
+    for i, (opts, actor_env) in enumerate(_server_actors(spec, trial, env, gpus, plan)):
+        actor = host_cls.options(max_concurrency=4, **opts).remote(actor_env)
+        name = f"{gen.backend}-server-{i}"
+        trial.servers.append(_Member(name, actor))
+        request_log = str(run_dir / f"{name}-requests.jsonl") if TOKEN_ENV in env else None  # vLLM only
+        strategy = (gen.strategy.tp, gen.strategy.pp)
         starts.append(
-            actor.start.remote(
-                gen.backend, spec.model_path, gen.strategy.tp, gen.strategy.pp, spec.server_extra, log_file
-            )
+            actor.start.remote(gen.backend, spec.model_path, strategy, extra, str(run_dir / f"{name}.log"), request_log)
         )
     ready, _ = ray.wait(starts, num_returns=len(starts), timeout=PLACEMENT_TIMEOUT)
     if len(ready) < len(starts):
         raise RuntimeError(
-            f"{len(starts) - len(ready)} of {len(starts)} {gen.backend} servers ({opts}) could not be placed in "
+            f"{len(starts) - len(ready)} of {len(starts)} {gen.backend} servers could not be placed in "
             f"{PLACEMENT_TIMEOUT:.0f}s; cluster resources: {ray.cluster_resources()}"
         )
     addrs = ray.get(starts)
@@ -326,9 +377,8 @@ def _rank_envs(infos: list[dict[str, Any]], gpus: bool) -> list[dict[str, str]]:
     return envs
 
 
-def _start_ranks(
-    spec: LaunchSpec, run_dir: Path, trial: _Trial, env: dict[str, str], gpus: bool, args: list[str]
-) -> None:
+def _place_ranks(spec: LaunchSpec, run_dir: Path, trial: _Trial, env: dict[str, str], gpus: bool) -> None:
+    """The placement group and one idle rank actor per bundle; ``trial.infos`` says where each landed."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -337,13 +387,13 @@ def _start_ranks(
     bundle = {"CPU": 1, "GPU": 1} if gpus else {"CPU": 1}
     unit = "GPU" if gpus else "CPU"
     biggest = max((n["Resources"].get(unit, 0) for n in ray.nodes() if n.get("Alive")), default=0)
-    strategy = "STRICT_PACK" if biggest >= world else "PACK"
-    trial.placement_group = placement_group([bundle] * world, strategy=strategy)
+    trial.strategy = "STRICT_PACK" if biggest >= world else "PACK"
+    trial.placement_group = placement_group([bundle] * world, strategy=trial.strategy)
     try:
         ray.get(trial.placement_group.ready(), timeout=PLACEMENT_TIMEOUT)
     except ray.exceptions.GetTimeoutError:
         raise RuntimeError(
-            f"no room for {world} trainer ranks ({bundle} each, {strategy}) in {PLACEMENT_TIMEOUT:.0f}s; "
+            f"no room for {world} trainer ranks ({bundle} each, {trial.strategy}) in {PLACEMENT_TIMEOUT:.0f}s; "
             f"available: {ray.available_resources()}"
         ) from None
     host_cls = ray.remote(RankHost)
@@ -356,15 +406,33 @@ def _start_ranks(
         ).remote(env)
         for b in range(world)
     ]
-    infos = ray.get([a.node.remote() for a in actors], timeout=PLACEMENT_TIMEOUT)
+    trial.infos = ray.get([a.node.remote() for a in actors], timeout=PLACEMENT_TIMEOUT)
+    trial.bundles = _rank_layout(trial.infos)
     trial.trainer_log = open(run_dir / "trainer.log", "ab")
-    trial.ranks = [_Member(f"rank{r}", actors[b], trial.trainer_log) for r, b in enumerate(_rank_layout(infos))]
-    rank_envs = [{**env, **renv, "PYTHONUNBUFFERED": "1"} for renv in _rank_envs(infos, gpus)]
+    trial.ranks = [_Member(f"rank{r}", actors[b], trial.trainer_log) for r, b in enumerate(trial.bundles)]
+
+
+def _colocated_plan(spec: LaunchSpec, trial: _Trial) -> ColocatedPlan | None:
+    """The placement plan of servers sharing the placed ranks' devices; None when they run apart."""
+    if not is_colocated(spec.allocation):
+        return None
+    ranks = [trial.infos[b] for b in trial.bundles]
+    return plan_colocated(spec.allocation, [RankSlot(i["node_id"], i["gpus"], i["cpus"]) for i in ranks])
+
+
+def _start_ranks(trial: _Trial, env: dict[str, str], gpus: bool, args: list[str], plan: ColocatedPlan | None) -> None:
+    """Run SCRIPT on every placed rank with torchrun's variables (and the plan's thread count)."""
+    import ray
+
+    rank_envs = []
+    for b, renv in zip(trial.bundles, _rank_envs(trial.infos, gpus), strict=True):
+        threads = plan.trainer_env[trial.infos[b]["node_id"]]["OMP_NUM_THREADS"] if plan else "1"
+        rank_envs.append({"OMP_NUM_THREADS": threads, **env, **renv, "PYTHONUNBUFFERED": "1"})  # a user's wins
     ray.get([m.actor.start.remote(args, e, os.getcwd()) for m, e in zip(trial.ranks, rank_envs, strict=True)])
     master = rank_envs[0]
     print(
-        f"[launcher] trainer: {world} ranks on {len(set(i['node_id'] for i in infos))} node(s) ({strategy}), "
-        f"master {master['MASTER_ADDR']}:{master['MASTER_PORT']}: {' '.join(args)}",
+        f"[launcher] trainer: {len(trial.ranks)} ranks on {len(set(i['node_id'] for i in trial.infos))} node(s) "
+        f"({trial.strategy}), master {master['MASTER_ADDR']}:{master['MASTER_PORT']}: {' '.join(args)}",
         flush=True,
     )
 
@@ -387,26 +455,27 @@ def _supervise(trial: _Trial, run_dir: Path) -> tuple[int, str]:
 
 
 def run_trial(script: str, config_path: str | None, overrides: list[str], spec: LaunchSpec) -> TrialResult:
-    """Servers, then trainer ranks, as actors; supervise; tear all down whatever happens."""
+    """Place the ranks, start the servers, then the ranks' scripts; supervise; tear all down whatever happens."""
     import ray
 
     trial = _Trial()
 
     def body(run_dir: Path) -> tuple[int, str]:
         gpus = _has_gpus()
-        env = forwarded_env()
-        env.setdefault("OMP_NUM_THREADS", "1")
+        env = forwarded_env()  # OMP_NUM_THREADS only if the user set it: ranks get theirs in _start_ranks
         env.pop(TOKEN_ENV, None)
         if spec.allocation.gen_backend == "vllm":  # servers listen on node IPs: a fresh token per run
             env[TOKEN_ENV] = new_token()
-        addrs = _start_servers(spec, run_dir, trial, env, gpus)
+        _place_ranks(spec, run_dir, trial, env, gpus)
+        plan = _colocated_plan(spec, trial)
+        addrs = _start_servers(spec, run_dir, trial, env, gpus, plan)
         if addrs:
             env[SERVER_ADDRS_ENV] = ",".join(addrs)
             print(f"[launcher] {spec.allocation.gen_backend} servers healthy at {env[SERVER_ADDRS_ENV]}", flush=True)
         # Absolute paths: a rank runs in the driver's cwd, which may be another node's mount.
         config = os.path.abspath(config_path) if config_path and os.path.isfile(config_path) else config_path
         args = [os.path.abspath(script)] + (["--config", config] if config else []) + overrides
-        _start_ranks(spec, run_dir, trial, env, gpus, args)
+        _start_ranks(trial, env, gpus, args, plan)
         return _supervise(trial, run_dir)
 
     def body_unwrapped(run_dir: Path) -> tuple[int, str]:
@@ -439,8 +508,11 @@ def connect(specs: list[tuple[list[str], LaunchSpec]]) -> bool:
         return False
     need = 0
     for _, spec in specs:
-        gen = spec.allocation.gen
-        need = max(need, spec.allocation.train_world_size + (gen.world_size if gen else 0))
+        alloc = spec.allocation
+        gen_world = alloc.gen.world_size if alloc.gen else 0
+        world = alloc.train_world_size
+        # Colocated servers take no slots of their own: they run on their ranks' bundles.
+        need = max(need, max(world, gen_world) if is_colocated(alloc) else world + gen_world)
     # Ray's CPUs are scheduling slots: give one per actor even on a 2-core machine.
     ray.init(
         num_cpus=max(os.cpu_count() or 1, need),
@@ -455,9 +527,8 @@ def main(argv: list[str]) -> int:
     args = common.parse_args(argv, "tandemrl.launchers.ray")
     specs = common.plan_trials(args)
     for _, spec in specs:
-        alloc = spec.allocation
-        if alloc.gen is not None and alloc.train is not None and alloc.colocated(alloc.gen, alloc.train):
-            raise ValueError(f"allocation_mode '{alloc}': the ray launcher places servers and trainer apart; use '+'")
+        if is_colocated(spec.allocation):
+            check_colocated_fits(spec.allocation)  # before any actor starts
     owned = connect(specs)
     try:
         return common.run_trials(args, specs, run_trial)

@@ -1,7 +1,8 @@
 """Run one inference server in the foreground until SIGTERM: the unit a job scheduler places.
 
     python -m tandemrl.launchers.serve --backend vllm --model PATH --host NODE --port 8000 \
-        --log RUN_DIR/vllm-server-0.log --ready RUN_DIR/servers/0.addr [--tp 1] [--pp 1] [--timeout 600]
+        --log RUN_DIR/vllm-server-0.log --ready RUN_DIR/servers/0.addr [--tp 1] [--pp 1] [--timeout 600] \
+        [--extra JSON] [--request-log RUN_DIR/vllm-server-0-requests.jsonl]
 
 The Slurm launcher's sbatch script starts one of these per server with ``srun``. It waits
 until the server is healthy and then writes ``host:port`` to ``--ready`` (atomically), so
@@ -35,6 +36,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ready", required=True, help="file that receives host:port once healthy")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to become healthy")
     p.add_argument("--extra", default="{}", help="JSON object of extra server flags")
+    p.add_argument("--request-log", default=None, help="file the server appends each request to (vLLM only)")
     return p.parse_args(argv)
 
 
@@ -56,6 +58,7 @@ def serve(args: argparse.Namespace) -> int:
                 extra=json.loads(args.extra),
                 log_file=args.log,
                 token=os.environ.get(TOKEN_ENV),  # set per job by the Slurm launcher's script
+                request_log=args.request_log,
             )
             server.wait_healthy(timeout=args.timeout)
             tmp = f"{args.ready}.tmp"

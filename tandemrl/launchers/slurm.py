@@ -17,6 +17,12 @@ exports ``TANDEMRL_LLM_SERVER_ADDRS``, runs ``srun trainer.sh`` on the trainer n
 ``torchrun --nnodes T --rdzv_backend c10d --rdzv_endpoint <first trainer node>:port`` —
 and stops the servers when the trainer ends.
 
+Colocated (``|`` in ``allocation_mode``, ``launchers.placement``): no server nodes. Each server
+runs on the trainer node of the ranks whose GPUs it shares, in an ``srun --overlap`` step that
+sees all the node's GPUs, with ``CUDA_VISIBLE_DEVICES`` set to those ranks' local GPUs and the
+plan's sleep-mode flags; the trainer step also runs with ``--overlap`` and sees every GPU of its
+node (rank ``LOCAL_RANK`` uses ``cuda:LOCAL_RANK``), so the two agree on device numbers.
+
 Settings, first found wins: the CLI flags, then ``launcher.slurm.<key>`` in the config or
 overrides (``partition``, ``gpus_per_node``, ``time``, ``account``, ``server_port``,
 ``rdzv_port``, ``sbatch_args``: extra ``#SBATCH`` arguments), then ``cluster.n_gpus_per_node``.
@@ -27,6 +33,7 @@ not know it) plus ``cluster.n_nodes``/``cluster.n_gpus_per_node`` of the job. Sw
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shlex
@@ -42,6 +49,7 @@ from tandemrl.inference.server_auth import TOKEN_ENV
 from tandemrl.launchers import common
 from tandemrl.launchers.common import LaunchError
 from tandemrl.launchers.launch_config import LaunchSpec, _get, _load, script_config
+from tandemrl.launchers.placement import RankSlot, is_colocated, plan_colocated
 
 OPTIONS = ("--partition", "--gpus-per-node", "--time", "--account")
 # Launcher environment the job script re-exports (sbatch also copies the submitter's env).
@@ -63,7 +71,7 @@ class SlurmSettings:
 
 @dataclass
 class Layout:
-    """Where every process goes: server nodes first, then trainer nodes."""
+    """Where every process goes: server nodes first, then trainer nodes (colocated: trainer nodes only)."""
 
     server_nodes: int
     servers_per_node: int
@@ -71,6 +79,9 @@ class Layout:
     n_servers: int
     trainer_nodes: int
     procs_per_node: int
+    colocated: bool = False
+    server_gpus: list[str] = field(default_factory=list)  # colocated: each server's CUDA_VISIBLE_DEVICES
+    server_flags: dict[str, Any] = field(default_factory=dict)  # colocated: sleep mode and memory share
 
     @property
     def nodes(self) -> int:
@@ -118,8 +129,6 @@ def plan_layout(spec: LaunchSpec, gpus_per_node: int) -> Layout:
     """Node counts for ``spec``'s allocation; one-line errors for shapes that do not fit."""
     alloc = spec.allocation
     gen, world = alloc.gen, alloc.train_world_size
-    if gen is not None and alloc.train is not None and alloc.colocated(gen, alloc.train):
-        raise ValueError(f"allocation_mode '{alloc}': the slurm launcher places servers and trainer apart; use '+'")
     per_server = gen.strategy.tp * gen.strategy.pp if gen else 0
     n_servers = gen.strategy.dp if gen else 0
     if per_server > gpus_per_node:
@@ -127,6 +136,8 @@ def plan_layout(spec: LaunchSpec, gpus_per_node: int) -> Layout:
     if world > gpus_per_node and world % gpus_per_node:
         raise ValueError(f"train world size {world} is not a multiple of gpus_per_node {gpus_per_node}")
     per_node = gpus_per_node // per_server if per_server else 0
+    if is_colocated(alloc):
+        return _colocated_layout(spec, gpus_per_node)
     return Layout(
         server_nodes=math.ceil(n_servers / per_node) if n_servers else 0,
         servers_per_node=per_node,
@@ -134,6 +145,27 @@ def plan_layout(spec: LaunchSpec, gpus_per_node: int) -> Layout:
         n_servers=n_servers,
         trainer_nodes=math.ceil(world / gpus_per_node),
         procs_per_node=min(world, gpus_per_node),
+    )
+
+
+def _colocated_layout(spec: LaunchSpec, gpus_per_node: int) -> Layout:
+    """Servers on the trainer nodes, each sharing tp*pp ranks' GPUs (``plan_colocated``)."""
+    alloc = spec.allocation
+    assert alloc.gen is not None
+    world, per_server = alloc.train_world_size, alloc.gen.strategy.tp * alloc.gen.strategy.pp
+    per_node = min(world, gpus_per_node)
+    # Rank r: node r // per_node, local GPU r % per_node (the trainer step sees the node's GPUs in order).
+    plan = plan_colocated(alloc, [RankSlot(str(r // per_node), [str(r % per_node)]) for r in range(world)])
+    return Layout(
+        server_nodes=0,
+        servers_per_node=per_node // per_server,
+        gpus_per_server=per_server,
+        n_servers=alloc.gen.strategy.dp,
+        trainer_nodes=math.ceil(world / gpus_per_node),
+        procs_per_node=per_node,
+        colocated=True,
+        server_gpus=[share.env["CUDA_VISIBLE_DEVICES"] for share in plan.servers],
+        server_flags=plan.server_flags,
     )
 
 
@@ -199,44 +231,65 @@ def job_script(spec: LaunchSpec, settings: SlurmSettings, layout: Layout, run_di
         "trap stop_servers EXIT",
     ]
     if gen is not None:
-        serve = [sys.executable, "-m", "tandemrl.launchers.serve", "--backend", gen.backend, "--model", spec.model_path]
-        serve += ["--tp", str(gen.strategy.tp), "--pp", str(gen.strategy.pp), "--timeout", str(spec.server_timeout)]
-        if gen.backend == "vllm":  # servers listen on node names: a fresh token per job, never in a file
-            lines.append(
-                f'export {TOKEN_ENV}="$({_q(sys.executable)} -c "import secrets; print(secrets.token_urlsafe(32))")"'
-            )
-        lines += [
-            f'SERVER_NODES=("${{NODES[@]:0:{layout.server_nodes}}}")',
-            'rm -rf "$RUN_DIR/servers" && mkdir -p "$RUN_DIR/servers"',
-            f"for i in $(seq 0 {layout.n_servers - 1}); do",
-            f'  node="${{SERVER_NODES[$((i / {layout.servers_per_node}))]}}"',
-            f"  port=$(({settings.server_port} + i % {layout.servers_per_node}))",
-            f'  srun --nodes=1 --ntasks=1 --nodelist="$node" --gpus-per-task={layout.gpus_per_server} --exact \\',
-            f"    {' '.join(_q(a) for a in serve)} \\",
-            f'    --host "$node" --port "$port" --log "$RUN_DIR/{gen.backend}-server-$i.log" '
-            '--ready "$RUN_DIR/servers/$i.addr" &',
-            "  SERVER_STEPS+=($!)",
-            "done",
-            f"deadline=$((SECONDS + {int(spec.server_timeout) + 60}))",
-            f'until [ "$(ls "$RUN_DIR"/servers/*.addr 2>/dev/null | wc -l)" -ge {layout.n_servers} ]; do',
-            '  for p in "${SERVER_STEPS[@]}"; do',
-            '    kill -0 "$p" 2>/dev/null || { echo "error: a server step exited before it was healthy '
-            f'(logs: $RUN_DIR/{gen.backend}-server-*.log)" >&2; exit 1; }}',
-            "  done",
-            '  [ "$SECONDS" -lt "$deadline" ] || { echo "error: servers not healthy in time" >&2; exit 1; }',
-            "  sleep 5",
-            "done",
-            f'export {SERVER_ADDRS_ENV}="$(for i in $(seq 0 {layout.n_servers - 1}); do '
-            'cat "$RUN_DIR/servers/$i.addr"; done | paste -sd, -)"',
-            f'echo "[launcher] {gen.backend} servers healthy at ${SERVER_ADDRS_ENV}"',
-        ]
+        lines += _server_lines(spec, settings, layout)
     trainer_nodes = '"$(IFS=,; echo "${TRAINER_NODES[*]}")"'
+    # Colocated: the trainer shares its node's GPUs and cores with the servers' steps.
+    share = f"{settings.gpus_per_node} --overlap" if layout.colocated else f"{layout.procs_per_node} --exact"
     lines += [
         f"srun --nodes={layout.trainer_nodes} --ntasks-per-node=1 --nodelist={trainer_nodes} "
-        f"--gpus-per-task={layout.procs_per_node} --exact --kill-on-bad-exit=1 \\",
+        f"--gpus-per-task={share} --kill-on-bad-exit=1 \\",
         '  bash "$RUN_DIR/trainer.sh" 2>&1 | tee -a "$RUN_DIR/trainer.log"',
     ]
     return "\n".join(lines) + "\n"
+
+
+def _server_lines(spec: LaunchSpec, settings: SlurmSettings, layout: Layout) -> list[str]:
+    """Start every server with srun, wait until each published its address, export them."""
+    gen = spec.allocation.gen
+    assert gen is not None
+    serve = [sys.executable, "-m", "tandemrl.launchers.serve", "--backend", gen.backend, "--model", spec.model_path]
+    serve += ["--tp", str(gen.strategy.tp), "--pp", str(gen.strategy.pp), "--timeout", str(spec.server_timeout)]
+    extra = {**layout.server_flags, **spec.server_extra}
+    serve += ["--extra", json.dumps(extra, sort_keys=True)] if extra else []
+    lines = []
+    request_log = ""
+    if gen.backend == "vllm":  # servers listen on node names: a fresh token per job, never in a file
+        lines.append(
+            f'export {TOKEN_ENV}="$({_q(sys.executable)} -c "import secrets; print(secrets.token_urlsafe(32))")"'
+        )
+        request_log = f' --request-log "$RUN_DIR/{gen.backend}-server-$i-requests.jsonl"'
+    if layout.colocated:  # on the trainer nodes, sharing their ranks' GPUs (all the node's GPUs in the step)
+        lines += ['SERVER_NODES=("${TRAINER_NODES[@]}")', f"SERVER_GPUS=({' '.join(layout.server_gpus)})"]
+        step = f"--overlap --gpus-per-task={settings.gpus_per_node}"
+        cmd = 'env CUDA_VISIBLE_DEVICES="${SERVER_GPUS[$i]}" ' + " ".join(_q(a) for a in serve)
+    else:
+        lines.append(f'SERVER_NODES=("${{NODES[@]:0:{layout.server_nodes}}}")')
+        step = f"--gpus-per-task={layout.gpus_per_server} --exact"
+        cmd = " ".join(_q(a) for a in serve)
+    return lines + [
+        'rm -rf "$RUN_DIR/servers" && mkdir -p "$RUN_DIR/servers"',
+        f"for i in $(seq 0 {layout.n_servers - 1}); do",
+        f'  node="${{SERVER_NODES[$((i / {layout.servers_per_node}))]}}"',
+        f"  port=$(({settings.server_port} + i % {layout.servers_per_node}))",
+        f'  srun --nodes=1 --ntasks=1 --nodelist="$node" {step} \\',
+        f"    {cmd} \\",
+        f'    --host "$node" --port "$port" --log "$RUN_DIR/{gen.backend}-server-$i.log" '
+        f'--ready "$RUN_DIR/servers/$i.addr"{request_log} &',
+        "  SERVER_STEPS+=($!)",
+        "done",
+        f"deadline=$((SECONDS + {int(spec.server_timeout) + 60}))",
+        f'until [ "$(ls "$RUN_DIR"/servers/*.addr 2>/dev/null | wc -l)" -ge {layout.n_servers} ]; do',
+        '  for p in "${SERVER_STEPS[@]}"; do',
+        '    kill -0 "$p" 2>/dev/null || { echo "error: a server step exited before it was healthy '
+        f'(logs: $RUN_DIR/{gen.backend}-server-*.log)" >&2; exit 1; }}',
+        "  done",
+        '  [ "$SECONDS" -lt "$deadline" ] || { echo "error: servers not healthy in time" >&2; exit 1; }',
+        "  sleep 5",
+        "done",
+        f'export {SERVER_ADDRS_ENV}="$(for i in $(seq 0 {layout.n_servers - 1}); do '
+        'cat "$RUN_DIR/servers/$i.addr"; done | paste -sd, -)"',
+        f'echo "[launcher] {gen.backend} servers healthy at ${SERVER_ADDRS_ENV}"',
+    ]
 
 
 def write_job(
