@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from utils import assert_bf16_tracks_fp32, run_torchrun
+from utils import assert_bf16_tracks_fp32, assert_prefix_sharing_exact, run_torchrun
 
 from tandemrl.configs.engine import DeepSpeedEngineConfig, OptimizerConfig, TrainEngineConfig
 from tandemrl.engines.deepspeed import deepspeed_config
@@ -167,6 +167,12 @@ def test_reference_engines_and_critic(runs: tuple[dict, dict, Path], tiny_model_
                 assert (logp[i, : n - 1] - ref).abs().max().item() < 1e-5, stage
     losses = others["critic_losses"]
     assert losses[0] > losses[1] > losses[2], losses
+
+
+def test_prefix_sharing_gives_the_unshared_update(runs: tuple[dict, dict, Path]) -> None:
+    """ZeRO-3, 2 ranks, fp32: a GRPO update (G=4, completions of different lengths) with the group-shared
+    prompt prefix gives the unshared layout's logprobs, loss and gradients."""
+    assert_prefix_sharing_exact(runs[0]["prefix"])
 
 
 # ------------------------------------------------------------------ config merge (no processes)

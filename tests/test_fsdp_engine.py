@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from utils import assert_bf16_tracks_fp32, run_torchrun
+from utils import assert_bf16_tracks_fp32, assert_prefix_sharing_exact, run_torchrun
 
 WORKER = Path(__file__).parent / "workers" / "fsdp_checks.py"
 ENV = {"TANDEMRL_DIST_TIMEOUT": "120"}
@@ -73,7 +73,7 @@ def test_packed_forward_matches_separate_sequences(tiny_model_dir: str, tmp_path
     assert resumed == res["losses"], "DCP resume must replay the next three losses bit-identically"
 
 
-def test_checkpointing_mixed_precision_and_nan_guard(tiny_model_dir: str, tmp_path: Path) -> None:
+def test_checkpointing_mixed_precision_nan_guard_and_prefix_sharing(tiny_model_dir: str, tmp_path: Path) -> None:
     run_torchrun(WORKER, 2, ["variants", "--model", tiny_model_dir, "--out", tmp_path], env=ENV)
     res = torch.load(tmp_path / "variants.pt")
     plain, ckpt = res["plain"], res["ckpt"]
@@ -88,6 +88,9 @@ def test_checkpointing_mixed_precision_and_nan_guard(tiny_model_dir: str, tmp_pa
     nan = res["nan"]
     assert nan["stats"]["update_successful"] == 0.0
     assert _max_diff(nan["after"], nan["before"]) == 0.0
+    # A GRPO update (G=4, completions of different lengths) with the group-shared prompt prefix
+    # gives the unshared layout's logprobs, loss and gradients.
+    assert_prefix_sharing_exact(res["prefix"])
 
 
 def test_precision_is_one_knob_with_clear_errors() -> None:

@@ -76,3 +76,18 @@ def assert_bf16_tracks_fp32(fp32: dict, bf16: dict) -> None:
     for run in (fp32, bf16):
         assert run["logp_dtype"] == "torch.float32"
         assert run["optimizer_dtypes"] == ["torch.float32"]
+
+
+def assert_prefix_sharing_exact(res: dict) -> None:
+    """``prefix_checks.shared_vs_unshared`` results: the shared layout ran fewer tokens, and logprobs, loss,
+    grad norm and every weight's gradient equal the unshared layout's within 1e-5 (fp32)."""
+    off, on = res["off"], res["on"]
+    assert on["tokens"] < 0.75 * off["tokens"], (on["tokens"], off["tokens"])
+    assert (on["logp"] - off["logp"]).abs().max().item() < 1e-5
+    assert abs(on["loss"] - off["loss"]) < 1e-5 and off["loss"] != 0.0
+    assert abs(on["grad_norm"] - off["grad_norm"]) < 1e-5
+    assert off["grads"].keys() == on["grads"].keys() and off["grads"]
+    largest = max(g.abs().max().item() for g in off["grads"].values())
+    diff = max((on["grads"][k] - g).abs().max().item() for k, g in off["grads"].items())
+    print(f"prefix sharing: max |grad| {largest:.3e}, max |grad diff| {diff:.3e}")
+    assert largest > 0 and diff < 1e-5 and diff < 1e-3 * largest, (diff, largest)

@@ -120,6 +120,15 @@ class TrainEngineConfig:
             "choices": ["varlen_sdpa", "sdpa", "eager"],
         },
     )
+    prefix_sharing: str = field(
+        default="auto",
+        metadata={
+            "help": "Run a prefix shared by consecutive rows (a GRPO group's prompt) once per micro-batch, "
+            "with exact gradients (docs/prefix_sharing.md). auto: when it saves >= 10% of the tokens "
+            "(needs attn_impl varlen_sdpa; off on Megatron); on: always (an error where unsupported); off: never.",
+            "choices": ["auto", "on", "off"],
+        },
+    )
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward."})
     mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     optimizer: OptimizerConfig | None = field(

@@ -9,6 +9,7 @@ full weights, its own checkpoint files) and the weight-export pair ``hf_param_sp
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 from abc import abstractmethod
@@ -25,7 +26,15 @@ from tandemrl.api.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta, Ten
 from tandemrl.configs.engine import OptimizerConfig, TrainEngineConfig
 from tandemrl.engines.engine_state import load_engine_state, read_engine_meta, save_engine_state
 from tandemrl.engines.hf_model import packed_logits, save_hf_dir
-from tandemrl.engines.packing import MicroBatches, pack_groups, plan_padded_batch, unpack_to_padded
+from tandemrl.engines.packing import MicroBatches, pack_groups, plan_chunks, plan_padded_batch, unpack_to_padded
+from tandemrl.engines.prefix_sharing import (
+    PREFIX_SHARING_MODES,
+    Segment,
+    add_shared_layout,
+    segment_fields,
+    sharing_segments,
+)
+from tandemrl.models.varlen_attention import VARLEN_SDPA
 from tandemrl.utils import stats_tracker
 
 
@@ -99,6 +108,7 @@ class BaseTrainEngine(TrainEngine):
     """Shared engine logic; backends subclass it and implement the ``_hooks``."""
 
     backend: ClassVar[str]  # names the backend in recoverable checkpoints (a checkpoint loads only into it)
+    supports_prefix_sharing: ClassVar[bool] = True  # its _forward_logits runs the shared layout (hf_model)
 
     def __init__(self, config: TrainEngineConfig):
         self.config = config
@@ -171,18 +181,50 @@ class BaseTrainEngine(TrainEngine):
         return {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
 
     def _split(self, batch: TensorDict, granularity: int = 1) -> MicroBatches:
-        """Micro-batches of this rank's batch; every DP rank gets the same count."""
+        """Micro-batches of this rank's batch; every DP rank gets the same count.
+
+        With prefix sharing (``config.prefix_sharing``) rows sharing a prefix stay in one
+        micro-batch, budgeted by their shared-layout tokens, and each micro-batch carries its
+        shared layout (see :mod:`tandemrl.engines.prefix_sharing`).
+        """
         spec = self.config.mb_spec
-        groups = plan_padded_batch(batch, spec.n_mbs, spec.max_tokens_per_mb, granularity)
+        segs = self._prefix_segments(batch)
+        if segs is not None:
+            batch = {**batch, **segment_fields(segs, batch["attention_mask"].device)}
+            chunks, tokens = [range(s.start, s.end) for s in segs], [s.tokens for s in segs]
+            plan = functools.partial(plan_chunks, chunks, tokens, max_tokens_per_mb=spec.max_tokens_per_mb)
+        else:
+            plan = functools.partial(
+                plan_padded_batch, batch, max_tokens_per_mb=spec.max_tokens_per_mb, granularity=granularity
+            )
+        groups = plan(spec.n_mbs)
         n = len(groups)
         if dist.is_initialized() and self.data_parallel_world_size > 1:
             t = torch.tensor(n, device=self._reduce_device())
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.data_parallel_group)
             if int(t) > n:
                 # Rebalance this rank's tokens over the larger count before padding with dummies.
-                groups = plan_padded_batch(batch, int(t), spec.max_tokens_per_mb, granularity)
+                groups = plan(int(t))
             n = int(t)
-        return pack_groups(batch, groups, n)
+        mbs = pack_groups(batch, groups, n)
+        if segs is not None:
+            mbs.mbs = [add_shared_layout(mb) for mb in mbs.mbs]
+        return mbs
+
+    def _prefix_segments(self, batch: TensorDict) -> list[Segment] | None:
+        """Prefix-sharing segments of ``batch`` when ``config.prefix_sharing`` turns sharing on for it, else None."""
+        mode = self.config.prefix_sharing
+        if mode not in PREFIX_SHARING_MODES:
+            raise ValueError(f"prefix_sharing: '{mode}' is not one of {', '.join(PREFIX_SHARING_MODES)}")
+        if mode == "off" or (mode == "auto" and not self.supports_prefix_sharing):
+            return None
+        if not self.supports_prefix_sharing:
+            raise ValueError(f"prefix_sharing: the {self.backend} engine does not support 'on'; use 'off' or 'auto'")
+        if self.config.attn_impl != VARLEN_SDPA:
+            if mode == "auto":
+                return None
+            raise ValueError(f"prefix_sharing: 'on' needs attn_impl={VARLEN_SDPA}, got '{self.config.attn_impl}'")
+        return sharing_segments(batch, mode, self.config.mb_spec.max_tokens_per_mb)
 
     @staticmethod
     def _weights(mbs: MicroBatches, loss_weight_fn: LossWeightFn) -> list[float]:

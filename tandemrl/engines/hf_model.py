@@ -15,6 +15,7 @@ import torch
 
 from tandemrl.api.types import SaveLoadMeta, TensorDict
 from tandemrl.configs.engine import TrainEngineConfig
+from tandemrl.engines.prefix_sharing import unshare
 from tandemrl.models.hf import load_hf_config
 from tandemrl.models.varlen_attention import VARLEN_SDPA, register_varlen_attention
 
@@ -64,7 +65,22 @@ def build_hf_model(cfg: TrainEngineConfig, device: torch.device) -> tuple[torch.
 
 
 def packed_logits(model: torch.nn.Module, mb: TensorDict, attn_impl: str) -> torch.Tensor:
-    """Logits [T, V] of one packed micro-batch (a single row with restarting ``position_ids``)."""
+    """Logits [T, V] of one packed micro-batch (a single row with restarting ``position_ids``).
+
+    A micro-batch carrying the prefix-shared layout (``shared_*`` fields) runs that row instead
+    and returns the same [T, V] logits of the unshared packing.
+    """
+    if "shared_index" in mb:  # prefix-shared layout: run the shared row, map the logits back per token
+        if attn_impl != VARLEN_SDPA:
+            raise ValueError(f"prefix_sharing needs attn_impl={VARLEN_SDPA}, got '{attn_impl}'")
+        out = model(
+            input_ids=mb["shared_input_ids"].unsqueeze(0),
+            position_ids=mb["shared_position_ids"].unsqueeze(0),
+            use_cache=False,
+            shared_block_cu=mb["shared_block_cu"],
+            shared_block_prefix=mb["shared_block_prefix"],
+        )
+        return unshare(out.logits.squeeze(0), mb["shared_index"])
     varlen: dict[str, torch.Tensor | int] = {}
     if attn_impl == VARLEN_SDPA:  # sequence boundaries, so attention costs sum(len^2), not T^2
         cu, max_len = mb["cu_seqlens"], int(mb["max_seqlen"])

@@ -117,9 +117,15 @@ def plan_padded_batch(
     bsz = len(lens)
     if bsz % granularity != 0:
         raise ValueError(f"batch size {bsz} is not a multiple of granularity {granularity}")
-    chunk_lens = [sum(lens[i : i + granularity]) for i in range(0, bsz, granularity)]
-    chunk_groups = plan_micro_batches(chunk_lens, n_mbs, max_tokens_per_mb)
-    return [[c * granularity + j for c in g for j in range(granularity)] for g in chunk_groups]
+    chunks = [range(i, i + granularity) for i in range(0, bsz, granularity)]
+    return plan_chunks(chunks, [sum(lens[i] for i in c) for c in chunks], n_mbs, max_tokens_per_mb)
+
+
+def plan_chunks(
+    chunks: Sequence[Sequence[int]], tokens: Sequence[int], n_mbs: int = 1, max_tokens_per_mb: int | None = None
+) -> list[list[int]]:
+    """Sequence indices of each micro-batch when ``chunks`` (index runs of ``tokens`` tokens each) stay whole."""
+    return [[i for c in g for i in chunks[c]] for g in plan_micro_batches(tokens, n_mbs, max_tokens_per_mb)]
 
 
 def pack_groups(batch: TensorDict, groups: list[list[int]], n_total: int | None = None) -> MicroBatches:

@@ -13,6 +13,9 @@ case); every other call (padding masks, KV-cache decoding, sliding-window or cus
 masks) gets the same mask plain ``sdpa`` would, and then runs exactly like ``sdpa``.
 Without ``cu_seq_lens_q``, sequence boundaries come from ``position_ids`` restarts.
 
+With the ``shared_block_cu``/``shared_block_prefix`` kwargs it runs the prefix-shared layout
+of ``tandemrl.engines.prefix_sharing`` instead (a suffix block attends to its prefix block).
+
 Only the live model uses it: the name is not saved in exported HF configs.
 """
 
@@ -37,6 +40,21 @@ def _boundaries_from_positions(position_ids: torch.Tensor | None, n_tokens: int)
     return torch.cat([starts.new_zeros(1), starts, end])
 
 
+def _split_qkv(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lens: list[int], gqa_ok: bool
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], dict[str, bool]]:
+    """q/k/v split at ``lens`` along the token dim, and SDPA's GQA kwarg (k/v heads repeated where it cannot serve)."""
+    groups = query.shape[1] // key.shape[1]
+    gqa = groups > 1 and gqa_ok and key.shape[-1] == value.shape[-1] <= 256
+    if groups > 1 and not gqa:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    # One split per tensor (not a slice per sequence): a slice's backward would zero-fill a
+    # full-size gradient for every sequence, O(n_seqs * T) work; split's backward is one cat.
+    qs, ks, vs = (t.split(lens, dim=2) for t in (query, key, value))
+    return qs, ks, vs, ({"enable_gqa": True} if gqa else {})
+
+
 def _per_sequence_sdpa(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -52,16 +70,8 @@ def _per_sequence_sdpa(
     n_tokens = query.shape[2]
     if bounds[0] != 0 or bounds[-1] != n_tokens or any(b > e for b, e in zip(bounds, bounds[1:], strict=False)):
         raise ValueError(f"cu_seq_lens_q={bounds} must rise from 0 to the micro-batch's {n_tokens} tokens")
-    groups = query.shape[1] // key.shape[1]
-    gqa = groups > 1 and attention_mask is None and key.shape[-1] == value.shape[-1] <= 256
-    if groups > 1 and not gqa:
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
-    extra = {"enable_gqa": True} if gqa else {}
     lens = [e - s for s, e in zip(bounds, bounds[1:], strict=False)]
-    # One split per tensor (not a slice per sequence): a slice's backward would zero-fill a
-    # full-size gradient for every sequence, O(n_seqs * T) work; split's backward is one cat.
-    qs, ks, vs = (t.split(lens, dim=2) for t in (query, key, value))
+    qs, ks, vs, extra = _split_qkv(query, key, value, lens, attention_mask is None)
     outs = []
     for i, (s, e) in enumerate(zip(bounds, bounds[1:], strict=False)):
         if e == s:  # an empty sequence contributes no tokens
@@ -81,6 +91,43 @@ def _per_sequence_sdpa(
             )
         )
     # SDPA returns [1, heads, len, head_dim] views of [1, len, heads, head_dim] memory: join in that layout.
+    return torch.cat([o.transpose(1, 2) for o in outs], dim=1).contiguous()
+
+
+def _prefix_shared_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    block_cu: torch.Tensor,
+    block_prefix: torch.Tensor,
+    dropout: float,
+    scaling: float | None,
+) -> torch.Tensor:
+    """SDPA on a prefix-shared row (see ``tandemrl.engines.prefix_sharing``); output [1, T, heads, head_dim].
+
+    A block with ``block_prefix`` -1 attends causally to itself; a suffix block attends to all
+    of its prefix block and causally to itself (one [len, P + len] mask per suffix).
+    """
+    bounds = [int(b) for b in block_cu.tolist()]
+    parents = [int(p) for p in block_prefix.tolist()]
+    if bounds[0] != 0 or bounds[-1] != query.shape[2] or len(parents) != len(bounds) - 1:
+        raise ValueError(f"shared_block_cu={bounds} must rise from 0 to the row's {query.shape[2]} tokens")
+    lens = [e - s for s, e in zip(bounds, bounds[1:], strict=False)]
+    qs, ks, vs, extra = _split_qkv(query, key, value, lens, False)  # suffix blocks are masked
+    outs = []
+    for b, n in enumerate(lens):
+        if n == 0:
+            continue
+        k, v, mask, p = ks[b], vs[b], None, parents[b]
+        if p >= 0:  # suffix: the whole prefix, then causal over its own tokens
+            k, v = torch.cat([ks[p], k], dim=2), torch.cat([vs[p], v], dim=2)
+            mask = torch.ones(n, lens[p] + n, dtype=torch.bool, device=query.device).tril(diagonal=lens[p])
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        outs.append(
+            sdpa(
+                qs[b], k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=mask is None and n > 1, **extra
+            )
+        )
     return torch.cat([o.transpose(1, 2) for o in outs], dim=1).contiguous()
 
 
@@ -107,6 +154,11 @@ def varlen_sdpa_attention_forward(
         if not torch.equal(cu_seq_lens_k.cpu(), cu_seq_lens_q.cpu()):
             raise ValueError("cu_seq_lens_k must equal cu_seq_lens_q: varlen_sdpa supports self-attention only")
     n_q, n_k = query.shape[2], key.shape[2]
+    block_cu, block_prefix = kwargs.pop("shared_block_cu", None), kwargs.pop("shared_block_prefix", None)
+    if block_cu is not None and block_prefix is not None:
+        if attention_mask is not None or n_q != n_k or query.shape[0] != 1:
+            raise ValueError("shared_block_cu needs one packed row without attention mask or KV cache")
+        return _prefix_shared_sdpa(query, key, value, block_cu, block_prefix, dropout, scaling), None
     cu = cu_seq_lens_q
     if cu is not None and query.shape[0] != 1:
         raise ValueError(f"cu_seq_lens_q needs a packed batch of 1 row, got batch size {query.shape[0]}")

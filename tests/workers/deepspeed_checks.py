@@ -3,8 +3,9 @@
 ``train``: 2 steps with a different micro-batch split per step, HF export + recoverable
 checkpoint, probe logits, weights through ``iter_hf_params`` on every rank, 3 continued
 steps, then a NaN-gradient step; plus bf16 runs (ZeRO-3 with gradient checkpointing), a
-ZeRO-3 critic and forward-only reference engines. ``resume`` (a fresh process): load the
-checkpoint and replay the 3 continued steps, then load another stage's HF export.
+ZeRO-3 critic and forward-only reference engines, and a ZeRO-3 GRPO update with and without
+prefix sharing. ``resume`` (a fresh process): load the checkpoint and replay the 3 continued
+steps, then load another stage's HF export.
 Results go to ``--out`` (rank 0 writes ``<mode>.pt``; every rank writes its own weights).
 """
 
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 from fsdp_checks import PRECISION_LR, make_batch, precision_run, rank_slice
 from ppo_checks import GROUP, make_rollout_batch
+from prefix_checks import shared_vs_unshared
 
 from tandemrl.algorithms.lm import LMEngine
 from tandemrl.algorithms.ppo import PPOActor, PPOCritic
@@ -143,6 +145,7 @@ def train() -> None:
         res[stage] = train_stage(stage)
     res["bf16"] = bf16_runs()
     res["others"] = other_models()
+    res["prefix"] = shared_vs_unshared(DeepSpeedEngine, ARGS.model, deepspeed=DeepSpeedEngineConfig(zero_stage=3))
     if dist.get_rank() == 0:
         torch.save(res, os.path.join(ARGS.out, "train.pt"))
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from prefix_checks import shared_vs_unshared
 
 from tandemrl.algorithms.lm import LMEngine
 from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
@@ -128,7 +129,7 @@ def checkpoint(args: argparse.Namespace) -> None:
 
 
 def variants(args: argparse.Namespace) -> None:
-    """Gradient checkpointing, bf16 mixed precision against fp32 and the NaN-gradient guard."""
+    """Gradient checkpointing, bf16 mixed precision against fp32, the NaN-gradient guard and prefix sharing."""
     init_default_process_group()
     batch = rank_slice(make_batch(400))
     out: dict[str, Any] = {}
@@ -152,6 +153,7 @@ def variants(args: argparse.Namespace) -> None:
         "before": before,
         "after": e.full_state_dict(),
     }
+    out["prefix"] = shared_vs_unshared(FSDPEngine, args.model)
     if dist.get_rank() == 0:
         torch.save(out, os.path.join(args.out, "variants.pt"))
 

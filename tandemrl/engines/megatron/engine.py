@@ -71,6 +71,7 @@ class MegatronEngine(BaseTrainEngine):
     """An HF-architecture causal LM trained as a megatron-core GPTModel."""
 
     backend = "megatron"
+    supports_prefix_sharing = False  # the GPTModel forward takes no per-block attention layout
 
     def __init__(self, config: TrainEngineConfig):
         super().__init__(config)
