@@ -117,6 +117,10 @@ class WeightUpdateMeta:
     inference rank over a process group of ``world_size`` ranks rendezvousing at
     ``group_addr:group_port``.
 
+    ``dtype`` (collective only): cast floating-point tensors to this torch dtype (e.g.
+    "bfloat16", what a bf16 server casts to on load anyway) before sending; None sends the
+    engine's export dtype.
+
     ``delta`` (collective only): "none" broadcasts every bucket whole; "xor" / "sparse" send
     each bucket as its change against the previous update (``tandemrl.inference.weight_delta``),
     with a whole "anchor" update first and then every ``anchor_every`` updates. ``delta_tag``
@@ -133,6 +137,7 @@ class WeightUpdateMeta:
     world_size: int = 0
     comm_backend: str = "nccl"  # process-group backend of the collective ("nccl" or "gloo")
     version: int | None = None
+    dtype: str | None = None
     delta: Literal["none", "xor", "sparse"] = "none"
     anchor_every: int = 10
     delta_tag: str | None = None
@@ -147,6 +152,11 @@ class WeightUpdateMeta:
             raise ValueError(f"WeightUpdateMeta.delta must be 'none', 'xor' or 'sparse', got {self.delta!r}")
         if self.delta != "none" and self.type != "collective":
             raise ValueError(f"WeightUpdateMeta.delta={self.delta!r} needs a 'collective' update, not {self.type!r}")
+        if self.dtype is not None and (self.dtype not in ("bfloat16", "float16", "float32") or self.type == "disk"):
+            raise ValueError(
+                f"WeightUpdateMeta.dtype must be None or bfloat16/float16/float32 on a collective update, "
+                f"got {self.dtype!r} ({self.type})"
+            )
         if self.anchor_every < 1:
             raise ValueError(f"WeightUpdateMeta.anchor_every must be >= 1, got {self.anchor_every}")
         if self.type == "disk" and not self.path:
@@ -187,6 +197,7 @@ class WeightUpdateMeta:
         comm_backend: str | None = None,
         delta: Literal["none", "xor", "sparse"] = "none",
         anchor_every: int = 10,
+        dtype: str | None = None,
     ) -> WeightUpdateMeta:
         """Collective update: 1 trainer head + every inference rank of ``allocation_mode.gen``.
 
@@ -210,6 +221,7 @@ class WeightUpdateMeta:
             comm_backend=comm_backend,
             delta=delta,
             anchor_every=anchor_every,
+            dtype=dtype,
         )
 
 

@@ -55,6 +55,14 @@ class GRPOConfig(BaseExperimentConfig):
         default="collective",
         metadata={"help": "How new weights reach the servers.", "choices": ["collective", "disk"]},
     )
+    weight_update_dtype: str | None = field(
+        default=None,
+        metadata={
+            "help": "Collective updates only: cast floating-point weights to this dtype before sending (bfloat16 "
+            "halves the bytes of an fp32 trainer and is what a bf16 server keeps); null sends them as trained.",
+            "choices": ["bfloat16", "float16", "float32"],
+        },
+    )
     weight_update_delta: str = field(
         default="none",
         metadata={

@@ -196,3 +196,4 @@ def receive_delta_buckets(
                 f"weight delta: bucket {b} ({names.get(kind, kind)}) checksum {got} != trainer's {(c1, c2)}"
             )
         yield from unpack_bucket(base[b], specs)
+    del base[len(buckets) :]  # a new plan may have fewer buckets than the last one

@@ -49,13 +49,17 @@ class WeightReceiver(Protocol):
         ...
 
 
-def bucket_plan(specs: list[ParamSpec], bucket_size_mb: int) -> list[list[ParamSpec]]:
-    """The broadcast buckets of ``specs`` (in order; a decoder layer never splits)."""
-    fake = ((s.name, torch.empty(s.shape, dtype=getattr(torch, s.dtype), device="meta")) for s in specs)
+def bucket_plan(specs: list[ParamSpec], bucket_size_mb: int, dtype: str | None = None) -> list[list[ParamSpec]]:
+    """The broadcast buckets of ``specs`` (in order; a decoder layer never splits), floats sent as ``dtype``."""
+    fake = ((s.name, torch.empty(s.shape, dtype=_send_dtype(to_dtype(s.dtype), dtype), device="meta")) for s in specs)
     return [
         [ParamSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in b]
         for b in split_buckets(fake, bucket_size_mb << 20)
     ]
+
+
+def _send_dtype(exported: torch.dtype, dtype: str | None) -> torch.dtype:
+    return to_dtype(dtype) if dtype is not None and exported.is_floating_point else exported
 
 
 @dataclasses.dataclass
@@ -141,7 +145,7 @@ class WeightPusher:
         buckets without a round trip between them. In delta mode rank 0 keeps the buckets it
         sent; any failure drops them, so the next update is a full anchor.
         """
-        plan = bucket_plan(self.engine.hf_param_specs(), meta.bucket_size_mb)
+        plan = bucket_plan(self.engine.hf_param_specs(), meta.bucket_size_mb, meta.dtype)
         sender = self._is_sender()
         delta = meta.delta != "none"
         anchor = delta and self._delta.anchor_due(plan, meta.anchor_every)
@@ -159,6 +163,8 @@ class WeightPusher:
                 tensors = [next(params) for _ in bucket]
                 if stream is None:
                     continue
+                if meta.dtype is not None:
+                    tensors = [(n, t.to(_send_dtype(t.dtype, meta.dtype))) for n, t in tensors]
                 flat, sent = pack_bucket(tensors)
                 if sent != bucket:  # the servers unpack by the plan: a mismatch would load garbage
                     got = next(f"{a} != {b}" for a, b in zip(sent, bucket, strict=True) if a != b)

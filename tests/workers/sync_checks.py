@@ -9,10 +9,10 @@ Modes (results go to ``--out``, written by rank 0):
   push them with ``RolloutController.push_weights`` (``--sync disk`` or ``collective``) and record the
   server's greedy continuations of ``--prompts`` before and after -> ``update.pt``.
   ``--allocation`` picks the trainer's backend and layout (default ``fsdp:d2``).
-* ``delta``: 5 rounds of (SFT step, collective push in delta mode: xor, xor, xor, sparse,
-  sparse, an anchor every 3), then the server's copy of the last update (sha256 per tensor,
-  ``tandemrl_delta_digest``) and its logprobs, and the same after a whole (``delta="none"``)
-  push of the same weights -> ``delta.pt``.
+* ``delta``: 5 rounds of (SFT step, collective push in delta mode: xor, xor, xor in fp32, then
+  sparse, sparse cast to bf16; an anchor every 3), then the server's copy of the last update
+  (sha256 per tensor, ``tandemrl_delta_digest``) and its logprobs, and the same after a whole
+  fp32 (``delta="none"``) push of the same weights -> ``delta.pt``.
 """
 
 from __future__ import annotations
@@ -246,12 +246,13 @@ def greedy_logprobs(rollout: RemoteVLLMEngine, prompts: list[list[int]]) -> list
     return out
 
 
-def export_digests(engine: TrainEngine) -> dict[str, str]:
-    """Collective: sha256 of each exported tensor's bytes."""
-    return {
-        n: hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
-        for n, t in engine.iter_hf_params()
-    }
+def export_digests(engine: TrainEngine, dtype: torch.dtype) -> dict[str, str]:
+    """Collective: sha256 of each exported tensor's bytes, floats cast to ``dtype``."""
+    out = {}
+    for n, t in engine.iter_hf_params():
+        t = t.to(dtype) if t.is_floating_point() else t
+        out[n] = hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+    return out
 
 
 def delta(args: argparse.Namespace) -> None:
@@ -272,21 +273,22 @@ def delta(args: argparse.Namespace) -> None:
             record["original"] = greedy_logprobs(rollout, prompts)
         batch = memorize_batch(int(engine.model_config.vocab_size), seed=7)
         shard = {k: v[rank::2] for k, v in batch.items()}
-        for kind in ["xor", "xor", "xor", "sparse", "sparse"]:
+        for kind, dtype in [("xor", None)] * 3 + [("sparse", "bfloat16")] * 2:
             LMEngine(engine).train_lm(shard)
-            controller.push_weights(meta=dataclasses.replace(meta, delta=kind))
+            controller.push_weights(meta=dataclasses.replace(meta, delta=kind, dtype=dtype))
             if rank == 0:
                 s = pusher.last_stats
                 assert s is not None
                 record["updates"].append((kind, s.bytes, s.full_bytes, s.changed, s.elements))
-        digests = export_digests(engine)
+        digests = export_digests(engine, torch.bfloat16)
         stats = engine.export_stats()
         if rank == 0:
             record["stats"] = {k: v for k, v in stats.items() if k.startswith("weight_sync/")}
             record["trainer"] = digests
             record["server"] = rollout.http.send_sync(rollout.addresses[0], rpc)["results"][0]
             record["after_delta"] = greedy_logprobs(rollout, prompts)
-        controller.push_weights(meta=dataclasses.replace(meta, delta="none"))  # the same weights, whole
+        # The same weights, whole and in fp32: the bf16 server casts them itself.
+        controller.push_weights(meta=dataclasses.replace(meta, delta="none"))
         if rank == 0:
             record["after_full"] = greedy_logprobs(rollout, prompts)
             record["server_after_full"] = rollout.http.send_sync(rollout.addresses[0], rpc)["results"][0]
