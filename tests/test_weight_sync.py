@@ -106,7 +106,10 @@ def check_update_record(
     flips near-ties of the near-uniform tiny model).
     """
     record = torch.load(out / "update.pt")
-    print(f"{sync} update: {record['update_seconds']:.2f}s, SFT losses {record['losses']}")
+    print(f"{sync} update: {record['update_seconds']:.2f}s, SFT losses {record['losses']}, pusher {record['sync']}")
+    # The pusher's weight_sync/* figures: every exported byte moved (written, or broadcast whole).
+    n_bytes = sum(p.numel() * p.element_size() for p in load_hf(str(out / "exported")).parameters())
+    assert record["sync"]["bytes"] == record["sync"]["full_bytes"] >= n_bytes and record["sync"]["seconds"] > 0
     assert record["losses"][-1] < record["losses"][0], "the SFT steps did not change the model"
     before, after = record["before"], record["after"]
     refs = hf_greedy(load_hf(str(out / "exported")), prompts, len(after[0]))

@@ -216,6 +216,9 @@ def update(args: argparse.Namespace) -> None:
         record["update_seconds"] = time.perf_counter() - start
         record["rank_versions"] = gather_to_rank0((engine.get_version(), rollout.get_version()))
         if rank == 0:
+            s = controller._pusher.last_stats
+            assert s is not None
+            record["sync"] = {"bytes": s.bytes, "full_bytes": s.full_bytes, "seconds": s.seconds}
             record["after"] = greedy_outputs(rollout, prompts)
             record["label_after"] = version_label(rollout)
             record["client_version"] = rollout.get_version()
