@@ -106,7 +106,10 @@ def check_update_record(
     flips near-ties of the near-uniform tiny model).
     """
     record = torch.load(out / "update.pt")
-    print(f"{sync} update: {record['update_seconds']:.2f}s, SFT losses {record['losses']}")
+    print(f"{sync} update: {record['update_seconds']:.2f}s, SFT losses {record['losses']}, pusher {record['sync']}")
+    # The pusher's weight_sync/* figures: every exported byte moved (written, or broadcast whole).
+    n_bytes = sum(p.numel() * p.element_size() for p in load_hf(str(out / "exported")).parameters())
+    assert record["sync"]["bytes"] == record["sync"]["full_bytes"] >= n_bytes and record["sync"]["seconds"] > 0
     assert record["losses"][-1] < record["losses"][0], "the SFT steps did not change the model"
     before, after = record["before"], record["after"]
     refs = hf_greedy(load_hf(str(out / "exported")), prompts, len(after[0]))
@@ -522,3 +525,36 @@ def test_killed_server_mid_rollout_fails_over(vllm_server: VLLMTestServer, big_s
     assert failed_at - killed_at < base["request_timeout"]
     # The session server is untouched.
     assert vllm_server.generate([11, 12, 13], 4).stop_reason == "length"
+
+
+# ------------------------------------------------------------------- 5. delta sync
+
+
+@pytest.mark.slow
+def test_delta_updates_leave_server_bit_identical(
+    vllm_server: VLLMTestServer, tiny_model_dir: str, tmp_path: Path
+) -> None:
+    """5 delta updates (xor in fp32, then sparse cast to bf16; an anchor every 3) after real optimizer steps:
+    the server's copy is the trainer's (cast) export bit for bit, and its model serves exactly what a whole
+    fp32 update of the same weights serves (so the trainer's cast equals the server's own)."""
+    label = weight_label(vllm_server)
+    try:
+        run_worker("delta", tiny_model_dir, vllm_server, tmp_path, "--lr", "1e-5")
+    finally:
+        restore_session_server(vllm_server, label)
+    r = torch.load(tmp_path / "delta.pt")
+    for kind, sent, full, changed, elements in r["updates"]:
+        frac = f"{changed / elements:.3f}" if elements else "-"
+        print(f"{kind}: {sent} of {full} bytes, changed fraction {frac}")
+    updates = r["updates"]
+    anchors = [i for i, u in enumerate(updates) if u[4] == 0]  # nothing compared: sent whole
+    assert anchors == [0, 3], anchors
+    assert all(u[1] < u[2] for i, u in enumerate(updates) if i not in anchors), "a delta moved no fewer bytes"
+    assert all(0 < u[3] <= u[4] for i, u in enumerate(updates) if i not in anchors)
+    server = r["server"]
+    assert server["tag"] is not None and server["tensors"] == r["trainer"]  # sha256 per tensor
+    assert r["after_delta"] == r["after_full"]  # logprobs, exactly
+    assert r["after_delta"] != r["original"]
+    assert r["server_after_full"]["tag"] is None  # a whole update drops the delta copy
+    stats = r["stats"]
+    assert stats["weight_sync/bytes"] > 0 and 0 < stats["weight_sync/changed_fraction"] <= 1, stats

@@ -116,6 +116,16 @@ class WeightUpdateMeta:
     reloads it. "collective": the trainer head (rank 0) broadcasts tensors to every
     inference rank over a process group of ``world_size`` ranks rendezvousing at
     ``group_addr:group_port``.
+
+    ``dtype`` (collective only): cast floating-point tensors to this torch dtype (e.g.
+    "bfloat16", what a bf16 server casts to on load anyway) before sending; None sends the
+    engine's export dtype.
+
+    ``delta`` (collective only): "none" broadcasts every bucket whole; "xor" / "sparse" send
+    each bucket as its change against the previous update (``tandemrl.inference.weight_delta``),
+    with a whole "anchor" update first and then every ``anchor_every`` updates. ``delta_tag``
+    and ``delta_base`` are set per update by the trainer (this update's id and the id the
+    delta applies to; ``delta_base`` None means an anchor).
     """
 
     type: Literal["disk", "collective"]
@@ -127,12 +137,28 @@ class WeightUpdateMeta:
     world_size: int = 0
     comm_backend: str = "nccl"  # process-group backend of the collective ("nccl" or "gloo")
     version: int | None = None
+    dtype: str | None = None
+    delta: Literal["none", "xor", "sparse"] = "none"
+    anchor_every: int = 10
+    delta_tag: str | None = None
+    delta_base: str | None = None
 
     def __post_init__(self) -> None:
         if self.type not in ("disk", "collective"):
             raise ValueError(f"WeightUpdateMeta.type must be 'disk' or 'collective', got {self.type!r}")
         if self.bucket_size_mb <= 0:
             raise ValueError(f"WeightUpdateMeta.bucket_size_mb must be positive, got {self.bucket_size_mb}")
+        if self.delta not in ("none", "xor", "sparse"):
+            raise ValueError(f"WeightUpdateMeta.delta must be 'none', 'xor' or 'sparse', got {self.delta!r}")
+        if self.delta != "none" and self.type != "collective":
+            raise ValueError(f"WeightUpdateMeta.delta={self.delta!r} needs a 'collective' update, not {self.type!r}")
+        if self.dtype is not None and (self.dtype not in ("bfloat16", "float16", "float32") or self.type == "disk"):
+            raise ValueError(
+                f"WeightUpdateMeta.dtype must be None or bfloat16/float16/float32 on a collective update, "
+                f"got {self.dtype!r} ({self.type})"
+            )
+        if self.anchor_every < 1:
+            raise ValueError(f"WeightUpdateMeta.anchor_every must be >= 1, got {self.anchor_every}")
         if self.type == "disk" and not self.path:
             raise ValueError("WeightUpdateMeta.path is required for a 'disk' update")
         if self.type == "collective":
@@ -169,6 +195,9 @@ class WeightUpdateMeta:
         group_name: str = "tandemrl_weight_update",
         bucket_size_mb: int = 512,
         comm_backend: str | None = None,
+        delta: Literal["none", "xor", "sparse"] = "none",
+        anchor_every: int = 10,
+        dtype: str | None = None,
     ) -> WeightUpdateMeta:
         """Collective update: 1 trainer head + every inference rank of ``allocation_mode.gen``.
 
@@ -190,6 +219,9 @@ class WeightUpdateMeta:
             group_name=group_name,
             world_size=1 + gen.world_size,
             comm_backend=comm_backend,
+            delta=delta,
+            anchor_every=anchor_every,
+            dtype=dtype,
         )
 
 

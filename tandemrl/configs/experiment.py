@@ -55,6 +55,27 @@ class GRPOConfig(BaseExperimentConfig):
         default="collective",
         metadata={"help": "How new weights reach the servers.", "choices": ["collective", "disk"]},
     )
+    weight_update_dtype: str | None = field(
+        default=None,
+        metadata={
+            "help": "Collective updates only: cast floating-point weights to this dtype before sending (bfloat16 "
+            "halves the bytes of an fp32 trainer and is what a bf16 server keeps); null sends them as trained.",
+            "choices": ["bfloat16", "float16", "float32"],
+        },
+    )
+    weight_update_delta: str = field(
+        default="none",
+        metadata={
+            "help": "Collective updates only: send each weight bucket whole ('none') or as its change since the "
+            "last update, as a bitmask plus XORed 16-bit words ('xor') or as indices plus new words ('sparse'); "
+            "each bucket is checksummed on the server. See bench/README.md (weight_sync.py) for when it pays.",
+            "choices": ["none", "xor", "sparse"],
+        },
+    )
+    weight_update_anchor_every: int = field(
+        default=10,
+        metadata={"help": "With weight_update_delta: send every N-th update whole (an anchor).", "min": 1},
+    )
     gconfig: GenerationHyperparameters = field(default_factory=GenerationHyperparameters)
     rollout: InferenceEngineConfig = field(default_factory=InferenceEngineConfig)
     actor: PPOActorConfig = field(default_factory=PPOActorConfig)

@@ -165,6 +165,8 @@ class SGLangBackend(TimeoutsMixin):
         """One bucket: SGLang's ``/update_weights_from_distributed`` takes names/dtypes/shapes per call."""
         if meta.type != "collective":
             raise ValueError(f"{self.name}: build_update_from_collective needs a 'collective' WeightUpdateMeta")
+        if meta.delta != "none":
+            raise ValueError(f"{self.name}: weight_update_delta={meta.delta!r} needs the vllm backend (use 'none')")
         check_buckets(buckets, self.name, max_buckets=1)
         (param_specs,) = buckets
         body: dict[str, Any] = {

@@ -179,7 +179,12 @@ class VLLMBackend(TimeoutsMixin):
         if meta.type != "collective":
             raise ValueError(f"{self.name}: build_update_from_collective needs a 'collective' WeightUpdateMeta")
         check_buckets(buckets, self.name)
-        return self._rpc("tandemrl_recv_weights", {"meta_json": buckets_to_json(buckets)})
+        kwargs = {"meta_json": buckets_to_json(buckets)}
+        if meta.delta != "none":  # every bucket comes with a header broadcast (tandemrl.inference.weight_delta)
+            if not meta.delta_tag:
+                raise ValueError(f"{self.name}: a delta update needs WeightUpdateMeta.delta_tag")
+            kwargs.update(delta=meta.delta, tag=meta.delta_tag, base=meta.delta_base or "")
+        return self._rpc("tandemrl_recv_weights", kwargs)
 
     def _rpc(self, method: str, kwargs: dict[str, str]) -> HttpRequest:
         body = {"method": method, "kwargs": kwargs, "timeout": self.update_timeout}

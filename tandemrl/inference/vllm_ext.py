@@ -24,12 +24,14 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from tandemrl.inference.weight_delta import receive_delta_buckets
 from tandemrl.inference.weight_group import (
     DEFAULT_TIMEOUT_S,
     destroy_weight_group,
     join_weight_group,
     parse_buckets_json,
     receive_buckets,
+    unpack_bucket,
 )
 
 if TYPE_CHECKING:
@@ -44,6 +46,9 @@ class TandemWorkerExtension:
     # Every attribute name here must be new to vLLM's Worker (vLLM asserts no clash).
     _tandemrl_pg: Any = None
     _tandemrl_pg_device: Any = None
+    _tandemrl_delta_base: Any = None  # flat buckets of the last delta-mode update (weight_delta)
+    _tandemrl_delta_tag: str | None = None  # that update's id
+    _tandemrl_delta_specs: Any = None  # its buckets' specs
 
     if TYPE_CHECKING:  # provided by the vLLM Worker this class is mixed into
         rank: int
@@ -61,6 +66,7 @@ class TandemWorkerExtension:
             raise FileNotFoundError(f"tandemrl_update_from_disk: no *.safetensors files in {path!r}")
         start = time.perf_counter()
         counter = _Counter(_iter_safetensors(files))
+        self._tandemrl_drop_delta_base()  # a delta must never apply on top of other weights
         self._tandemrl_reload(counter)
         return {"tensors": counter.n, "seconds": round(time.perf_counter() - start, 4)}
 
@@ -91,16 +97,31 @@ class TandemWorkerExtension:
         self._tandemrl_pg_device = "cpu" if backend == "gloo" else self.device
         return {"rank": my_rank, "backend": backend, "seconds": round(time.perf_counter() - start, 4)}
 
-    def tandemrl_recv_weights(self, meta_json: str) -> dict[str, Any]:
-        """Receive the buckets ``meta_json`` lists (one broadcast each) and load them in place."""
+    def tandemrl_recv_weights(
+        self, meta_json: str, delta: str | None = None, tag: str | None = None, base: str | None = None
+    ) -> dict[str, Any]:
+        """Receive the buckets ``meta_json`` lists (one broadcast each) and load them in place.
+
+        With ``delta`` ("xor"/"sparse") every bucket comes as a header and a payload applied to
+        the copy of the update ``base`` (empty: an anchor, every bucket whole); the result is
+        kept as update ``tag``.
+        """
         if self._tandemrl_pg is None:
             raise RuntimeError("tandemrl_recv_weights: call tandemrl_init_weight_group first")
         buckets = parse_buckets_json(meta_json)
         start = time.perf_counter()
-        counter = _Counter(receive_buckets(self._tandemrl_pg, buckets, self._tandemrl_pg_device))
+        if delta:
+            source = self._tandemrl_delta_source(buckets, tag, base)
+        else:
+            self._tandemrl_drop_delta_base()
+            source = receive_buckets(self._tandemrl_pg, buckets, self._tandemrl_pg_device)
+        counter = _Counter(source)
         expected = sum(len(b) for b in buckets)
         try:
             self._tandemrl_reload(counter)
+        except BaseException:
+            self._tandemrl_drop_delta_base()
+            raise
         finally:
             # If loading stopped early (an error, a rejected name), still take every broadcast
             # so the trainer is not left blocked in its next one.
@@ -109,8 +130,46 @@ class TandemWorkerExtension:
                 for _ in counter:
                     pass
         if consumed != expected:
+            self._tandemrl_drop_delta_base()
             raise RuntimeError(f"tandemrl_recv_weights: the model consumed {consumed} of {expected} tensors")
+        if delta:
+            self._tandemrl_delta_tag = tag
         return {"buckets": len(buckets), "tensors": counter.n, "seconds": round(time.perf_counter() - start, 4)}
+
+    def _tandemrl_delta_source(
+        self, buckets: list[list[Any]], tag: str | None, base: str | None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        if not tag:
+            raise ValueError("tandemrl_recv_weights: a delta update needs 'tag'")
+        held = self._tandemrl_delta_tag
+        if base and base != held:
+            self._tandemrl_drop_delta_base()
+            raise RuntimeError(
+                f"tandemrl_recv_weights: the delta applies to update {base!r}, this server holds {held!r}; "
+                "the trainer must send a full anchor"
+            )
+        if self._tandemrl_delta_base is None:
+            self._tandemrl_delta_base = []
+        self._tandemrl_delta_tag = None  # until this update has arrived whole
+        self._tandemrl_delta_specs = buckets
+        return receive_delta_buckets(self._tandemrl_pg, buckets, self._tandemrl_pg_device, self._tandemrl_delta_base)
+
+    def _tandemrl_drop_delta_base(self) -> None:
+        self._tandemrl_delta_base, self._tandemrl_delta_tag = None, None
+
+    def tandemrl_delta_digest(self) -> dict[str, Any]:
+        """sha256 of every tensor of the last delta-mode update, as this worker holds it (for tests)."""
+        import hashlib
+
+        import torch
+
+        if self._tandemrl_delta_base is None or self._tandemrl_delta_tag is None:
+            return {"tag": None, "tensors": {}}
+        digests = {}
+        for flat, specs in zip(self._tandemrl_delta_base, self._tandemrl_delta_specs, strict=True):
+            for name, t in unpack_bucket(flat, specs):
+                digests[name] = hashlib.sha256(t.reshape(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+        return {"tag": self._tandemrl_delta_tag, "tensors": digests}
 
     def _tandemrl_reload(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         """``reload_weights``, leaving the model reloadable if it fails part-way.

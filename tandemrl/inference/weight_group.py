@@ -187,11 +187,15 @@ def pack_bucket(tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[torch.Tens
     if not items:
         raise ValueError("pack_bucket got no tensors")
     specs = [ParamSpec(name, tuple(int(d) for d in t.shape), dtype_name(t.dtype)) for name, t in items]
-    flat = torch.zeros(bucket_nbytes(specs), dtype=torch.uint8, device=items[0][1].device)
+    flat = torch.empty(bucket_nbytes(specs), dtype=torch.uint8, device=items[0][1].device)
+    end = 0
     for (name, t), (offset, n) in zip(items, bucket_layout(specs), strict=True):
         if t.device != flat.device:
             raise ValueError(f"pack_bucket: tensor {name!r} is on {t.device}, the bucket on {flat.device}")
-        flat[offset : offset + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+        flat[end:offset].zero_()  # only the alignment padding: one write per byte, not two
+        flat[offset : offset + n].copy_(t.detach().reshape(-1).view(torch.uint8))
+        end = offset + n
+    flat[end:].zero_()
     return flat, specs
 
 

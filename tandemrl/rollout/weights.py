@@ -7,7 +7,12 @@ collective updates, hosts the weight-update group (its TCP store and port) until
 
 from __future__ import annotations
 
+import dataclasses
+import glob
+import os
 import time
+import uuid
+from collections import deque
 from concurrent.futures import Future
 from typing import Any, Protocol
 
@@ -17,12 +22,19 @@ import torch.distributed as dist
 from tandemrl.api.engine import TrainEngine
 from tandemrl.api.inference import ParamSpec, WeightUpdateMeta
 from tandemrl.api.types import SaveLoadMeta
+from tandemrl.inference import weight_delta
 from tandemrl.inference.weight_group import (
+    bucket_layout,
     create_trainer_weight_group,
     destroy_weight_group,
     pack_bucket,
     split_buckets,
+    to_dtype,
 )
+from tandemrl.utils import stats_tracker
+
+# Broadcasts queued at once: the next bucket is packed (and encoded) while the previous one is on the wire.
+MAX_IN_FLIGHT = 4
 
 
 class WeightReceiver(Protocol):
@@ -37,13 +49,55 @@ class WeightReceiver(Protocol):
         ...
 
 
-def bucket_plan(specs: list[ParamSpec], bucket_size_mb: int) -> list[list[ParamSpec]]:
-    """The broadcast buckets of ``specs`` (in order; a decoder layer never splits)."""
-    fake = ((s.name, torch.empty(s.shape, dtype=getattr(torch, s.dtype), device="meta")) for s in specs)
+def bucket_plan(specs: list[ParamSpec], bucket_size_mb: int, dtype: str | None = None) -> list[list[ParamSpec]]:
+    """The broadcast buckets of ``specs`` (in order; a decoder layer never splits), floats sent as ``dtype``."""
+    fake = ((s.name, torch.empty(s.shape, dtype=_send_dtype(to_dtype(s.dtype), dtype), device="meta")) for s in specs)
     return [
         [ParamSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in b]
         for b in split_buckets(fake, bucket_size_mb << 20)
     ]
+
+
+def _send_dtype(exported: torch.dtype, dtype: str | None) -> torch.dtype:
+    return to_dtype(dtype) if dtype is not None and exported.is_floating_point else exported
+
+
+@dataclasses.dataclass
+class SyncStats:
+    """One push as rank 0 saw it; recorded as ``weight_sync/*`` scalars of the default stats tracker."""
+
+    bytes: int = 0  # sent over the wire (collective: payloads and headers) or written (disk: safetensors)
+    full_bytes: int = 0  # what sending every tensor whole moves
+    seconds: float = 0.0
+    changed: int = 0  # delta updates: elements whose bits changed since the last update
+    elements: int = 0  # ... out of this many compared
+
+    def record(self) -> None:
+        values = {"bytes": self.bytes, "full_bytes": self.full_bytes, "seconds": self.seconds}
+        values["gb_per_s"] = self.full_bytes / max(self.seconds, 1e-9) / 1e9
+        if self.elements:
+            values["changed_fraction"] = self.changed / self.elements
+        stats_tracker.scalar(**{f"weight_sync/{k}": v for k, v in values.items()})
+
+
+class _DeltaState:
+    """The flat buckets rank 0 sent last in delta mode; the servers hold the same copy."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.sent: list[torch.Tensor] = []
+        self.plan: list[list[ParamSpec]] | None = None
+        self.tag: str | None = None
+        self.since_anchor = 0
+
+    def anchor_due(self, plan: list[list[ParamSpec]], anchor_every: int) -> bool:
+        return self.tag is None or plan != self.plan or self.since_anchor + 1 >= anchor_every
+
+    def commit(self, plan: list[list[ParamSpec]], tag: str, anchor: bool) -> None:
+        self.plan, self.tag = plan, tag
+        self.since_anchor = 0 if anchor else self.since_anchor + 1
 
 
 class WeightPusher:
@@ -53,74 +107,112 @@ class WeightPusher:
         self.engine = engine
         self.client = client
         self._weight_group: Any = None
+        self._delta = _DeltaState()
+        self.last_stats: SyncStats | None = None  # rank 0's figures of the last push
 
     def push(self, meta: WeightUpdateMeta) -> None:
         """Install the engine's current weights on every server, labelled ``meta.version``."""
+        stats, start = SyncStats(), time.perf_counter()
         if meta.type == "disk":
-            self._push_disk(meta)
+            self._push_disk(meta, stats)
         elif meta.type == "collective":
-            self._push_collective(meta)
+            self._push_collective(meta, stats)
         else:
             raise ValueError(f"WeightUpdateMeta.type: unknown type '{meta.type}' (disk or collective)")
+        if self._is_sender():
+            stats.seconds = time.perf_counter() - start
+            stats.record()
+            self.last_stats = stats
         dist.barrier()
 
     @staticmethod
     def _is_sender() -> bool:
         return dist.get_rank() == 0
 
-    def _push_disk(self, meta: WeightUpdateMeta) -> None:
+    def _push_disk(self, meta: WeightUpdateMeta, stats: SyncStats) -> None:
         assert meta.path is not None
         self.engine.save(SaveLoadMeta(path=meta.path, weight_format="hf"))
         if self._is_sender():
+            files = glob.glob(os.path.join(meta.path, "*.safetensors"))
+            stats.bytes = stats.full_bytes = sum(os.path.getsize(f) for f in files)
             self.client.update_weights_from_disk(meta).result()
 
-    def _push_collective(self, meta: WeightUpdateMeta) -> None:
+    def _push_collective(self, meta: WeightUpdateMeta, stats: SyncStats) -> None:
         """Plan the buckets, start the servers' receive of the WHOLE plan, then broadcast bucket by bucket.
 
         The servers learn every bucket's specs up front (vLLM: in one RPC per server) and
         receive the broadcasts in plan order inside that call, so the trainer streams the
-        buckets without a round trip between them.
+        buckets without a round trip between them. In delta mode rank 0 keeps the buckets it
+        sent; any failure drops them, so the next update is a full anchor.
         """
-        plan = bucket_plan(self.engine.hf_param_specs(), meta.bucket_size_mb)
+        plan = bucket_plan(self.engine.hf_param_specs(), meta.bucket_size_mb, meta.dtype)
         sender = self._is_sender()
-        future = None
-        if sender:
-            if self._weight_group is None:
-                joined = self.client.init_weights_update_group(meta)
-                self._weight_group = create_trainer_weight_group(
-                    meta.group_addr, meta.group_port, meta.world_size, meta.comm_backend
-                )
-                joined.result()
-            future = self.client.update_weights_from_distributed(meta, plan)
-        params = self.engine.iter_hf_params()
-        for bucket in plan:
-            tensors = [next(params) for _ in bucket]
+        delta = meta.delta != "none"
+        anchor = delta and self._delta.anchor_due(plan, meta.anchor_every)
+        if delta and sender:
+            meta = dataclasses.replace(meta, delta_tag=uuid.uuid4().hex, delta_base=None if anchor else self._delta.tag)
+            if anchor:
+                self._delta.sent = []  # freed before the new copy is built
+        stream = None
+        try:
             if sender:
+                self._join_group(meta)
+                stream = _Broadcasts(self, self.client.update_weights_from_distributed(meta, plan))
+            params = self.engine.iter_hf_params()
+            for b, bucket in enumerate(plan):
+                tensors = [next(params) for _ in bucket]
+                if stream is None:
+                    continue
+                if meta.dtype is not None:
+                    tensors = [(n, t.to(_send_dtype(t.dtype, meta.dtype))) for n, t in tensors]
                 flat, sent = pack_bucket(tensors)
                 if sent != bucket:  # the servers unpack by the plan: a mismatch would load garbage
                     got = next(f"{a} != {b}" for a, b in zip(sent, bucket, strict=True) if a != b)
                     raise RuntimeError(f"push_weights: iter_hf_params disagrees with hf_param_specs: {got}")
-                self._broadcast(flat.to(self._comm_device(meta)), future)
-        if future is not None:
-            future.result()
+                flat = flat.to(self._comm_device(meta))
+                stats.full_bytes += flat.numel()
+                if delta:
+                    self._send_delta(b, bucket, flat, weight_delta.KINDS[meta.delta], stream, stats)
+                else:
+                    stream.send(flat)
+                    stats.bytes += flat.numel()
+            if stream is not None:
+                stream.finish()
+        except BaseException:
+            self._delta.reset()
+            raise
+        if delta and sender:
+            assert meta.delta_tag is not None
+            self._delta.commit(plan, meta.delta_tag, anchor)
 
-    def _broadcast(self, flat: torch.Tensor, servers: Future[None] | None) -> None:
-        """Broadcast one bucket; fail at once (not after the group timeout) if the servers gave up.
+    def _send_delta(
+        self, b: int, specs: list[ParamSpec], flat: torch.Tensor, kind: int, stream: _Broadcasts, stats: SyncStats
+    ) -> None:
+        """Header and payload of bucket ``b``: its change against the last-sent copy, or whole if smaller."""
+        payload, used = flat, weight_delta.FULL
+        if b < len(self._delta.sent):
+            base = self._delta.sent[b]
+            sizes = [(o, n, to_dtype(s.dtype).itemsize) for s, (o, n) in zip(specs, bucket_layout(specs), strict=True)]
+            stats.changed += weight_delta.changed_elements(flat, base, sizes)
+            stats.elements += sum(n // size for _, n, size in sizes)
+            encoded = weight_delta.encode(kind, flat, base)
+            if encoded.numel() < flat.numel():
+                payload, used = encoded, kind
+            self._delta.sent[b] = flat
+        else:
+            self._delta.sent.append(flat)
+        head = weight_delta.header(used, payload.numel(), weight_delta.checksum(flat), flat.device)
+        stream.send(head)
+        stream.send(payload)
+        stats.bytes += head.numel() * head.element_size() + payload.numel()
 
-        A server that rejects a weight (vLLM: a name its model lacks) still takes the rest of
-        the update's broadcasts before its receive request fails, so ``future.result()`` reports
-        it right after the last bucket. A request that fails before receiving everything (the
-        server died or refused the call; or a per-bucket backend that stops sending requests)
-        never joins the next broadcast: waiting on it would block until the group's timeout.
-        """
-        work = self._weight_group.broadcast(flat, 0)
-        while not work.is_completed():
-            failed = servers.exception() if servers is not None and servers.done() else None
-            if failed is not None:
-                self._weight_group = None  # the group is unusable now; the next update builds a new one
-                raise failed
-            time.sleep(0.002)
-        work.wait()
+    def _join_group(self, meta: WeightUpdateMeta) -> None:
+        if self._weight_group is None:
+            joined = self.client.init_weights_update_group(meta)
+            self._weight_group = create_trainer_weight_group(
+                meta.group_addr, meta.group_port, meta.world_size, meta.comm_backend
+            )
+            joined.result()
 
     def _comm_device(self, meta: WeightUpdateMeta) -> torch.device:
         return self.engine.device if meta.comm_backend == "nccl" else torch.device("cpu")
@@ -129,3 +221,38 @@ class WeightPusher:
         """Close the weight-update group (rank 0 frees its store and port); the next push opens a new one."""
         group, self._weight_group = self._weight_group, None
         destroy_weight_group(group)
+        self._delta.reset()  # the servers' copies belong to that group's updates
+
+
+class _Broadcasts:
+    """Rank 0's broadcasts of one update, up to ``MAX_IN_FLIGHT`` queued; fails at once if the servers gave up.
+
+    A server that rejects a weight (vLLM: a name its model lacks) still takes the rest of
+    the update's broadcasts before its receive request fails, so ``finish`` reports it right
+    after the last bucket. A request that fails before receiving everything (the server died
+    or refused the call; a bad delta base; or a per-bucket backend that stops sending
+    requests) never joins the next broadcast: waiting on it would block until the group's timeout.
+    """
+
+    def __init__(self, pusher: WeightPusher, servers: Future[None]) -> None:
+        self.pusher, self.servers = pusher, servers
+        self.pending: deque[tuple[Any, torch.Tensor]] = deque()
+
+    def send(self, t: torch.Tensor) -> None:
+        self.pending.append((self.pusher._weight_group.broadcast(t, 0), t))  # t stays alive until sent
+        while len(self.pending) > MAX_IN_FLIGHT:
+            self._wait(self.pending.popleft()[0])
+
+    def finish(self) -> None:
+        while self.pending:
+            self._wait(self.pending.popleft()[0])
+        self.servers.result()
+
+    def _wait(self, work: Any) -> None:
+        while not work.is_completed():
+            failed = self.servers.exception() if self.servers.done() else None
+            if failed is not None:
+                self.pusher._weight_group = None  # the group is unusable now; the next update builds a new one
+                raise failed
+            time.sleep(0.002)
+        work.wait()

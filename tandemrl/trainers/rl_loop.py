@@ -74,10 +74,17 @@ EVAL_STATS = "eval-rollout"
 def weight_update_meta(config: GRPOConfig, alloc: AllocationMode) -> WeightUpdateMeta:
     """Rank 0 picks the rendezvous address/port; every rank gets the same meta."""
     if config.weight_update_mode == "disk":
+        for key in ("weight_update_delta", "weight_update_dtype"):
+            if getattr(config, key) not in (None, "none"):
+                raise ValueError(f"{key}={getattr(config, key)!r} needs weight_update_mode=collective (got disk)")
         meta = WeightUpdateMeta.from_disk(config.cluster.fileroot, config.experiment_name, config.trial_name)
     else:
         meta = WeightUpdateMeta.from_fsdp_collective(
-            alloc, group_addr="127.0.0.1" if config.cluster.n_nodes == 1 else None
+            alloc,
+            group_addr="127.0.0.1" if config.cluster.n_nodes == 1 else None,
+            delta=cast(Any, config.weight_update_delta),
+            anchor_every=config.weight_update_anchor_every,
+            dtype=config.weight_update_dtype,
         )
     box = [meta]
     dist.broadcast_object_list(box, src=0)

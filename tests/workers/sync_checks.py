@@ -9,12 +9,18 @@ Modes (results go to ``--out``, written by rank 0):
   push them with ``RolloutController.push_weights`` (``--sync disk`` or ``collective``) and record the
   server's greedy continuations of ``--prompts`` before and after -> ``update.pt``.
   ``--allocation`` picks the trainer's backend and layout (default ``fsdp:d2``).
+* ``delta``: 5 rounds of (SFT step, collective push in delta mode: xor, xor, xor in fp32, then
+  sparse, sparse cast to bf16; an anchor every 3), then the server's copy of the last update
+  (sha256 per tensor, ``tandemrl_delta_digest``) and its logprobs, and the same after a whole
+  fp32 (``delta="none"``) push of the same weights -> ``delta.pt``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import hashlib
 import json
 import os
 import time
@@ -210,6 +216,9 @@ def update(args: argparse.Namespace) -> None:
         record["update_seconds"] = time.perf_counter() - start
         record["rank_versions"] = gather_to_rank0((engine.get_version(), rollout.get_version()))
         if rank == 0:
+            s = controller._pusher.last_stats
+            assert s is not None
+            record["sync"] = {"bytes": s.bytes, "full_bytes": s.full_bytes, "seconds": s.seconds}
             record["after"] = greedy_outputs(rollout, prompts)
             record["label_after"] = version_label(rollout)
             record["client_version"] = rollout.get_version()
@@ -227,9 +236,76 @@ def update(args: argparse.Namespace) -> None:
         torch.save(record, os.path.join(args.out, "update.pt"))
 
 
+# ------------------------------------------------------------------------------ delta
+
+
+def greedy_logprobs(rollout: RemoteVLLMEngine, prompts: list[list[int]]) -> list[list[float]]:
+    """Greedy continuations' logprobs, one request at a time (the same batch shape every call)."""
+    out = []
+    for i, p in enumerate(prompts):
+        req = ModelRequest(rid=f"lp-{i}", input_ids=list(p), metadata={"ignore_eos": True})
+        req.gconfig = req.gconfig.new(greedy=True, max_new_tokens=GREEDY_TOKENS)
+        out.append(generate(rollout, [req])[0].output_logprobs)
+    return out
+
+
+def export_digests(engine: TrainEngine, dtype: torch.dtype) -> dict[str, str]:
+    """Collective: sha256 of each exported tensor's bytes, floats cast to ``dtype``."""
+    out = {}
+    for n, t in engine.iter_hf_params():
+        t = t.to(dtype) if t.is_floating_point() else t
+        out[n] = hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+    return out
+
+
+def delta(args: argparse.Namespace) -> None:
+    engine = make_engine(args.model, lr=args.lr)
+    rollout = make_rollout(args.addr)
+    rank = dist.get_rank()
+    prompts = [[5 + i, 17, 42, 99, 7 + 3 * i] for i in range(4)]
+    meta = WeightUpdateMeta.from_fsdp_collective(
+        AllocationMode.from_str("vllm:d1+fsdp:d2"), group_addr="127.0.0.1", comm_backend="gloo",
+        bucket_size_mb=1, delta="xor", anchor_every=3,
+    )  # fmt: skip
+    controller = RolloutController(rollout, engine, rollout.config, meta)
+    pusher = controller._pusher
+    record: dict[str, Any] = {"updates": []}
+    rpc = HttpRequest("POST", "/collective_rpc", {"method": "tandemrl_delta_digest"}, 120.0)
+    try:
+        if rank == 0:
+            record["original"] = greedy_logprobs(rollout, prompts)
+        batch = memorize_batch(int(engine.model_config.vocab_size), seed=7)
+        shard = {k: v[rank::2] for k, v in batch.items()}
+        for kind, dtype in [("xor", None)] * 3 + [("sparse", "bfloat16")] * 2:
+            LMEngine(engine).train_lm(shard)
+            controller.push_weights(meta=dataclasses.replace(meta, delta=kind, dtype=dtype))
+            if rank == 0:
+                s = pusher.last_stats
+                assert s is not None
+                record["updates"].append((kind, s.bytes, s.full_bytes, s.changed, s.elements))
+        digests = export_digests(engine, torch.bfloat16)
+        stats = engine.export_stats()
+        if rank == 0:
+            record["stats"] = {k: v for k, v in stats.items() if k.startswith("weight_sync/")}
+            record["trainer"] = digests
+            record["server"] = rollout.http.send_sync(rollout.addresses[0], rpc)["results"][0]
+            record["after_delta"] = greedy_logprobs(rollout, prompts)
+        # The same weights, whole and in fp32: the bf16 server casts them itself.
+        controller.push_weights(meta=dataclasses.replace(meta, delta="none"))
+        if rank == 0:
+            record["after_full"] = greedy_logprobs(rollout, prompts)
+            record["server_after_full"] = rollout.http.send_sync(rollout.addresses[0], rpc)["results"][0]
+        dist.barrier()
+    finally:
+        controller.destroy()
+        rollout.destroy()
+    if rank == 0:
+        torch.save(record, os.path.join(args.out, "delta.pt"))
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["logprobs", "update"])
+    p.add_argument("mode", choices=["logprobs", "update", "delta"])
     p.add_argument("--model", required=True)
     p.add_argument("--addr", required=True, help="host:port of the vLLM server")
     p.add_argument("--out", required=True)
@@ -243,5 +319,5 @@ if __name__ == "__main__":
     p.add_argument("--bucket-mb", type=int, default=8)
     p.add_argument("--allocation", default="fsdp:d2", help="training allocation of the update mode's engine")
     a = p.parse_args()
-    {"logprobs": logprobs, "update": update}[a.mode](a)
+    {"logprobs": logprobs, "update": update, "delta": delta}[a.mode](a)
     destroy_process_groups()
