@@ -135,12 +135,17 @@ def _check_no_waste_and_profile(stats: dict[str, list[float]], trainer_log: Path
     phases += [f"actor/ppo_actor/update/{p}" for p in ("fwd_bwd", "optimizer_step")]
     for phase in phases:
         assert len(stats[f"timeperf/{phase}"]) == 2 and min(stats[f"timeperf/{phase}"]) >= 0.0, (trial, phase)
+    # The servers' busy time: the first step waited for its whole batch to be generated.
+    busy = stats["rollout/timeperf/server_busy"]
+    assert len(busy) == 2 and busy[0] > 0.0 and min(busy) >= 0.0, (trial, busy)
     split = [line for line in trainer_log.read_text().splitlines() if "grpo time split: " in line]
     assert len(split) == 1, (trial, split)
     for label in ("rollout wait (trainer idle) ", "fwd+bwd ", "optimizer ", "weight sync ", "save/eval ", "other "):
         assert label in split[0], (trial, split[0])
-    shares = [int(part.rsplit(" ", 1)[1].rstrip("%")) for part in split[0].split("time split: ")[1].split(" | ")]
+    trainer_part, server_part = split[0].split("time split: ")[1].split("; server idle ")
+    shares = [int(part.rsplit(" ", 1)[1].rstrip("%")) for part in trainer_part.split(" | ")]
     assert abs(sum(shares) - 100) <= len(shares), (trial, split[0])  # shares of the steps' time, rounded
+    assert 0 <= int(server_part.rstrip("%")) < 100, (trial, split[0])
 
 
 def _grpo_dp2(

@@ -45,5 +45,29 @@ def test_phases_add_up_over_steps_calls_and_ranks() -> None:
         "time split: rollout wait (trainer idle) 20% | recompute 5% | fwd+bwd 23% | weight sync 2% "
         "| save/eval 2% | other 47%"
     )
+    # The servers' busy time (the rollout tracker's) is not a trainer phase: the line ends with their idle share.
+    add_step_timings(totals, {"rollout/timeperf/server_busy": 5.0, "rollout/timeperf/server_busy__count": 2.0}, 2)
+    assert totals["server_busy"] == pytest.approx(5.0)
+    assert format_time_split(totals) == line + "; server idle 75%"
     # Without step timings the phases are the whole.
     assert format_time_split({"fwd+bwd": 3.0, "optimizer": 1.0}) == "time split: fwd+bwd 75% | optimizer 25% | other 0%"
+
+
+def test_busy_clock_counts_overlapping_requests_once() -> None:
+    from tandemrl.inference.busy import BusyClock
+
+    now = [0.0]
+    clock = BusyClock(clock=lambda: now[0])
+    with clock.running():  # 0 .. 3
+        now[0] = 1.0
+        with clock.running():  # 1 .. 2, inside the first
+            now[0] = 2.0
+        now[0] = 3.0
+    now[0] = 10.0  # idle 3 .. 10
+    assert clock.take() == pytest.approx(3.0)
+    with clock.running():  # open across a take: each take counts up to its own time
+        now[0] = 12.0
+        assert clock.take() == pytest.approx(2.0)
+        now[0] = 13.0
+    assert clock.take() == pytest.approx(1.0)
+    assert clock.take() == 0.0

@@ -34,6 +34,7 @@ from collections import OrderedDict
 from tandemrl.api.backend import InferenceBackend
 from tandemrl.api.inference import HttpRequest, ModelRequest, ModelResponse, ParamSpec, StopReason, WeightUpdateMeta
 from tandemrl.configs.rollout import InferenceEngineConfig
+from tandemrl.inference.busy import BusyClock
 from tandemrl.inference.http import HttpClient, InferenceServerError, shared_client
 
 logger = logging.getLogger(__name__)
@@ -150,6 +151,7 @@ class RemoteInfEngine:
         self._user_paused = False  # pause_generation() without continue_generation()
         self._updates_running = 0  # weight updates holding the servers paused
         self._sleep_level: int | None = None  # set between sleep() and wake_up()
+        self._busy = BusyClock()  # time with a generate request of this client in flight
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -242,6 +244,10 @@ class RemoteInfEngine:
         with self._state_lock:
             return self._user_paused or self._updates_running > 0
 
+    def take_busy_seconds(self) -> float:
+        """Seconds with at least one of this client's generate requests in flight since the last call."""
+        return self._busy.take()
+
     async def _wait_until_generating(self) -> None:
         while self.generation_paused():
             await asyncio.sleep(self.pause_poll_interval)
@@ -276,9 +282,10 @@ class RemoteInfEngine:
             version = self.get_version()
             call = self.backend.build_generate(req, tokens, remaining, version)
             try:
-                payload = await self.http.send(
-                    addr, call, retries=self.config.request_retries, backoff=self.config.request_backoff
-                )
+                with self._busy.running():
+                    payload = await self.http.send(
+                        addr, call, retries=self.config.request_retries, backoff=self.config.request_backoff
+                    )
             except InferenceServerError as e:
                 if not e.retryable:
                     raise

@@ -28,6 +28,7 @@ from tandemrl.configs.rollout import InferenceEngineConfig
 from tandemrl.rollout.distributed import collect
 from tandemrl.rollout.executor import ShouldAcceptFn, WorkflowExecutor
 from tandemrl.rollout.weights import WeightPusher, WeightReceiver
+from tandemrl.utils import stats_tracker
 
 # Evaluation trains on nothing it generates, so no staleness bound applies to it.
 UNBOUNDED_STALENESS = 10**6
@@ -37,6 +38,10 @@ class InferenceClient(GenerationEngine, WeightReceiver, Protocol):
     """What the controller needs of an inference client (``RemoteInfEngine`` implements it)."""
 
     def set_version(self, version: int) -> None: ...
+
+    def take_busy_seconds(self) -> float:
+        """Seconds with at least one generate request in flight since the last call."""
+        ...
 
 
 class RolloutController:
@@ -178,7 +183,12 @@ class RolloutController:
         self._executor.replay_first(rows)
 
     def export_stats(self, reduce_group: Any = None) -> dict[str, float]:
-        """Rollout statistics of every executor (training, then evaluation), reduced over ``reduce_group``."""
+        """Rollout statistics of every executor (training, then evaluation), reduced over ``reduce_group``.
+
+        Includes ``<stats_name>/timeperf/server_busy``: seconds since the last call during which
+        this rank had a generate request in flight (mean over ranks), for the servers' idle share.
+        """
+        stats_tracker.get(self.config.stats_name).scalar(**{"timeperf/server_busy": self.client.take_busy_seconds()})
         stats: dict[str, float] = {}
         for executor in self._executors():
             stats.update(executor.export_stats(reduce_group=reduce_group))

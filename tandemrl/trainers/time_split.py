@@ -4,6 +4,10 @@ Phases are matched by the last part of a timing key, whatever its scope (``timep
 ``timeperf/actor/ppo_actor/update/fwd_bwd``, ``timeperf/critic/ppo_critic/fwd_bwd`` ...). Shares are
 of ``timeperf/step`` (the whole step), averaged over ranks like the phases; timings not named here
 (``train_step``) contain phases and are not counted again.
+
+The servers' side: ``server_busy`` (the rollout controller's ``<stats_name>/timeperf/server_busy``,
+seconds with a generate request in flight) overlaps the trainer's phases when rollout is
+asynchronous, so it is not a phase; the line ends with the servers' idle share of the steps' time.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ PHASES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("save/eval", ("save", "eval", "recover")),
 )
 STEP = "step"  # the whole step; the denominator of the shares
-_LABEL = {name: label for label, names in PHASES for name in names} | {STEP: STEP}
+SERVER_BUSY = "server_busy"  # not a phase of the trainer: see the module docstring
+_LABEL = {name: label for label, names in PHASES for name in names} | {STEP: STEP, SERVER_BUSY: SERVER_BUSY}
 _PREFIX = "timeperf/"
 _COUNT = "__count"
 
@@ -31,7 +36,7 @@ def add_step_timings(totals: dict[str, float], stats: dict[str, float], n_ranks:
     An exported timing is the mean over its calls on ``n_ranks`` ranks, with ``key__count`` calls.
     """
     for key, mean in stats.items():
-        if not key.startswith(_PREFIX) or key.endswith(_COUNT):
+        if not (key.startswith(_PREFIX) or f"/{_PREFIX}" in key) or key.endswith(_COUNT):
             continue
         label = _LABEL.get(key.rsplit("/", 1)[-1])
         if label is not None:
@@ -40,10 +45,14 @@ def add_step_timings(totals: dict[str, float], stats: dict[str, float], n_ranks:
 
 
 def format_time_split(totals: dict[str, float]) -> str:
-    """``time split: rollout wait (trainer idle) 12% | recompute 20% | ... | other 3%`` of the steps' time."""
-    phases = sum(v for k, v in totals.items() if k != STEP)
+    """``time split: rollout wait (trainer idle) 12% | ... | other 3%; server idle 70%`` of the steps' time."""
+    phases = sum(v for k, v in totals.items() if k not in (STEP, SERVER_BUSY))
     seconds = max(totals.get(STEP, phases), 1e-9)
     parts = [f"{label} {100 * totals[label] / seconds:.0f}%" for label, _ in PHASES if label in totals]
     other = max(0.0, seconds - phases)
     parts.append(f"other {100 * other / seconds:.0f}%")
-    return "time split: " + " | ".join(parts)
+    line = "time split: " + " | ".join(parts)
+    if SERVER_BUSY in totals:
+        idle = max(0.0, seconds - totals[SERVER_BUSY])
+        line += f"; server idle {100 * idle / seconds:.0f}%"
+    return line
