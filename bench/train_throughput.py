@@ -13,6 +13,9 @@ hits both alike. Both engines start from the same weights and see the same batch
 their losses should agree; the largest gap is printed as a check that the baseline
 computes the same masked next-token loss.
 
+Every method also gets its MFU: the step's matmul FLOPs over the bf16 matmul peak all ranks
+measure together in the same run (``bench/mfu.py``).
+
 Figures are printed, never asserted. Rank 0 prints.
 
     OMP_NUM_THREADS=2 python bench/train_throughput.py
@@ -47,6 +50,11 @@ from tandemrl.engines.fsdp import FSDPEngine
 from tandemrl.engines.registry import make_engine
 from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.models.functional import gather_logprobs
+
+try:  # run as a script (python bench/train_throughput.py): bench/ is on sys.path
+    from mfu import bf16_peak_flops, matmul_params, train_flops
+except ImportError:  # imported as bench.train_throughput
+    from bench.mfu import bf16_peak_flops, matmul_params, train_flops
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO_ROOT.parent / "shared" / "data" / "gsm8k"
@@ -107,6 +115,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="padding: packed vs right-padded (fsdp); precision: fp32 vs bf16 compute, both packed.",
     )
     ap.add_argument("--backend", choices=["fsdp", "deepspeed", "megatron"], default="fsdp")
+    ap.add_argument(
+        "--dtype",
+        choices=["bfloat16", "fp32"],
+        default="bfloat16",
+        help="--compare padding: compute dtype of both engines (bf16 over fp32 master weights, or fp32).",
+    )
     a = ap.parse_args(argv)
     if a.compare == "padding" and a.backend != "fsdp":
         ap.error("--compare padding measures the FSDP engine only; use --backend fsdp")
@@ -196,7 +210,8 @@ def build_methods(model: str, a: argparse.Namespace, n_steps: int) -> dict[str, 
             "fp32": LMEngine(build_engine(model, a, n_steps, mixed_precision=None)),
             "bf16": LMEngine(build_engine(model, a, n_steps, mixed_precision="bfloat16")),
         }
-    packed, padded = (build_engine(model, a, n_steps, mixed_precision=None) for _ in range(2))
+    precision = None if a.dtype == "fp32" else a.dtype
+    packed, padded = (build_engine(model, a, n_steps, mixed_precision=precision) for _ in range(2))
     return {"packed": LMEngine(packed), "padded": PaddedLM(padded)}
 
 
@@ -259,10 +274,20 @@ def run(a: argparse.Namespace) -> None:
     timed = batches[a.warmup :]
     real = global_sum(sum(int(b["attention_mask"].sum()) for b in timed))
     slots = global_sum(sum(b["attention_mask"].numel() for b in timed))
-    lens = torch.tensor(all_lengths(timed), dtype=torch.float32)
+    lengths = all_lengths(timed)
+    lens = torch.tensor(lengths, dtype=torch.float32)
     first = methods[order[0]].engine
+    peak = bf16_peak_flops(first.device)
     if rank == 0:
+        cfg = first.model_config
+        attn_dim = cfg.num_attention_heads * getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
+        n_mm = matmul_params(cfg, n_parameters(first))
+        flops = train_flops(n_mm, lengths, cfg.num_hidden_layers, attn_dim)
         report(a, model, first, timings, real, slots, lens, world)
+        print(f"\nbf16 matmul peak (all ranks, measured now): {peak / 1e12:.3f} TFLOP/s")
+        for name, t in timings.items():
+            achieved = flops / max(t.seconds, 1e-9)
+            print(f"MFU {name}: {achieved / 1e12:.3f} TFLOP/s = {100 * achieved / peak:.1f}% of the bf16 peak")
 
 
 def n_parameters(engine: BaseTrainEngine) -> int:
