@@ -1,8 +1,10 @@
 """Checks of a whole experiment config, beyond what one field's type, ``choices`` or ``min`` can say.
 
 ``first_problem(config)`` finds values that are each valid but do not fit together (a batch that
-does not split over the data-parallel ranks or into whole groups); ``load_config`` reports it as
-one line naming the key and where it was set.
+does not split over the data-parallel ranks, into whole groups or micro-batches; group statistics
+over one sample; async training that cannot overlap; stale samples nothing corrects; truncated
+sampling whose ratios would be biased); ``load_config`` reports it as one line naming the key and
+where it was set. The list is in README.md (Config guards).
 
 ``check_inputs(config)`` looks at what a config points to: model directories and dataset files.
 The launchers run it before starting any server or trainer, by running the training script with
@@ -17,6 +19,7 @@ import os
 from typing import Any
 
 from tandemrl.configs.data import DatasetConfig
+from tandemrl.configs.experiment import async_enabled
 from tandemrl.configs.ppo import PPOActorConfig, PPOCriticConfig
 from tandemrl.configs.rollout import GenerationHyperparameters
 
@@ -87,7 +90,11 @@ def _groups_fit(config: Any, dp: int) -> Problem | None:
         if not isinstance(cfg, (PPOActorConfig, PPOCriticConfig)):
             continue
         if isinstance(cfg, PPOActorConfig) and cfg.group_size == 1 and "group" in _norm_levels(cfg):
-            return f"{key}.group_size", "must be > 1 when adv_norm uses group-level statistics (level: group)"
+            return (
+                f"{key}.group_size",
+                f"must be > 1 when {key}.adv_norm.mean_level or std_level is 'group' (statistics over a group "
+                "of one sample: its advantage is 0 or its std undefined); set it to gconfig.n_samples",
+            )
         if per_rank % cfg.group_size:
             return (
                 f"{key}.group_size",
@@ -104,13 +111,54 @@ def _groups_fit(config: Any, dp: int) -> Problem | None:
     return None
 
 
+def _samples_fill_a_batch(config: Any) -> Problem | None:
+    """With drop_last, fewer rows than one batch leave no batch at all."""
+    for key in _DATASET_KEYS:
+        ds = getattr(config, key, None)
+        if isinstance(ds, DatasetConfig) and ds.drop_last and ds.max_samples is not None:
+            if ds.max_samples < ds.batch_size:
+                return (
+                    f"{key}.max_samples",
+                    f"must be at least {key}.batch_size={ds.batch_size} when {key}.drop_last is true "
+                    f"(no whole batch would remain), got {ds.max_samples}",
+                )
+    return None
+
+
+# Train engine configs whose micro-batches hold the training sequences.
+_ENGINE_KEYS = ("actor.engine", "critic.engine", "ref", "model")
+
+
+def _micro_batches_fit(config: Any) -> Problem | None:
+    """A token budget per micro-batch must hold the longest sequence the data and sampler allow."""
+    train = getattr(config, "train_dataset", None)
+    if not isinstance(train, DatasetConfig) or train.max_length is None:
+        return None
+    longest, why = train.max_length, f"train_dataset.max_length={train.max_length}"
+    gconfig = getattr(config, "gconfig", None)
+    if train.type == "rl" and isinstance(gconfig, GenerationHyperparameters):
+        longest += gconfig.max_new_tokens
+        why += f" + gconfig.max_new_tokens={gconfig.max_new_tokens}"
+    for key in _ENGINE_KEYS:
+        engine = config
+        for part in key.split("."):
+            engine = getattr(engine, part, None)
+        budget = getattr(getattr(engine, "mb_spec", None), "max_tokens_per_mb", None)
+        if isinstance(budget, int) and budget < longest:
+            return (
+                f"{key}.mb_spec.max_tokens_per_mb",
+                f"must hold one whole sequence of up to {longest} tokens ({why}), got {budget}",
+            )
+    return None
+
+
 def _norm_levels(cfg: PPOActorConfig) -> tuple[str, str]:
     return cfg.adv_norm.mean_level, cfg.adv_norm.std_level
 
 
 def _turns_fit(config: Any) -> Problem | None:
     """Colocated servers and trainer take turns, so they cannot overlap (async)."""
-    if getattr(config, "async_training", False) is not True:
+    if not async_enabled(config):
         return None
     from tandemrl.api.allocation import AllocationMode
 
@@ -124,9 +172,89 @@ def _turns_fit(config: Any) -> Problem | None:
     return None
 
 
+def _staleness(config: Any) -> int | None:
+    """Versions a sample may lag the trainer when training is async, else None (sync or not RL)."""
+    if not async_enabled(config):
+        return None
+    return getattr(getattr(config, "rollout", None), "max_head_offpolicyness", None)
+
+
+def _async_overlaps(config: Any) -> Problem | None:
+    """async_training=true with staleness 0 would run synchronously."""
+    if getattr(config, "async_training", None) is True and _staleness(config) == 0:
+        return (
+            "async_training",
+            "must be false when rollout.max_head_offpolicyness is 0: no sample may come from older weights than "
+            "the trainer's, so rollout never overlaps training; or set rollout.max_head_offpolicyness >= 1",
+        )
+    return None
+
+
+def _stale_is_corrected(config: Any) -> Problem | None:
+    """Stale samples need an off-policy correction or recomputed proximal logprobs."""
+    actor = getattr(config, "actor", None)
+    staleness = _staleness(config)
+    if not isinstance(actor, PPOActorConfig) or not staleness:
+        return None
+    correction = getattr(actor, "offpolicy_correction", "auto")
+    if correction == "none" and actor.recompute_logprob == "never":
+        return (
+            "actor.offpolicy_correction",
+            f"must not be 'none' when samples may lag the trainer (async_training=true, "
+            f"rollout.max_head_offpolicyness={staleness}) and actor.recompute_logprob is 'never': nothing would "
+            "correct for the older weights; choose a correction, or recompute_logprob 'auto'",
+        )
+    return None
+
+
+def _truncation(gconfig: GenerationHyperparameters) -> tuple[str, object] | None:
+    """The first sampling field that keeps only part of the vocabulary, with its value."""
+    if gconfig.greedy:
+        return None
+    for name, value, truncates in (
+        ("top_p", gconfig.top_p, gconfig.top_p < 1.0),
+        ("top_k", gconfig.top_k, gconfig.top_k > 0),
+        ("min_p", getattr(gconfig, "min_p", 0.0), getattr(gconfig, "min_p", 0.0) > 0.0),
+    ):
+        if truncates:
+            return name, value
+    return None
+
+
+def _truncation_replayed(config: Any) -> Problem | None:
+    """Ratios under top-p/top-k/min-p sampling are biased unless the trainer replays the truncation."""
+    actor, gconfig = getattr(config, "actor", None), getattr(config, "gconfig", None)
+    if not isinstance(actor, PPOActorConfig) or not isinstance(gconfig, GenerationHyperparameters):
+        return None
+    if actor.truncation_replay:
+        return (
+            "actor.truncation_replay",
+            "must be false: the trainer-side replay of truncated sampling is not built yet",
+        )
+    truncated = _truncation(gconfig)
+    if truncated is None:
+        return None
+    name, value = truncated
+    return (
+        f"gconfig.{name}",
+        f"is {value}: truncated sampling (gconfig.top_p < 1, gconfig.top_k > 0 or gconfig.min_p > 0) makes the "
+        "server's logprobs renormalised over the kept tokens while the trainer's span the vocabulary, biasing "
+        "every importance ratio, and actor.truncation_replay is false; sample with top_p=1, top_k=-1, min_p=0",
+    )
+
+
 def first_problem(config: Any) -> Problem | None:
     """The first pair of values that do not fit together, or None."""
     dp, problem = _data_parallel_size(config)
     if problem is not None or dp is None:
         return problem
-    return _batch_splits(config, dp) or _groups_fit(config, dp) or _turns_fit(config)
+    return (
+        _batch_splits(config, dp)
+        or _groups_fit(config, dp)
+        or _samples_fill_a_batch(config)
+        or _micro_batches_fit(config)
+        or _turns_fit(config)
+        or _async_overlaps(config)
+        or _stale_is_corrected(config)
+        or _truncation_replayed(config)
+    )

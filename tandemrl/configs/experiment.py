@@ -50,7 +50,13 @@ class SFTConfig(BaseExperimentConfig):
 class GRPOConfig(BaseExperimentConfig):
     """GRPO and its critic-free variants."""
 
-    async_training: bool = field(default=True, metadata={"help": "Overlap rollout and training (prepare_batch)."})
+    async_training: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Overlap rollout and training (prepare_batch); null: when rollout.max_head_offpolicyness > 0. "
+            "true with max_head_offpolicyness 0 is a config error: no sample may lag, so nothing can overlap."
+        },
+    )
     weight_update_mode: str = field(
         default="collective",
         metadata={"help": "How new weights reach the servers.", "choices": ["collective", "disk"]},
@@ -82,6 +88,14 @@ class GRPOConfig(BaseExperimentConfig):
     ref: TrainEngineConfig | None = field(
         default=None, metadata={"help": "Frozen reference model for the KL term (path empty = actor's)."}
     )
+
+
+def async_enabled(config: object) -> bool:
+    """Whether rollout overlaps training: ``async_training``, or when it is null, a staleness bound above 0."""
+    value = getattr(config, "async_training", None)
+    if value is None:
+        return getattr(getattr(config, "rollout", None), "max_head_offpolicyness", 0) > 0
+    return value is True
 
 
 @dataclass

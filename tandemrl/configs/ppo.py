@@ -103,6 +103,14 @@ class PPOActorConfig:
         metadata={"help": "Decoupled PPO with behaviour weights exp(prox - behav) (needs recompute_logprob != never)."},
     )
     behav_imp_weight_cap: float | None = field(default=None, metadata={"help": "Cap of behaviour importance weight."})
+    truncation_replay: bool = field(
+        default=False,
+        metadata={
+            "help": "Under top-p/top-k/min-p sampling, recompute the sampler's kept tokens from the trainer's logits "
+            "and renormalise over them, so ratios compare like with like. Not built yet: true is a config error, "
+            "and so is truncated sampling without it (README.md, Config guards)."
+        },
+    )
     # ---- additions: advantage normalization, KL form, loss shape, reward shaping, critic
     adv_norm: NormConfig = field(default_factory=NormConfig)
     kl_estimator: str = field(

@@ -133,17 +133,20 @@ def dataset_from_config(
     )
 
 
-def check_dataset_inputs(config: DatasetConfig) -> None:
+def check_dataset_inputs(config: DatasetConfig) -> int | None:
     """What can be checked before any process starts: the directory and split file exist and, for
     GSM8K-format data (a path no registered builder claims), every row parses and has its fields.
 
-    Registered datasets may build their files on first use, so they are left to their builders.
+    Returns the rows the run reads (at most ``max_samples``), None where unknown without building
+    the dataset: registered datasets may build their files on first use, so they are left to their
+    builders, and hub ids are not downloaded here.
     """
     if _registered(config.path) is not None:
-        return
+        return None
     file = _local_split_file(config.path, config.split)
-    if file is not None:
-        scan_jsonl(file, gsm8k.REQUIRED_FIELDS, max_rows=config.max_samples)
+    if file is None:
+        return None
+    return scan_jsonl(file, gsm8k.REQUIRED_FIELDS, max_rows=config.max_samples)
 
 
 # ----------------------------------------------------------------------------- dataloader

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from tandemrl.launchers import dry_run
 from tandemrl.launchers.check import check_script
 from tandemrl.launchers.launch_config import LaunchError, LaunchSpec, read_launch_spec
 from tandemrl.utils.cli import first_line
@@ -134,19 +136,31 @@ def plan_trials(args: LaunchArgs) -> list[tuple[list[str], LaunchSpec]]:
         specs.append((combo, spec))
     for _, spec in specs:
         spec.resolve_model()
-    check_script_inputs(args, specs)
+    reports = check_script_inputs(args, specs)
+    if dry_run.FLAG in args.flags:
+        dry_run.print_reports(args.script, specs, reports)
     return specs
 
 
-def check_script_inputs(args: LaunchArgs, specs: list[tuple[list[str], LaunchSpec]]) -> None:
+def check_script_inputs(args: LaunchArgs, specs: list[tuple[list[str], LaunchSpec]]) -> list[str | None]:
     """Validate each trial's config against the script's own schema, and its data files, before any start.
 
-    A bad key, value or dataset row raises ValueError with the script's one-line error.
+    A bad key, value or dataset row raises ValueError with the script's one-line error. With
+    ``--dry-run``, returns each trial's report (``tandemrl.launchers.dry_run``); else Nones.
     """
-    for combo, _ in specs:
-        if not check_script(args.script, args.config_path, combo):
-            print(f"[launcher] note: {args.script} does not build its config with load_config; not checked", flush=True)
-            return
+    reports: list[str | None] = [None] * len(specs)
+    with tempfile.TemporaryDirectory(prefix="tandemrl-dry-run-") as tmp:
+        for n, (combo, _) in enumerate(specs):
+            file = os.path.join(tmp, f"trial{n}.txt") if dry_run.FLAG in args.flags else None
+            if not check_script(args.script, args.config_path, combo, file):
+                print(
+                    f"[launcher] note: {args.script} does not build its config with load_config; not checked",
+                    flush=True,
+                )
+                return [None] * len(specs)
+            if file is not None:
+                reports[n] = Path(file).read_text(encoding="utf-8")
+    return reports
 
 
 RunTrial = Callable[[str, "str | None", list[str], LaunchSpec], TrialResult]

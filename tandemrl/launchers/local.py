@@ -2,6 +2,7 @@
 
     python -m tandemrl.launchers.local SCRIPT --config YAML [key=value ...]
     python -m tandemrl.launchers.local SCRIPT --config YAML --multirun a=1,2 b=x,y
+    python -m tandemrl.launchers.local SCRIPT --config YAML [key=value ...] --dry-run
 
 Reads ``allocation_mode``, starts the inference servers it describes on free loopback
 ports, waits until they are healthy, exports their addresses in
@@ -9,7 +10,8 @@ ports, waits until they are healthy, exports their addresses in
 in ``TANDEMRL_SERVER_TOKEN``), runs SCRIPT under torchrun on the training world size with
 prefixed logs copied into the run directory while watching the servers (``server_watch``),
 and tears everything down on success, failure or Ctrl-C. ``--multirun`` runs every combination of the comma-separated values as
-its own trial, one after the other, and prints a summary table (see ``common``).
+its own trial, one after the other, and prints a summary table (see ``common``). ``--dry-run``
+prints each trial's batch arithmetic and resolved config and starts nothing (``dry_run``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 from tandemrl.api.allocation import AllocationMode
 from tandemrl.inference.remote import SERVER_ADDRS_ENV
 from tandemrl.inference.server_auth import TOKEN_ENV, new_token
-from tandemrl.launchers import common
+from tandemrl.launchers import common, dry_run
 from tandemrl.launchers.common import (
     TrialResult,
     guarded_trial,
@@ -151,8 +153,11 @@ def run_trial(script: str, config_path: str | None, overrides: list[str], spec: 
 
 
 def main(argv: list[str]) -> int:
-    args = parse_args(argv, "tandemrl.launchers.local")
-    return run_trials(args, plan_trials(args), run_trial)
+    args = parse_args(argv, "tandemrl.launchers.local", flags=("--multirun", dry_run.FLAG))
+    specs = plan_trials(args)
+    if dry_run.FLAG in args.flags:
+        return 0
+    return run_trials(args, specs, run_trial)
 
 
 def cli() -> None:

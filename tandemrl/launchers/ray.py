@@ -1,10 +1,11 @@
 """Ray launcher: inference servers and trainer ranks as actors on a Ray cluster.
 
-    python -m tandemrl.launchers.ray SCRIPT --config YAML [key=value ...] [--multirun]
+    python -m tandemrl.launchers.ray SCRIPT --config YAML [key=value ...] [--multirun] [--dry-run]
 
 Same contract as ``tandemrl.launchers.local`` (config read and checked before anything
 starts, ``TANDEMRL_LLM_SERVER_ADDRS`` exported, logs in the run directory, teardown on
-success, failure or Ctrl-C, ``--multirun`` sweeps), with Ray doing the placement:
+success, failure or Ctrl-C, ``--multirun`` sweeps, ``--dry-run`` without joining or starting a
+cluster), with Ray doing the placement:
 
 * Cluster: ``RAY_ADDRESS`` if set, else a single-node cluster started here and bound to
   loopback, like the local launcher's servers (their weight-update routes have no auth).
@@ -47,7 +48,7 @@ from typing import Any
 from tandemrl.api.net import free_port
 from tandemrl.inference.remote import SERVER_ADDRS_ENV
 from tandemrl.inference.server_auth import TOKEN_ENV, new_token
-from tandemrl.launchers import common
+from tandemrl.launchers import common, dry_run
 from tandemrl.launchers.common import LaunchError, TrialResult, guarded_trial, kill_group, write_prefixed
 from tandemrl.launchers.launch_config import LaunchSpec
 from tandemrl.launchers.placement import (
@@ -524,11 +525,13 @@ def connect(specs: list[tuple[list[str], LaunchSpec]]) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    args = common.parse_args(argv, "tandemrl.launchers.ray")
+    args = common.parse_args(argv, "tandemrl.launchers.ray", flags=("--multirun", dry_run.FLAG))
     specs = common.plan_trials(args)
     for _, spec in specs:
         if is_colocated(spec.allocation):
             check_colocated_fits(spec.allocation)  # before any actor starts
+    if dry_run.FLAG in args.flags:
+        return 0
     owned = connect(specs)
     try:
         return common.run_trials(args, specs, run_trial)

@@ -28,7 +28,8 @@ overrides (``partition``, ``gpus_per_node``, ``time``, ``account``, ``server_por
 ``rdzv_port``, ``sbatch_args``: extra ``#SBATCH`` arguments), then ``cluster.n_gpus_per_node``.
 The trainer sees the config without the ``launcher`` section (the script's schema does
 not know it) plus ``cluster.n_nodes``/``cluster.n_gpus_per_node`` of the job. Sweeps
-(``--multirun``) are not supported here: submit one job per value.
+(``--multirun``) are not supported here: submit one job per value. ``--dry-run`` writes the job
+files and prints the batch arithmetic and resolved config (``dry_run``), but does not submit.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from typing import Any
 
 from tandemrl.inference.remote import SERVER_ADDRS_ENV
 from tandemrl.inference.server_auth import TOKEN_ENV
-from tandemrl.launchers import common
+from tandemrl.launchers import common, dry_run
 from tandemrl.launchers.common import LaunchError
 from tandemrl.launchers.launch_config import LaunchSpec, _get, _load, script_config
 from tandemrl.launchers.placement import RankSlot, is_colocated, plan_colocated
@@ -325,7 +326,7 @@ def submit(job: Path) -> str:
 
 
 def main(argv: list[str]) -> int:
-    args = common.parse_args(argv, "tandemrl.launchers.slurm", flags=("--dry-run",), options=OPTIONS)
+    args = common.parse_args(argv, "tandemrl.launchers.slurm", flags=(dry_run.FLAG,), options=OPTIONS)
     specs = common.plan_trials(args)
     if any(o in ("--multirun", "-m") for o in args.overrides):
         raise ValueError("the slurm launcher submits one trial: run one launcher call per sweep value")
@@ -333,7 +334,7 @@ def main(argv: list[str]) -> int:
     settings = read_settings(args.config_path, overrides, args.options)
     job = write_job(args.script, args.config_path, overrides, spec, settings)
     print(f"[launcher] wrote {job} ({plan_layout(spec, settings.gpus_per_node).nodes} nodes)", flush=True)
-    if "--dry-run" in args.flags:
+    if dry_run.FLAG in args.flags:  # the job is written, not submitted
         return 0
     print(f"[launcher] {submit(job)}", flush=True)
     return 0

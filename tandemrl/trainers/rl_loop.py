@@ -15,8 +15,8 @@ Engines come from ``tandemrl.engines.registry`` (one row per backend); algorithm
 here: :func:`ppo_train_step` (PPO family, optionally with reference and critic) and
 :func:`reinforce_train_step` (ReMax). Each step of the loop, through the
 :class:`~tandemrl.rollout.controller.RolloutController`: rollout (``prepare_batch`` when
-``async_training`` else ``rollout_batch``) -> ``train_step(batch, global_step)`` (with the servers
-asleep when colocated: ``tandemrl.trainers.turns``) ->
+async: ``async_training``, or null with a staleness bound > 0; else ``rollout_batch``) ->
+``train_step(batch, global_step)`` (with the servers asleep when colocated: ``tandemrl.trainers.turns``) ->
 ``push_weights`` -> save -> evaluate -> recoverable checkpoint (``recover.mode`` auto/resume, every
 ``recover.freq_*``) -> log. Each phase is timed under ``timeperf/`` (``rollout_wait``: the trainer idle,
 waiting for its batch; ``actor/recompute_logp``, ``ref_logp``, ``.../fwd_bwd``, ``.../optimizer_step``,
@@ -46,6 +46,7 @@ from tandemrl.api.types import FinetuneSpec, RolloutBatch, TensorDict
 from tandemrl.api.workflow import RolloutWorkflow
 from tandemrl.configs import GRPOConfig
 from tandemrl.configs.engine import TrainEngineConfig
+from tandemrl.configs.experiment import async_enabled
 from tandemrl.configs.loader import save_config
 from tandemrl.data.loader import create_dataloader, cycle_batches, dataset_from_config
 from tandemrl.engines.registry import make_engine
@@ -318,7 +319,7 @@ class RLTrainer:
             step_start = time.perf_counter()
             # The trainer idles here: the whole generation when sync, what training did not overlap when async.
             with stats_tracker.record_timing("rollout_wait"):
-                if config.async_training:
+                if async_enabled(config):
                     batch = rollout.prepare_batch(
                         self.train_dl, workflow, should_accept_fn=should_accept_fn, granularity=group
                     )

@@ -1,0 +1,135 @@
+"""``--dry-run`` of every launcher: the derived batch arithmetic and the resolved config; nothing starts.
+
+The launchers' pre-flight (``tandemrl.launchers.check``) builds each trial's config with the
+script's own schema. With :data:`REPORT_ENV` naming a file it also writes :func:`config_report`
+there; the launcher prints it (:func:`print_reports`) and exits 0 before starting any server,
+trainer, Ray cluster or sbatch job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tandemrl.api.allocation import AllocationMode
+from tandemrl.launchers.launch_config import LaunchSpec
+
+FLAG = "--dry-run"
+REPORT_ENV = "TANDEMRL_DRY_RUN_REPORT"  # where the pre-flight writes the report
+
+
+def allocation_lines(alloc: AllocationMode) -> list[str]:
+    """Trainer ranks and servers that ``allocation_mode`` asks for."""
+    lines = []
+    if alloc.train is not None:
+        s = alloc.train.strategy
+        lines.append(
+            f"trainer: {alloc.train_world_size} {alloc.train_backend} ranks "
+            f"(data-parallel {s.dp}, tensor {s.tp}, pipeline {s.pp})"
+        )
+    gen = alloc.gen
+    if gen is None:
+        lines.append("servers: none")
+    else:
+        shared = alloc.train is not None and alloc.colocated(gen, alloc.train)
+        lines.append(
+            f"servers: {gen.strategy.dp} {gen.backend}, {gen.strategy.tp * gen.strategy.pp} devices each, "
+            + ("sharing the trainer's devices" if shared else "on devices of their own")
+        )
+    return lines
+
+
+def _longest(config: Any) -> tuple[int, str] | None:
+    """Tokens of the longest training sequence the data and sampler allow, and why; None if unbounded."""
+    train, gconfig = config.train_dataset, getattr(config, "gconfig", None)
+    if train.max_length is None:
+        return None
+    if train.type == "rl" and gconfig is not None:
+        n = train.max_length + gconfig.max_new_tokens
+        return n, f"train_dataset.max_length {train.max_length} + gconfig.max_new_tokens {gconfig.max_new_tokens}"
+    return train.max_length, "train_dataset.max_length"
+
+
+def _micro_batch_line(config: Any) -> str | None:
+    actor = getattr(config, "actor", None)
+    engine = getattr(actor, "engine", None) or getattr(config, "model", None)
+    spec = getattr(engine, "mb_spec", None)
+    if spec is None:
+        return None
+    longest = _longest(config)
+    seq = f"longest sequence {longest[0]} tokens ({longest[1]})" if longest else "longest sequence: model context"
+    if spec.max_tokens_per_mb is None:
+        return f"token budget per micro-batch: none, at least {spec.n_mbs} micro-batches per minibatch; {seq}"
+    fits = f", {spec.max_tokens_per_mb // longest[0]} whole sequences at most" if longest else ""
+    return f"token budget per micro-batch: {spec.max_tokens_per_mb} tokens{fits}; {seq}"
+
+
+def batch_lines(config: Any, rows: int | None) -> list[str]:
+    """What one step holds and how many steps there are, from a loaded experiment config.
+
+    ``rows`` is the train split's row count (at most ``max_samples``), None if unknown.
+    """
+    alloc = AllocationMode.from_str(config.allocation_mode)
+    dp = alloc.train.strategy.dp if alloc.train is not None else 1
+    train, gconfig = config.train_dataset, getattr(config, "gconfig", None)
+    prompts = train.batch_size
+    lines = [f"prompts per step: {prompts} (train_dataset.batch_size), {prompts // dp} per data-parallel rank"]
+    if gconfig is not None:
+        samples = prompts * gconfig.n_samples
+        lines.append(f"samples per step: {samples} (x gconfig.n_samples {gconfig.n_samples}), {samples // dp} per rank")
+        actor = getattr(config, "actor", None)
+        if actor is not None:
+            per_rank = samples // dp
+            lines.append(
+                f"updates per step: {actor.ppo_n_epochs * actor.ppo_n_minibatches} (actor.ppo_n_epochs "
+                f"{actor.ppo_n_epochs} x actor.ppo_n_minibatches {actor.ppo_n_minibatches}), groups of "
+                f"{actor.group_size}, about {per_rank // actor.ppo_n_minibatches} samples per rank each"
+            )
+    mb = _micro_batch_line(config)
+    if mb is not None:
+        lines.append(mb)
+    if rows is None:
+        lines.append(f"steps per epoch: unknown until {train.path} is built")
+        epoch_steps = None
+    else:
+        epoch_steps = max(1, rows // prompts)
+        lines.append(
+            f"steps per epoch: {epoch_steps} ({rows} rows of {train.path} split {train.split} // {prompts}; "
+            "rows over train_dataset.max_length are dropped at start)"
+        )
+    if config.total_train_steps is not None:
+        lines.append(f"total steps: {config.total_train_steps} (total_train_steps)")
+    elif epoch_steps is not None:
+        lines.append(f"total steps: {config.total_train_epochs * epoch_steps} ({config.total_train_epochs} epochs)")
+    rollout = getattr(config, "rollout", None)
+    if rollout is not None:
+        from tandemrl.configs.experiment import async_enabled
+
+        mode = "async" if async_enabled(config) else "sync"
+        lines.append(f"rollout: {mode}, rollout.max_head_offpolicyness {rollout.max_head_offpolicyness}")
+    return lines + allocation_lines(alloc)
+
+
+def config_report(config: Any) -> str:
+    """The report the pre-flight writes: :func:`batch_lines`, then the resolved config as YAML."""
+    import yaml
+
+    from tandemrl.configs.loader import config_to_dict
+    from tandemrl.data.loader import check_dataset_inputs
+
+    rows = check_dataset_inputs(config.train_dataset) if hasattr(config, "train_dataset") else None
+    lines = batch_lines(config, rows) if hasattr(config, "train_dataset") else []
+    text = yaml.safe_dump(config_to_dict(config), sort_keys=False, default_flow_style=False)
+    return "\n".join(lines) + "\nresolved config:\n" + text
+
+
+def print_reports(script: str, specs: Sequence[tuple[list[str], LaunchSpec]], reports: Sequence[str | None]) -> None:
+    """Each trial's report (or, for a script whose config could not be built, its allocation)."""
+    for (_, spec), report in zip(specs, reports, strict=True):
+        print(f"[launcher] dry run of trial {spec.trial_name} (nothing started, run dir {spec.run_dir}):")
+        if report is None:
+            report = "\n".join(
+                [f"{script} does not build its config with load_config: no batch arithmetic"]
+                + allocation_lines(spec.allocation)
+            )
+        print(report.rstrip("\n"), flush=True)

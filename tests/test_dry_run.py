@@ -1,0 +1,88 @@
+"""``--dry-run`` on the local, Ray and Slurm launchers: the batch arithmetic and resolved config, nothing started.
+
+Each launcher runs through its real CLI on the GRPO example with small overrides. What would
+show a start: the local launcher's run directory (made before any server), a Ray cluster at an
+address where none listens (joining it fails), an ``sbatch`` on PATH that leaves a mark.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from test_launcher import ENV
+from utils import REPO_ROOT, free_port
+
+FIGURES = [
+    "prompts per step: 16 (train_dataset.batch_size), 8 per data-parallel rank",
+    "samples per step: 64 (x gconfig.n_samples 4), 32 per rank",
+    "updates per step: 2 (actor.ppo_n_epochs 1 x actor.ppo_n_minibatches 2), groups of 4, about 16 samples per rank",
+    "token budget per micro-batch: 4096 tokens, 12 whole sequences at most; longest sequence 320 tokens "
+    "(train_dataset.max_length 256 + gconfig.max_new_tokens 64)",
+    "steps per epoch: 6 (100 rows of",
+    "total steps: 3 (total_train_steps)",
+    "rollout: async, rollout.max_head_offpolicyness 1",
+    "trainer: 2 fsdp ranks (data-parallel 2, tensor 1, pipeline 1)",
+    "servers: 1 vllm, 1 devices each, on devices of their own",
+]
+
+
+def _dry_run(
+    launcher: str, model: str, data: str, root: Path, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", f"tandemrl.launchers.{launcher}", "examples/gsm8k_grpo.py", "--config"]
+    cmd += ["examples/gsm8k_grpo.yaml", "--dry-run", f"actor.engine.path={model}", f"train_dataset.path={data}"]
+    cmd += [f"cluster.fileroot={root}", "allocation_mode=vllm:d1+fsdp:d2", "train_dataset.batch_size=16"]
+    cmd += ["train_dataset.max_samples=100", "actor.ppo_n_minibatches=2", "total_train_steps=3", *extra]
+    return subprocess.run(cmd, cwd=REPO_ROOT, env=env or ENV, capture_output=True, text=True, timeout=300)
+
+
+def _check_report(proc: subprocess.CompletedProcess[str]) -> None:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for figure in FIGURES:
+        assert figure in proc.stdout, (figure, proc.stdout[:3000])
+    text = proc.stdout.split("resolved config:\n", 1)[1]
+    resolved = yaml.safe_load("\n".join(line for line in text.splitlines() if not line.startswith("[launcher]")))
+    assert resolved["train_dataset"]["batch_size"] == 16 and resolved["actor"]["group_size"] == 4
+    assert resolved["actor"]["ppo_n_minibatches"] == 2 and resolved["allocation_mode"] == "vllm:d1+fsdp:d2"
+
+
+def test_local_dry_run_starts_nothing(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
+    proc = _dry_run("local", tiny_model_dir, gsm8k_dir, tmp_path / "runs")
+    _check_report(proc)
+    assert not (tmp_path / "runs").exists()  # a trial makes its run dir before starting any server
+    assert "servers healthy" not in proc.stdout and "[launcher] trainer:" not in proc.stdout
+
+
+def test_ray_dry_run_joins_no_cluster(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
+    pytest.importorskip("ray")
+    env = {**ENV, "RAY_ADDRESS": f"127.0.0.1:{free_port()}"}  # joining would fail: nothing listens there
+    proc = _dry_run("ray", tiny_model_dir, gsm8k_dir, tmp_path / "runs", env=env)
+    _check_report(proc)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_slurm_dry_run_writes_the_job_but_submits_nothing(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
+    bin_dir, mark = tmp_path / "bin", tmp_path / "sbatch-ran"
+    bin_dir.mkdir()
+    sbatch = bin_dir / "sbatch"
+    sbatch.write_text(f"#!/bin/sh\ntouch {mark}\necho 'Submitted batch job 1'\n")
+    sbatch.chmod(sbatch.stat().st_mode | stat.S_IXUSR)
+    env = {**ENV, "PATH": f"{bin_dir}{os.pathsep}{ENV['PATH']}"}
+    proc = _dry_run("slurm", tiny_model_dir, gsm8k_dir, tmp_path / "runs", "--gpus-per-node", "4", env=env)
+    _check_report(proc)
+    assert (tmp_path / "runs" / "logs" / "gsm8k-grpo" / "trial0" / "job.sbatch").is_file()
+    assert not mark.exists() and "Submitted" not in proc.stdout
+
+
+def test_a_guard_stops_the_dry_run_with_its_line(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
+    proc = _dry_run("local", tiny_model_dir, gsm8k_dir, tmp_path / "runs", "gconfig.top_p=0.9")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "'gconfig.top_p'" in lines[0] and "actor.truncation_replay" in lines[0], proc.stderr
+    assert "resolved config" not in proc.stdout and not (tmp_path / "runs").exists()
