@@ -101,7 +101,10 @@ class PPOActorConfig:
     )
     use_decoupled_loss: bool = field(
         default=False,
-        metadata={"help": "Decoupled PPO with behaviour weights exp(prox - behav) (needs recompute_logprob != never)."},
+        metadata={
+            "help": "Decoupled PPO with behaviour weights exp(prox - behav) (needs recompute_logprob != never); "
+            "the legacy form of offpolicy_correction, read only when that is auto."
+        },
     )
     behav_imp_weight_cap: float | None = field(
         default=None,
