@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -329,3 +330,46 @@ def test_killing_the_trainer_leaves_no_process(tiny_model_dir: str, gsm8k_dir: s
     assert rc != 0
     gone, alive = psutil.wait_procs(family, timeout=60)
     assert not alive, [p.cmdline() for p in alive]
+
+
+OFFPOLICY = ("tis", "mis", "icepop", "cispo")
+
+
+@pytest.mark.slow
+def test_grpo_async_offpolicy_corrections_log_mismatch(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
+    """2 async GRPO steps on FSDP2 per mismatch correction (one launch, a --multirun sweep); each logs the
+    trainer/server mismatch, what its correction dropped or truncated, and the staleness of every step."""
+    args = _grpo_args("examples/gsm8k_grpo.py", tiny_model_dir, gsm8k_dir, tmp_path, steps=2, new_tokens=16)
+    # C = 1.001: the bf16 trainer's gap to the server (|dlogp| ~ 1e-3) makes every correction act.
+    sweep = ["--multirun", f"actor.offpolicy_correction={','.join(OFFPOLICY)}", "actor.offpolicy_cap=1.001"]
+    proc = _run([*args, "async_training=true", "train_dataset.batch_size=2", *sweep], timeout=2400)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    mm, sv = "actor/ppo_actor/update/offpolicy/", "actor/ppo_actor/offpolicy/"
+    for kind in OFFPOLICY:
+        trial = f"trial0_offpolicy_correction{kind}"
+        config = (tmp_path / "logs" / "gsm8k-grpo" / trial / "config.yaml").read_text()
+        assert f"offpolicy_correction: {kind}" in config, trial
+        stats = _scalars(tmp_path / "tensorboard" / "gsm8k-grpo" / trial)
+        loss = stats["actor/ppo_actor/update/loss"]
+        assert len(loss) == 2 and all(math.isfinite(x) for x in loss), (trial, loss)
+        keys = ["abs_dlogp/avg", "abs_dlogp/max", "kl_k3", "masked", "truncated"]
+        got = {k: stats[mm + k] for k in keys}
+        got |= {k: stats[sv + k] for k in ("version_lag/min", "version_lag/avg", "version_lag/max")}
+        got["multi_version_tokens"] = stats[sv + "multi_version_tokens"]
+        assert all(len(v) == 2 for v in got.values()), (trial, got)
+        # bf16 trainer vs the server: a small, non-zero gap on the same tokens.
+        assert all(0.0 < a <= m < 5.0 for a, m in zip(got["abs_dlogp/avg"], got["abs_dlogp/max"], strict=True))
+        assert all(k >= 0.0 for k in got["kl_k3"]), (trial, got["kl_k3"])
+        fractions = got["masked"] + got["truncated"] + got["multi_version_tokens"]
+        assert all(0.0 <= f <= 1.0 for f in fractions), (trial, got)
+        # Truncating corrections cut some weights and never drop a token; masking ones the other way round.
+        acted, idle = ("truncated", "masked") if kind in ("tis", "cispo") else ("masked", "truncated")
+        assert sum(got[acted]) > 0.0 and got[idle] == [0.0, 0.0], (trial, got)
+        kept = stats["actor/ppo_actor/update/behav_kept_ratio/avg"]
+        assert [1.0 - k for k in kept] == pytest.approx(got["masked"]), (trial, kept, got["masked"])
+        # Step 0 is on-policy: no recompute, the mismatch came from the training forward itself.
+        assert stats["actor/recompute_skipped"][0] == 1.0, (trial, stats["actor/recompute_skipped"])
+        # Staleness bound 1; step 0 trains on the initial weights' samples.
+        assert got["version_lag/max"][0] == 0.0 and max(got["version_lag/max"]) <= 1.0, (trial, got)
+        lags = zip(got["version_lag/min"], got["version_lag/avg"], got["version_lag/max"], strict=True)
+        assert all(lo <= a <= hi for lo, a, hi in lags), (trial, got)

@@ -170,6 +170,14 @@ def test_recompute_decision_hand_cases() -> None:
         _actor(recompute_logprob="never", use_decoupled_loss=True)
     with pytest.raises(ValueError, match="recompute_logprob: 'True'"):
         _actor(recompute_logprob="True")
+    # A correction over several optimizer steps needs the recomputed proximal policy.
+    with pytest.raises(ValueError, match=r"'never' leaves offpolicy_correction 'tis' no proximal policy"):
+        _actor(recompute_logprob="never", ppo_n_epochs=2)
+    _actor(recompute_logprob="never", ppo_n_epochs=2, offpolicy_correction="none")
+    with pytest.raises(ValueError, match="PPOActorConfig.c_clip: .* 'cispo'"):
+        _actor(offpolicy_correction="cispo", c_clip=3.0)
+    with pytest.raises(ValueError, match="PPOActorConfig.offpolicy_correction: 'tiss' is not one of"):
+        _actor(offpolicy_correction="tiss")
 
 
 def test_registry_rows() -> None:
@@ -211,7 +219,7 @@ def _reference_update(model_dir: str, batch: dict, tag: str) -> dict[str, torch.
     behav = [batch["logprobs"][i, 1:n][batch["loss_mask"][i, 1:n].bool()] for i, n in enumerate(lens)]
     n_tok = [len(x) for x in initial]
     # Advantages: one value per generated token.
-    if tag == "decoupled":  # GRPO on sequences: (r - group mean) / (unbiased group std + eps)
+    if tag in ("decoupled", "tis_free"):  # GRPO on sequences: (r - group mean) / (unbiased group std + eps)
         adv = []
         for i in range(len(r)):
             g = r[(i // 2) * 2 : (i // 2) * 2 + 2]
@@ -234,12 +242,15 @@ def _reference_update(model_dir: str, batch: dict, tag: str) -> dict[str, torch.
             loss = torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.28))
             w = torch.exp(prox - behav[i])
             per_row.append(loss * torch.where(w <= 1.3, w, torch.zeros_like(w)))
+        elif tag == "tis_free":  # ratio 1 (with its gradient) against the update's own forward
+            ratio = torch.exp(lp - lp.detach())
+            per_row.append(-a * ratio * torch.exp(lp.detach() - behav[i]).clamp(max=1.2))
         else:
             ratio = torch.exp(lp - behav[i])
             loss = torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.3))
             loss = torch.where(a < 0, torch.minimum(loss, -1.5 * a), loss)
             per_row.append(loss.mean() - 0.01 * ent.mean())
-    if tag == "decoupled":
+    if tag in ("decoupled", "tis_free"):
         total = torch.cat(per_row).sum() / sum(n_tok)
     else:
         total = torch.stack(per_row).mean()
@@ -269,7 +280,7 @@ def initial_params(tiny_model_dir: str) -> dict[str, torch.Tensor]:
     return dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict())
 
 
-@pytest.mark.parametrize("tag", ["decoupled", "clipped"])
+@pytest.mark.parametrize("tag", ["decoupled", "clipped", "tis_free"])
 def test_two_rank_update_equals_single_process_reference(
     results: tuple[dict, Path], tiny_model_dir: str, initial_params: dict, tag: str
 ) -> None:
@@ -280,6 +291,19 @@ def test_two_rank_update_equals_single_process_reference(
     stats = res[tag]["exported"]
     if tag == "decoupled":  # capped behaviour weights drop some tokens
         assert 0.0 < stats["ppo_actor/update/behav_kept_ratio/avg"] < 1.0
+        assert stats["ppo_actor/update/offpolicy/masked"] == pytest.approx(
+            1.0 - stats["ppo_actor/update/behav_kept_ratio/avg"]
+        )
+    elif tag == "tis_free":  # truncated, none dropped; the 0.3-std logprob noise is the mismatch
+        assert 0.0 < stats["ppo_actor/update/offpolicy/truncated"] < 1.0
+        assert stats["ppo_actor/update/offpolicy/masked"] == 0.0
+        assert stats["ppo_actor/update/importance_weight/avg"] == pytest.approx(1.0)
+        assert 0.1 < stats["ppo_actor/update/offpolicy/abs_dlogp/avg"] < 0.4
+        assert stats["ppo_actor/update/offpolicy/abs_dlogp/max"] > 0.5
+        assert stats["ppo_actor/update/offpolicy/kl_k3"] > 0.0
+        # Every token came from version 0, the engine's: no lag, no interrupted generation.
+        assert stats["ppo_actor/offpolicy/version_lag/max"] == 0.0
+        assert stats["ppo_actor/offpolicy/multi_version_tokens"] == 0.0
     else:  # stale logprobs: both clips fire
         assert stats["ppo_actor/update/clip_ratio/avg"] > 0.0
         assert stats["ppo_actor/update/dual_clip_ratio/avg"] > 0.0

@@ -20,6 +20,14 @@ from tandemrl.algorithms.advantages import (
 from tandemrl.algorithms.aggregation import aggregate_loss, aggregation_weight
 from tandemrl.algorithms.filters import reject_uniform_rewards
 from tandemrl.algorithms.kl import kl_estimate, kl_penalty_rewards
+from tandemrl.algorithms.offpolicy import (
+    Correction,
+    cispo_objective,
+    correction_weights,
+    mismatch_token_stats,
+    resolve_correction,
+    version_stats,
+)
 from tandemrl.algorithms.policy_loss import entropy_bonus, ppo_policy_loss, reinforce_loss
 from tandemrl.algorithms.rewards import (
     apply_no_eos_penalty,
@@ -35,12 +43,16 @@ __all__ = [
     "aggregation_weight",
     "apply_no_eos_penalty",
     "batch_normalized_advantages",
+    "cispo_objective",
+    "Correction",
+    "correction_weights",
     "entropy_bonus",
     "gae",
     "group_normalized_advantages",
     "kl_estimate",
     "kl_penalty_rewards",
     "leave_one_out_advantages",
+    "mismatch_token_stats",
     "normalization_stats",
     "normalize_advantages",
     "overlong_penalty",
@@ -49,7 +61,9 @@ __all__ = [
     "reinforce_loss",
     "reject_uniform_rewards",
     "remax_advantages",
+    "resolve_correction",
     "response_ends_with_eos",
     "shape_rewards",
     "value_loss",
+    "version_stats",
 ]

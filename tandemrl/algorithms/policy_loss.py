@@ -1,4 +1,4 @@
-"""Policy-gradient losses: PPO clipped surrogate (asymmetric/dual clip, decoupled, GSPO), REINFORCE."""
+"""Policy-gradient losses: PPO clipped surrogate (asymmetric/dual clip, GSPO, mismatch corrections), CISPO, REINFORCE."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import torch
 
 from tandemrl.algorithms.aggregation import aggregate_loss
 from tandemrl.algorithms.layout import broadcast_to_tokens, per_sequence_sum
+from tandemrl.algorithms.offpolicy import Correction, cispo_objective, correction_weights, resolve_correction
 
 RATIO_LEVELS = ("token", "sequence")
 
@@ -16,6 +17,22 @@ def _sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, cu_seqlens:
     total = per_sequence_sum(torch.where(m, log_ratio, 0.0), cu_seqlens)
     count = per_sequence_sum(m.to(log_ratio.dtype), cu_seqlens).clamp(min=1)
     return broadcast_to_tokens(total / count, log_ratio, cu_seqlens)
+
+
+def _ppo_surrogate(
+    ratio: torch.Tensor, adv: torch.Tensor, m: torch.Tensor, eps_clip: float, hi: float, c_clip: float | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token clipped surrogate (with the dual clip), its clip mask and dual-clip mask."""
+    loss1 = -adv * ratio
+    loss2 = -adv * ratio.clamp(1.0 - eps_clip, 1.0 + hi)
+    pg = torch.maximum(loss1, loss2)
+    clip_mask = (loss2 > loss1) & m
+    dual_mask = torch.zeros_like(m)
+    if c_clip is not None:
+        bound = -adv * c_clip
+        dual_mask = (adv < 0) & (pg > bound) & m
+        pg = torch.where(adv < 0, torch.minimum(pg, bound), pg)
+    return pg, clip_mask, dual_mask
 
 
 def ppo_policy_loss(
@@ -32,8 +49,9 @@ def ppo_policy_loss(
     agg_mode: str = "token-mean",
     cu_seqlens: torch.Tensor | None = None,
     agg_norm_len: float = 1.0,
+    correction: Correction | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate; returns ``(loss, per-token stats)``.
+    """PPO clipped surrogate (or CISPO) with a train/rollout mismatch correction; returns ``(loss, per-token stats)``.
 
     Per token (A = advantage, eps_hi = ``eps_clip_higher`` or ``eps_clip``):
 
@@ -42,19 +60,30 @@ def ppo_policy_loss(
     * ``L = max(-A * r, -A * clip(r, 1 - eps_clip, 1 + eps_hi))``.
     * dual clip (``c_clip > 1``): for ``A < 0``, ``L = min(L, -c_clip * A)`` bounds the loss of
       very large ratios.
-    * decoupled PPO (``behav_logp`` given): ``old_logp`` is the proximal policy (recomputed before
-      the update) and ``L *= w`` with the behaviour importance weight ``w = exp(old_logp - behav_logp)``
-      (no gradient); tokens with ``w > behav_imp_weight_cap`` get ``w = 0`` but stay in denominators.
+    * ``correction.kind == "cispo"``: ``L = -sg(clip(r, 1 - eps_clip, 1 + eps_hi)) * A * logp``
+      instead (no dual clip).
+    * mismatch correction (``behav_logp`` given): ``old_logp`` is the trainer's proximal policy
+      and ``L *= w``, the detached weight of :func:`~tandemrl.algorithms.offpolicy.correction_weights`
+      on ``rho = exp(old_logp - behav_logp)``. Without ``correction`` this is decoupled PPO:
+      ``w = rho``, and tokens with ``rho > behav_imp_weight_cap`` get ``w = 0`` (``mis``).
+      Dropped tokens stay in the denominators.
 
     The loss is :func:`~tandemrl.algorithms.aggregation.aggregate_loss` of L over ``mask``.
     Stats (detached, same shape as ``logp``): ``ratio``, ``clip_mask`` (clipped term active),
-    ``dual_clip_mask``, ``approx_kl`` (``old_logp - logp``), ``behav_imp_weight``, ``behav_kept``
-    and ``mask``; their masked means are the usual fractions and averages.
+    ``dual_clip_mask``, ``approx_kl`` (``old_logp - logp``), ``behav_imp_weight``, ``behav_kept``,
+    ``behav_truncated`` and ``mask``; their masked means are the usual fractions and averages.
     """
     if ratio_level not in RATIO_LEVELS:
         raise ValueError(f"importance_sampling_level must be one of {RATIO_LEVELS}, got '{ratio_level}'")
     if c_clip is not None and c_clip <= 1.0:
         raise ValueError(f"c_clip must be > 1 (dual clip), got {c_clip}")
+    if correction is None:
+        correction = resolve_correction("auto", use_decoupled_loss=True, behav_imp_weight_cap=behav_imp_weight_cap)
+    elif behav_imp_weight_cap is not None:
+        raise ValueError("ppo_policy_loss: pass behav_imp_weight_cap or correction, not both")
+    cispo = correction.kind == "cispo"
+    if cispo and c_clip is not None:
+        raise ValueError("c_clip (dual clip) has no effect with offpolicy_correction 'cispo'; unset it")
     m = mask.bool()
     adv = torch.where(m, advantages.float(), 0.0)
     log_ratio = torch.where(m, logp.float() - old_logp.float(), 0.0)
@@ -62,22 +91,15 @@ def ppo_policy_loss(
         log_ratio = _sequence_log_ratio(log_ratio, m, cu_seqlens)
     ratio = torch.exp(log_ratio)
     hi = eps_clip if eps_clip_higher is None else eps_clip_higher
-    loss1 = -adv * ratio
-    loss2 = -adv * ratio.clamp(1.0 - eps_clip, 1.0 + hi)
-    pg = torch.maximum(loss1, loss2)
-    clip_mask = (loss2 > loss1) & m
-    dual_mask = torch.zeros_like(m)
-    if c_clip is not None:
-        bound = -adv * c_clip
-        dual_mask = (adv < 0) & (pg > bound) & m
-        pg = torch.where(adv < 0, torch.minimum(pg, bound), pg)
-    weight = torch.ones_like(pg)
-    kept = m.clone()
+    if cispo:
+        pg, clip_mask = cispo_objective(torch.where(m, logp.float(), 0.0), ratio, adv, eps_clip, hi)
+        clip_mask, dual_mask = clip_mask & m, torch.zeros_like(m)
+    else:
+        pg, clip_mask, dual_mask = _ppo_surrogate(ratio, adv, m, eps_clip, hi, c_clip)
+    weight, kept, truncated = torch.ones_like(pg), m.clone(), torch.zeros_like(m)
     if behav_logp is not None:
-        weight = torch.where(m, torch.exp(old_logp.float() - behav_logp.float()), 0.0).detach()
-        if behav_imp_weight_cap is not None:
-            kept = m & (weight <= behav_imp_weight_cap)
-            weight = torch.where(kept, weight, 0.0)
+        cw = correction_weights(old_logp, behav_logp, m, correction, cu_seqlens)
+        weight, kept, truncated = cw["weight"], cw["kept"], cw["truncated"]
         pg = pg * weight
     loss = aggregate_loss(pg, m, agg_mode, cu_seqlens, agg_norm_len)
     stats = {
@@ -87,6 +109,7 @@ def ppo_policy_loss(
         "approx_kl": (-log_ratio).detach(),
         "behav_imp_weight": weight,
         "behav_kept": kept,
+        "behav_truncated": truncated,
         "mask": m,
     }
     return loss, stats

@@ -9,6 +9,7 @@ the logits: ``x[:, t]`` is about emitting token t + 1 from the prefix ``<= t`` (
 
 from __future__ import annotations
 
+import functools
 from typing import cast
 
 import torch
@@ -18,6 +19,7 @@ from tandemrl.algorithms.advantages import gae, normalization_stats, normalize_a
 from tandemrl.algorithms.aggregation import aggregate_loss, aggregation_weight
 from tandemrl.algorithms.kl import kl_estimate, kl_penalty_rewards
 from tandemrl.algorithms.layout import shift_left
+from tandemrl.algorithms.offpolicy import mismatch_token_stats, resolve_correction, version_stats
 from tandemrl.algorithms.policy_loss import entropy_bonus, ppo_policy_loss
 from tandemrl.algorithms.recompute import RECOMPUTE_MODES, needs_logp_recompute, server_logp
 from tandemrl.algorithms.rewards import (
@@ -33,12 +35,13 @@ from tandemrl.api.types import RolloutBatch, TensorDict
 from tandemrl.configs.ppo import PPOActorConfig, PPOCriticConfig
 from tandemrl.models.functional import gather_logprobs, gather_logprobs_entropy, next_token_labels
 from tandemrl.utils import stats_tracker
+from tandemrl.utils.stats_tracker import ReduceType
 
 
 class PPOBatch(RolloutBatch, total=False):
     """A rollout batch plus the fields of the PPO family, all [B, L] next-token aligned unless noted."""
 
-    prox_logp: torch.Tensor  # PPOActor.proximal_logp: the policy before the update (recomputed or the server's)
+    prox_logp: torch.Tensor  # the trainer's policy before the update (PPOActor.proximal_logp, when recomputed)
     ref_logp: torch.Tensor  # PPOActor.compute_logp on the reference engine
     values: torch.Tensor  # PPOCritic.compute_values
     # Written by PPOActor.compute_advantages:
@@ -103,6 +106,24 @@ class PPOActor:
                 "PPOActorConfig.recompute_logprob: 'never' cannot serve use_decoupled_loss "
                 "(off-policy batches need the recomputed proximal policy); use 'auto'"
             )
+        self.correction = resolve_correction(
+            config.offpolicy_correction,
+            config.offpolicy_cap,
+            config.offpolicy_cap_low,
+            config.offpolicy_seq_ratio,
+            config.use_decoupled_loss,
+            config.behav_imp_weight_cap,
+        )
+        if self.correction.kind == "cispo" and config.c_clip is not None:
+            raise ValueError("PPOActorConfig.c_clip: the dual clip has no effect with offpolicy_correction 'cispo'")
+        # One optimizer step per batch: that step's training forward runs at the proximal weights.
+        self.one_step = config.ppo_n_minibatches * config.ppo_n_epochs == 1
+        if self.correction.active and not self.one_step and config.recompute_logprob == "never":
+            raise ValueError(
+                f"PPOActorConfig.recompute_logprob: 'never' leaves offpolicy_correction "
+                f"'{self.correction.kind}' no proximal policy when an update takes several steps "
+                "(ppo_n_minibatches * ppo_n_epochs > 1); use 'auto' or offpolicy_correction: none"
+            )
         self.config = config
         self.engine = engine
 
@@ -119,26 +140,29 @@ class PPOActor:
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
         return self.engine.forward(inputs, post_hook=lambda logits, mb: next_token_logp(logits, mb, temp))
 
-    def proximal_logp(self, batch: RolloutBatch) -> torch.Tensor:
-        """``batch["prox_logp"]`` for the update: the policy before it, next-token aligned like ``compute_logp``.
+    def proximal_logp(self, batch: RolloutBatch) -> torch.Tensor | None:
+        """``batch["prox_logp"]`` for the update: the trainer's policy before it, next-token aligned like ``compute_logp``.
 
         Recomputed (one forward) when ``config.recompute_logprob`` asks for it
         (:func:`~tandemrl.algorithms.recompute.needs_logp_recompute`; ``auto``: some generated
-        token came from weights older than ``engine.get_version()``), else the server's
-        ``logprobs`` shifted to next-token alignment. The data-parallel ranks decide together (a
-        stale token on any rank recomputes on all). Records ``recompute_skipped`` (1: server's
-        logprobs used) and ``timeperf/.../recompute_logp``.
+        token came from weights older than ``engine.get_version()``, or a mismatch correction
+        needs it because the update takes several optimizer steps); else None: the update uses
+        the server's logprobs as its old policy, and an active correction takes the trainer's
+        from the update's own (single) training forward. The data-parallel ranks decide
+        together (a stale token on any rank recomputes on all). Records ``recompute_skipped``
+        (1: no recompute) and ``timeperf/.../recompute_logp``.
         """
         require_fields(batch, ("input_ids", "attention_mask", "loss_mask", "logprobs"), "proximal_logp")
         versions = batch["versions"] if "versions" in batch else None
         version = self.engine.get_version()
         local = needs_logp_recompute(self.config.recompute_logprob, versions, batch["loss_mask"], version)
+        local = local or (self.correction.active and not self.one_step)
         recompute = bool(self._dp_sum(torch.tensor([float(local)])).item() > 0)
         stats_tracker.scalar(recompute_skipped=float(not recompute))
         if recompute:
             with stats_tracker.record_timing("recompute_logp"):
                 return self.compute_logp(batch)
-        return server_logp(batch["logprobs"], action_mask_of(batch))
+        return None
 
     # ------------------------------------------------------------ advantages
     def _model_path(self) -> str:
@@ -222,7 +246,8 @@ class PPOActor:
         kl_rewards = torch.zeros_like(behav)
         if cfg.kl_ctl > 0 and not cfg.use_kl_loss:
             require_fields(batch, ("ref_logp",), "compute_advantages", " (kl_ctl > 0 needs reference logprobs)")
-            policy_logp = batch["prox_logp"] if "prox_logp" in batch else behav
+            prox = batch.get("prox_logp")
+            policy_logp = behav if prox is None else prox
             kl_rewards = kl_penalty_rewards(policy_logp, batch["ref_logp"], action, cfg.kl_ctl, cfg.kl_estimator)
         token_rewards = place_at_last_token(rewards, action) + kl_rewards
         values = torch.where(action, batch["values"].float(), 0.0) if "values" in batch else torch.zeros_like(behav)
@@ -239,7 +264,18 @@ class PPOActor:
         return cast(PPOBatch, {**batch, **added})
 
     # ---------------------------------------------------------------- update
-    def _loss(self, logits: torch.Tensor, mb: TensorDict) -> torch.Tensor:
+    def _loss(
+        self,
+        logits: torch.Tensor,
+        mb: TensorDict,
+        forward_is_proximal: bool = False,
+        mismatch: bool = True,
+        old_is_trainer: bool = True,
+    ) -> torch.Tensor:
+        """PPO loss of one micro-batch. ``forward_is_proximal``: this step's weights are the proximal
+        policy (one-step update without a recompute), so the detached ``logp`` is the old policy;
+        ``mismatch``: record the trainer-vs-server metrics, from ``old_logp`` when it is the trainer's
+        (``old_is_trainer``) else from this forward (each token once per update)."""
         cfg = self.config
         cu = mb["cu_seqlens"]
         labels = next_token_labels(mb["input_ids"], cu)
@@ -248,18 +284,19 @@ class PPOActor:
         else:
             logp, entropy = gather_logprobs(logits, labels, cfg.temperature), None
         mask = mb["action_mask"].bool()
+        old = logp.detach() if forward_is_proximal else mb["old_logp"]
         agg = {"agg_mode": cfg.loss_agg_mode, "cu_seqlens": cu, "agg_norm_len": cfg.loss_agg_norm_len}
         loss, st = ppo_policy_loss(
             logp,
-            mb["old_logp"],
+            old,
             mb["advantages"],
             mask,
             cfg.eps_clip,
             cfg.eps_clip_higher,
             cfg.c_clip,
-            behav_logp=mb.get("behav_logp"),
-            behav_imp_weight_cap=cfg.behav_imp_weight_cap,
+            behav_logp=mb["behav_logp"],
             ratio_level=cfg.importance_sampling_level,
+            correction=self.correction,
             **agg,
         )
         stats_tracker.denominator(n_action_tokens=mask)
@@ -271,12 +308,14 @@ class PPOActor:
             dual_clip_ratio=st["dual_clip_mask"].float(),
             new_logp=logp.detach(),
         )
-        if "behav_logp" in mb:
+        if self.correction.active:
             stats_tracker.stat(
                 denominator="n_action_tokens",
                 behav_imp_weight=st["behav_imp_weight"],
                 behav_kept_ratio=st["behav_kept"].float(),
             )
+        trainer = old if old_is_trainer or forward_is_proximal else logp.detach()
+        _record_correction(st, mask, mb["behav_logp"], trainer if mismatch else None)
         if entropy is not None:
             loss = loss + entropy_bonus(entropy, mask, cfg.entropy_coeff, **agg)
             stats_tracker.stat(denominator="n_action_tokens", entropy=entropy.detach())
@@ -300,30 +339,39 @@ class PPOActor:
             returns=batch["returns"],
             kl_rewards=batch["kl_rewards"],
         )
+        if "versions" in batch:  # staleness per sample, and generations that spanned a weight update
+            vs = version_stats(shift_left(batch["versions"], fill=-1), action, self.engine.get_version())
+            with stats_tracker.scope("offpolicy"):
+                stats_tracker.denominator(n_seqs=vs["has_tokens"], n_tokens=action)
+                stats_tracker.stat("n_seqs", version_lag=vs["lag"])
+                stats_tracker.stat("n_tokens", ReduceType.AVG, multi_version_tokens=vs["multi_version"].float())
 
     def ppo_update(self, batch: PPOBatch) -> list[dict[str, float]]:
         """``ppo_n_epochs`` passes over ``ppo_n_minibatches`` minibatches (whole groups); one step each.
 
-        The ratio's old policy is ``prox_logp`` when present (:meth:`proximal_logp`), else the behaviour
-        logprobs; ``use_decoupled_loss`` additionally weights by ``exp(prox - behaviour)``.
-        Returns the engine's stats of every step; per-token stats go to ``stats_tracker``
-        under ``ppo_actor/``.
+        The ratio's old policy is ``prox_logp`` when present (:meth:`proximal_logp`), else the
+        training forward's own logprobs when a mismatch correction is on and the update is one
+        step, else the behaviour logprobs. ``config.offpolicy_correction`` weights each token by
+        its trainer/server ratio (:mod:`~tandemrl.algorithms.offpolicy`). Returns the engine's
+        stats of every step; per-token stats go to ``stats_tracker`` under ``ppo_actor/``, the
+        mismatch metrics under ``ppo_actor/offpolicy/`` (staleness) and ``ppo_actor/update/offpolicy/``.
         """
         cfg = self.config
         hint = " (batch = compute_advantages(batch) first)"
         require_fields(batch, ("advantages", "action_mask", "behav_logp", "returns"), "ppo_update", hint)
-        if cfg.use_decoupled_loss:
-            hint = " (use_decoupled_loss: set batch['prox_logp'] = proximal_logp(batch) before the update)"
-            require_fields(batch, ("prox_logp",), "ppo_update", hint)
+        prox = batch.get("prox_logp")
+        if prox is None and self.correction.active and not self.one_step:
+            kind = self.correction.kind
+            hint = f" (offpolicy_correction '{kind}' over several steps: batch['prox_logp'] = proximal_logp(batch))"
+            require_fields({}, ("prox_logp",), "ppo_update", hint)
         data = {
             "input_ids": batch["input_ids"],
             "attention_mask": batch["attention_mask"],
             "action_mask": batch["action_mask"],
             "advantages": batch["advantages"],
-            "old_logp": batch["prox_logp"] if "prox_logp" in batch else batch["behav_logp"],
+            "old_logp": batch["behav_logp"] if prox is None else prox,
+            "behav_logp": batch["behav_logp"],
         }
-        if cfg.use_decoupled_loss:
-            data["behav_logp"] = batch["behav_logp"]
         if cfg.kl_ctl > 0 and cfg.use_kl_loss:
             require_fields(batch, ("ref_logp",), "ppo_update", " (use_kl_loss needs reference logprobs)")
             data["ref_logp"] = batch["ref_logp"]
@@ -332,14 +380,20 @@ class PPOActor:
         def weight(mb: TensorDict) -> int:
             return aggregation_weight(mb["action_mask"], mode, mb["cu_seqlens"])
 
+        free_prox = prox is None and self.correction.active  # one_step here (checked above)
         results = []
         self.engine.train()
         with stats_tracker.scope("ppo_actor"):
             self._record_batch(batch)
             with stats_tracker.scope("update"):
-                for _ in range(cfg.ppo_n_epochs):
-                    for mb in split_minibatches(data, cfg.ppo_n_minibatches, cfg.group_size):
-                        results.append(self.engine.train_batch(mb, self._loss, weight))
+                for epoch in range(cfg.ppo_n_epochs):
+                    for i, mb in enumerate(split_minibatches(data, cfg.ppo_n_minibatches, cfg.group_size)):
+                        # Each token's mismatch once: the first epoch (recomputed), else the first step.
+                        first = epoch == 0 and (prox is not None or i == 0)
+                        loss_fn = functools.partial(
+                            self._loss, forward_is_proximal=free_prox, mismatch=first, old_is_trainer=prox is not None
+                        )
+                        results.append(self.engine.train_batch(mb, loss_fn, weight))
         return results
 
 
@@ -386,6 +440,21 @@ class PPOCritic:
                 for mb in split_minibatches(data, cfg.ppo_n_minibatches, cfg.group_size):
                     results.append(self.engine.train_batch(mb, self._loss, lambda m: int(m["action_mask"].sum())))
         return results
+
+
+def _record_correction(
+    st: dict[str, torch.Tensor], mask: torch.Tensor, behav_logp: torch.Tensor, trainer_logp: torch.Tensor | None
+) -> None:
+    """``offpolicy/``: fractions of tokens the correction dropped / truncated and, given the trainer's
+    proximal logp, mean/max |trainer - server| logp and KL(behaviour || trainer) (k3)."""
+    with stats_tracker.scope("offpolicy"):
+        stats_tracker.denominator(n_tokens=mask)
+        dropped = (mask & ~st["behav_kept"]).float()
+        stats_tracker.stat("n_tokens", ReduceType.AVG, masked=dropped, truncated=st["behav_truncated"].float())
+        if trainer_logp is not None:
+            mm = mismatch_token_stats(trainer_logp, behav_logp, mask)
+            stats_tracker.stat("n_tokens", abs_dlogp=mm["abs_dlogp"])
+            stats_tracker.stat("n_tokens", ReduceType.AVG, kl_k3=mm["kl_k3"])
 
 
 def _values_of(logits: torch.Tensor) -> torch.Tensor:

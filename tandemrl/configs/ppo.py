@@ -69,8 +69,9 @@ class PPOActorConfig:
                   std_level: none} (or ReinforceActor.train_reinforce)
     ============  ==============================================================================
 
-    Off-policy (asynchronous) samples: use_decoupled_loss + behav_imp_weight_cap; recompute_logprob
-    'auto' (default) recomputes the proximal logprobs only for batches with off-policy tokens.
+    Off-policy (asynchronous) samples and the trainer/server numerical gap: offpolicy_correction
+    (default auto: token TIS, or use_decoupled_loss + behav_imp_weight_cap's capped weights);
+    recompute_logprob 'auto' (default) recomputes the proximal logprobs only when needed.
     """
 
     engine: TrainEngineConfig = field(
@@ -100,9 +101,43 @@ class PPOActorConfig:
     )
     use_decoupled_loss: bool = field(
         default=False,
-        metadata={"help": "Decoupled PPO with behaviour weights exp(prox - behav) (needs recompute_logprob != never)."},
+        metadata={
+            "help": "Decoupled PPO with behaviour weights exp(prox - behav) (needs recompute_logprob != never); "
+            "the legacy form of offpolicy_correction, read only when that is auto."
+        },
     )
-    behav_imp_weight_cap: float | None = field(default=None, metadata={"help": "Cap of behaviour importance weight."})
+    behav_imp_weight_cap: float | None = field(
+        default=None,
+        metadata={
+            "help": "Decoupled PPO: tokens whose behaviour weight exp(prox - behav) exceeds this are dropped "
+            "(the legacy form of offpolicy_correction 'mis'; read only when offpolicy_correction is auto)."
+        },
+    )
+    offpolicy_correction: str = field(
+        default="auto",
+        metadata={
+            "help": "Train/rollout mismatch correction on rho = exp(prox - behav) (docs/offpolicy.md): tis "
+            "(weight min(rho, C)), mis (drop tokens with rho > C), seq_tis / seq_mis (the same on the sequence "
+            "ratio, offpolicy_seq_ratio), geo_mask (drop sequences whose geometric-mean ratio is outside "
+            "[1/C_low, C]), icepop (drop tokens outside [1/C_low, C]), cispo (CISPO objective + tis), none. "
+            "'auto': use_decoupled_loss's weights when it is set, else tis.",
+            "choices": ["auto", "none", "tis", "mis", "seq_tis", "seq_mis", "geo_mask", "icepop", "cispo"],
+        },
+    )
+    offpolicy_cap: float = field(
+        default=2.0, metadata={"help": "C: the upper ratio threshold of offpolicy_correction.", "min": 1.0}
+    )
+    offpolicy_cap_low: float | None = field(
+        default=None,
+        metadata={"help": "C_low: icepop/geo_mask drop ratios below 1/C_low; None: offpolicy_cap.", "min": 1.0},
+    )
+    offpolicy_seq_ratio: str = field(
+        default="product",
+        metadata={
+            "help": "Sequence ratio of seq_tis/seq_mis: product of token ratios, or their geometric mean.",
+            "choices": ["product", "geometric"],
+        },
+    )
     truncation_replay: bool = field(
         default=False,
         metadata={

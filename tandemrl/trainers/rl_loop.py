@@ -98,8 +98,10 @@ def ppo_train_step(actor: PPOActor, ref: PPOActor | None = None, critic: PPOCrit
 
     def step(rollout: TensorDict, global_step: int) -> None:
         batch = cast(PPOBatch, rollout)
-        with stats_tracker.scope("actor"):  # recomputed only for off-policy tokens (recompute_logprob)
-            batch["prox_logp"] = actor.proximal_logp(batch)
+        with stats_tracker.scope("actor"):  # recomputed only when needed (recompute_logprob)
+            prox = actor.proximal_logp(batch)
+        if prox is not None:
+            batch["prox_logp"] = prox
         if ref is not None and config.kl_ctl > 0:  # the reference forward serves the KL term only
             with stats_tracker.record_timing("ref_logp"):
                 batch["ref_logp"] = ref.compute_logp(batch)

@@ -40,11 +40,20 @@ CONFIGS = {
     "clipped": dict(
         adv_norm=NormConfig(mean_level="group", std_level="batch", unit="token"),
         recompute_logprob="never",
+        offpolicy_correction="none",  # the PPO clip against the behaviour policy is the only correction
         eps_clip=0.2,
         eps_clip_higher=0.3,
         c_clip=1.5,
         loss_agg_mode="seq-mean-token-mean",
         entropy_coeff=0.01,
+    ),
+    # Token TIS without a recompute (recompute_logprob never, one step): the training forward is the
+    # proximal policy, so the PPO ratio is 1 and each token weighs min(exp(prox - behav), 1.2).
+    "tis_free": dict(
+        adv_norm=NormConfig(mean_level="group", std_level="group", unit="sequence"),
+        recompute_logprob="never",
+        offpolicy_correction="tis",
+        offpolicy_cap=1.2,
     ),
 }
 
