@@ -46,7 +46,19 @@ def _error(*overrides: str) -> str:
             ("Config key 'gconfig.top_p' on the command line", "is 0.8", "actor.truncation_replay"),
         ),
         (("gconfig.top_k=20",), ("Config key 'gconfig.top_k' on the command line", "is 20", "actor.truncation_replay")),
-        (("actor.truncation_replay=true",), ("Config key 'actor.truncation_replay' on the command line",)),
+        (
+            ("gconfig.min_p=0.05",),
+            ("Config key 'gconfig.min_p' on the command line", "is 0.05", "actor.truncation_replay"),
+        ),
+        # the replay with settings other than the sampler's
+        (
+            ("gconfig.top_p=0.8", "actor.truncation_replay=true"),
+            ("Config key 'actor.top_p'", "is 1.0 but gconfig.top_p is 0.8", "set actor.top_p: ${gconfig.top_p}"),
+        ),
+        (
+            ("actor.truncation_replay=true", "actor.top_k=20"),
+            ("Config key 'actor.top_k' on the command line", "is 20 but gconfig.top_k is -1"),
+        ),
         # a group of one sample under group-normalised advantages (group_size: ${gconfig.n_samples})
         (
             ("gconfig.n_samples=1",),
@@ -114,3 +126,16 @@ def test_async_follows_the_staleness_bound_unless_set() -> None:
     # Colocated runs are sync by default now (null async with staleness 0); staleness 1 asks for overlap.
     load_config(["allocation_mode=vllm:d1|fsdp:d1"], GRPOConfig)
     assert "colocates the servers" in _error("allocation_mode=vllm:d1|fsdp:d1")
+
+
+def test_truncated_sampling_with_the_replay_loads() -> None:
+    """The replay on with the sampler's own settings (interpolated from gconfig) is accepted and replayed."""
+    from tandemrl.algorithms.truncation import Truncation, replay_of
+
+    truncated = ["gconfig.top_p=0.8", "gconfig.top_k=20", "gconfig.min_p=0.01", "actor.truncation_replay=true"]
+    linked = ["actor.top_p=${gconfig.top_p}", "actor.top_k=${gconfig.top_k}", "actor.min_p=${gconfig.min_p}"]
+    cfg, _ = load_config(["--config", GRPO_YAML, *truncated, *linked], GRPOConfig)
+    assert replay_of(cfg.actor) == Truncation(top_k=20, top_p=0.8, min_p=0.01)
+    # On without truncated sampling: accepted, and nothing to replay (the full-vocabulary path).
+    plain, _ = load_config(["--config", GRPO_YAML, "actor.truncation_replay=true"], GRPOConfig)
+    assert replay_of(plain.actor) is None

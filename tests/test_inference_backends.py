@@ -37,6 +37,7 @@ SAMPLED = GenerationHyperparameters(
     temperature=0.7,
     top_p=0.9,
     top_k=50,
+    min_p=0.05,
     stop_token_ids=[2, 7],
     frequency_penalty=0.1,
 )
@@ -175,7 +176,7 @@ def test_vllm_generate_sampled() -> None:
     sp = body["sampling_params"]
     assert sp["max_tokens"] == 14
     assert sp["min_tokens"] == 2  # 4 owed minus the 2 already generated
-    assert (sp["temperature"], sp["top_p"], sp["top_k"]) == (0.7, 0.9, 50)
+    assert (sp["temperature"], sp["top_p"], sp["top_k"], sp["min_p"]) == (0.7, 0.9, 50, 0.05)
     assert sp["stop_token_ids"] == [2, 7] and sp["frequency_penalty"] == 0.1
     assert (sp["logprobs"], sp["n"], sp["seed"]) == (0, 1, 11)
     assert "stop" not in sp and sp["detokenize"] is False and "ignore_eos" not in sp
@@ -184,7 +185,7 @@ def test_vllm_generate_sampled() -> None:
 def test_vllm_generate_greedy_and_options() -> None:
     req = make_req(GREEDY.new(top_k=-1, stop=["\n\n"]), ignore_eos=True)
     sp = VLLMBackend().build_generate(req, [], remaining=16, version=0).json["sampling_params"]  # type: ignore[index]
-    assert (sp["temperature"], sp["top_p"], sp["top_k"]) == (0.0, 1.0, 0)
+    assert (sp["temperature"], sp["top_p"], sp["top_k"], sp["min_p"]) == (0.0, 1.0, 0, 0.0)
     assert sp["stop"] == ["\n\n"] and sp["detokenize"] is True and sp["ignore_eos"] is True
     assert "seed" not in sp
     sampled_no_topk = VLLMBackend().build_generate(make_req(SAMPLED.new(top_k=-1)), [], 16, 0)
@@ -443,7 +444,7 @@ def test_sglang_generate_sampled_not_run_against_real_server() -> None:
     assert body["return_logprob"] is True and body["stream"] is False
     sp = body["sampling_params"]
     assert (sp["max_new_tokens"], sp["min_new_tokens"]) == (13, 1)
-    assert (sp["temperature"], sp["top_p"], sp["top_k"]) == (0.7, 0.9, 50)
+    assert (sp["temperature"], sp["top_p"], sp["top_k"], sp["min_p"]) == (0.7, 0.9, 50, 0.05)
     assert sp["stop_token_ids"] == [2, 7] and sp["frequency_penalty"] == 0.1
     assert "stop" not in sp and "ignore_eos" not in sp
 
@@ -456,7 +457,7 @@ def test_sglang_generate_greedy_not_run_against_real_server() -> None:
             "sampling_params"
         ]
     )
-    assert (sp["temperature"], sp["top_p"], sp["top_k"]) == (0.0, 1.0, 1)
+    assert (sp["temperature"], sp["top_p"], sp["top_k"], sp["min_p"]) == (0.0, 1.0, 1, 0.0)
     assert sp["stop"] == ["###"] and sp["ignore_eos"] is True
     no_topk = SGLangBackend().build_generate(make_req(SAMPLED.new(top_k=0)), [], 16, 0).json
     assert no_topk["sampling_params"]["top_k"] == -1  # type: ignore[index]

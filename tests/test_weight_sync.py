@@ -1,7 +1,8 @@
 """Trainer <-> real vLLM acceptance tests of the rollout path (all ``slow``).
 
 * the trainer (FSDPEngine, 2 gloo ranks under torchrun) recomputes the server's
-  behaviour logprobs at the sampling temperature;
+  behaviour logprobs at the sampling temperature, and under top-p/top-k sampling with
+  ``truncation_replay`` (unbiased ratios; biased without it);
 * ``RolloutController.push_weights`` from an FSDP engine by disk (tiny model, bf16 session server) and by bucketed
   collective broadcast (a ~25M-parameter model on its own fp32 server) makes the server's
   greedy output equal transformers' greedy output on the engine's exported weights;
@@ -63,9 +64,17 @@ from tandemrl.rollout.executor import WorkflowExecutor
 WORKER = Path(__file__).resolve().parent / "workers" / "sync_checks.py"
 WORKER_ENV = {"TANDEMRL_DIST_TIMEOUT": "300"}  # a hung collective fails after 5 min, not 30
 LOGPROB_TOL = 0.02  # mean |server - recomputed| logprob, bf16 server vs fp32 trainer
+# top_p=0.8, top_k=20, fp32 server and trainer (docs/truncated_sampling.md has the measured values).
+TRUNCATED_TOL = 1e-4  # with the replay: mean |trainer - server| logprob and |mean ratio - 1|
+TRUNCATED_OUTSIDE = 0.01  # with the replay: tokens outside the trainer's kept set
+FULL_VOCAB_MAX_RATIO = 0.5  # without the replay: the mean ratio exp(trainer - server) is below this
 # ~25M parameters: 8 layers of ~3M (hidden 512, MLP 1536) + 2 x 0.5M embeddings.
 BIG_MODEL = {"hidden": 512, "layers": 8, "intermediate": 1536, "heads": 8, "kv_heads": 2}
-BIG_TESTS = ("test_collective_update_25m_model_in_buckets", "test_killed_server_mid_rollout_fails_over")
+BIG_TESTS = (
+    "test_truncated_sampling_ratios_are_unbiased_with_the_replay",
+    "test_collective_update_25m_model_in_buckets",
+    "test_killed_server_mid_rollout_fails_over",
+)
 TOP_PROMPTS = 8  # compared on a bf16 server: the prompts whose greedy paths have the widest top-2 logit gaps
 
 
@@ -230,6 +239,32 @@ def test_collective_update_from_megatron_tensor_parallel(
     _update_session_server(
         vllm_server, tiny_model_dir, tmp_path, "collective", seed=13, extra=["--allocation", "megatron:t2"]
     )
+
+
+@pytest.mark.slow
+def test_truncated_sampling_ratios_are_unbiased_with_the_replay(big_server: VLLMTestServer, tmp_path: Path) -> None:
+    """At top_p=0.8, top_k=20, T=1 the server's (processed) logprobs are of the truncated distribution:
+    PPOActor.compute_logp with truncation_replay matches them, the full-vocabulary logprobs are biased low.
+
+    On the fp32 25M server (before any test updates it), so trainer and sampler logits agree to fp32
+    rounding and the kept sets match; on the bf16 session server near-boundary tokens flip in and out.
+    """
+    run_worker("truncated", big_server.model_dir, big_server, tmp_path, "--top-p", "0.8", "--top-k", "20")
+    r = {k: torch.tensor(v) for k, v in torch.load(tmp_path / "truncated.pt").items()}
+    assert len(r["server"]) == 2 * 4 * 48  # 2 ranks x 4 samples x 48 tokens
+    gap = r["replay"] - r["server"]
+    ratio, full_ratio = gap.exp(), (r["full"] - r["server"]).exp()
+    outside = r["outside"].mean()
+    print(
+        f"replay: mean |gap| {gap.abs().mean():.2e}, max {gap.abs().max():.2e}, mean ratio {ratio.mean():.6f}, "
+        f"outside {outside:.4f}; full vocabulary: mean ratio {full_ratio.mean():.4f}, max {full_ratio.max():.4f}"
+    )
+    assert gap.abs().mean() < TRUNCATED_TOL, f"replay: mean |trainer - server| {gap.abs().mean():.2e}"
+    assert abs(ratio.mean() - 1) < TRUNCATED_TOL, f"replay: mean ratio {ratio.mean():.6f}"
+    assert outside <= TRUNCATED_OUTSIDE, f"{outside:.4f} of the tokens fell outside the trainer's kept set"
+    # Without the replay every token's full-vocabulary logprob is lower (by log of the kept mass).
+    assert bool((r["full"] < r["server"]).all()), "a full-vocabulary logprob is not below the server's"
+    assert full_ratio.mean() < FULL_VOCAB_MAX_RATIO, f"full vocabulary: mean ratio {full_ratio.mean():.4f}"
 
 
 @pytest.mark.slow

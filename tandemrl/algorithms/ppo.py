@@ -29,11 +29,12 @@ from tandemrl.algorithms.rewards import (
     response_ends_with_eos,
     shape_rewards,
 )
+from tandemrl.algorithms.truncation import Truncation, policy_logprobs, replay_of
 from tandemrl.algorithms.value_loss import value_loss
 from tandemrl.api.engine import TrainEngine
 from tandemrl.api.types import RolloutBatch, TensorDict
 from tandemrl.configs.ppo import PPOActorConfig, PPOCriticConfig
-from tandemrl.models.functional import gather_logprobs, gather_logprobs_entropy, next_token_labels
+from tandemrl.models.functional import next_token_labels
 from tandemrl.utils import stats_tracker
 from tandemrl.utils.stats_tracker import ReduceType
 
@@ -78,9 +79,13 @@ def split_minibatches(batch: TensorDict, n: int, group_size: int) -> list[Tensor
     return [{k: v[a:b] for k, v in batch.items()} for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
 
 
-def next_token_logp(logits: torch.Tensor, mb: TensorDict, temperature: float) -> torch.Tensor:
-    """Post-hook: packed next-token logprobs, 0 at each sequence's last position (no next token)."""
-    logp = gather_logprobs(logits, next_token_labels(mb["input_ids"], mb["cu_seqlens"]), temperature)
+def next_token_logp(
+    logits: torch.Tensor, mb: TensorDict, temperature: float, replay: Truncation | None = None
+) -> torch.Tensor:
+    """Post-hook: packed next-token logprobs (under ``replay``'s truncation if given), 0 at each
+    sequence's last position (no next token)."""
+    labels = next_token_labels(mb["input_ids"], mb["cu_seqlens"])
+    logp = policy_logprobs(logits, labels, temperature, replay)[0]
     logp[mb["cu_seqlens"][1:].long() - 1] = 0.0
     return logp
 
@@ -126,6 +131,7 @@ class PPOActor:
             )
         self.config = config
         self.engine = engine
+        self.replay = replay_of(config)  # truncated sampling replayed in every trainer logprob (truncation.py)
 
     # ------------------------------------------------------------------ logp
     def compute_logp(self, batch: RolloutBatch) -> torch.Tensor:
@@ -136,9 +142,9 @@ class PPOActor:
         update) or, from a reference engine, as ``batch["ref_logp"]``.
         """
         require_fields(batch, ("input_ids", "attention_mask"), "compute_logp")
-        temp = self.config.temperature
+        temp, replay = self.config.temperature, self.replay
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-        return self.engine.forward(inputs, post_hook=lambda logits, mb: next_token_logp(logits, mb, temp))
+        return self.engine.forward(inputs, post_hook=lambda logits, mb: next_token_logp(logits, mb, temp, replay))
 
     def proximal_logp(self, batch: RolloutBatch) -> torch.Tensor | None:
         """``batch["prox_logp"]`` for the update: the trainer's policy before it, next-token aligned like ``compute_logp``.
@@ -279,10 +285,7 @@ class PPOActor:
         cfg = self.config
         cu = mb["cu_seqlens"]
         labels = next_token_labels(mb["input_ids"], cu)
-        if cfg.entropy_coeff != 0.0:
-            logp, entropy = gather_logprobs_entropy(logits, labels, cfg.temperature)
-        else:
-            logp, entropy = gather_logprobs(logits, labels, cfg.temperature), None
+        logp, entropy, outside = policy_logprobs(logits, labels, cfg.temperature, self.replay, cfg.entropy_coeff != 0.0)
         mask = mb["action_mask"].bool()
         old = logp.detach() if forward_is_proximal else mb["old_logp"]
         agg = {"agg_mode": cfg.loss_agg_mode, "cu_seqlens": cu, "agg_norm_len": cfg.loss_agg_norm_len}
@@ -308,6 +311,8 @@ class PPOActor:
             dual_clip_ratio=st["dual_clip_mask"].float(),
             new_logp=logp.detach(),
         )
+        if outside is not None:
+            stats_tracker.stat(denominator="n_action_tokens", truncation_outside_frac=outside.float())
         if self.correction.active:
             stats_tracker.stat(
                 denominator="n_action_tokens",

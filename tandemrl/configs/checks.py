@@ -214,10 +214,28 @@ def _truncation(gconfig: GenerationHyperparameters) -> tuple[str, object] | None
     for name, value, truncates in (
         ("top_p", gconfig.top_p, gconfig.top_p < 1.0),
         ("top_k", gconfig.top_k, gconfig.top_k > 0),
-        ("min_p", getattr(gconfig, "min_p", 0.0), getattr(gconfig, "min_p", 0.0) > 0.0),
+        ("min_p", gconfig.min_p, gconfig.min_p > 0.0),
     ):
         if truncates:
             return name, value
+    return None
+
+
+def _replay_differs(actor: PPOActorConfig, gconfig: GenerationHyperparameters) -> Problem | None:
+    """The replay must use the sampler's settings (each compared as the filter it means: off is off)."""
+    sampled = {
+        "top_k": max(gconfig.top_k, 0) if not gconfig.greedy else 0,
+        "top_p": min(gconfig.top_p, 1.0) if not gconfig.greedy else 1.0,
+        "min_p": max(gconfig.min_p, 0.0) if not gconfig.greedy else 0.0,
+    }
+    replayed = {"top_k": max(actor.top_k, 0), "top_p": min(actor.top_p, 1.0), "min_p": max(actor.min_p, 0.0)}
+    for name, value in sampled.items():
+        if replayed[name] != value:
+            return (
+                f"actor.{name}",
+                f"is {getattr(actor, name)} but gconfig.{name} is {getattr(gconfig, name)}: actor.truncation_replay "
+                f"replays the sampler's truncation, so set actor.{name}: ${{gconfig.{name}}}",
+            )
     return None
 
 
@@ -227,10 +245,7 @@ def _truncation_replayed(config: Any) -> Problem | None:
     if not isinstance(actor, PPOActorConfig) or not isinstance(gconfig, GenerationHyperparameters):
         return None
     if actor.truncation_replay:
-        return (
-            "actor.truncation_replay",
-            "must be false: the trainer-side replay of truncated sampling is not built yet",
-        )
+        return _replay_differs(actor, gconfig)
     truncated = _truncation(gconfig)
     if truncated is None:
         return None
@@ -239,7 +254,8 @@ def _truncation_replayed(config: Any) -> Problem | None:
         f"gconfig.{name}",
         f"is {value}: truncated sampling (gconfig.top_p < 1, gconfig.top_k > 0 or gconfig.min_p > 0) makes the "
         "server's logprobs renormalised over the kept tokens while the trainer's span the vocabulary, biasing "
-        "every importance ratio, and actor.truncation_replay is false; sample with top_p=1, top_k=-1, min_p=0",
+        "every importance ratio, and actor.truncation_replay is false; set actor.truncation_replay=true (with "
+        "actor.top_p/top_k/min_p equal to gconfig's), or sample with top_p=1, top_k=-1, min_p=0",
     )
 
 

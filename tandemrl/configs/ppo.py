@@ -142,9 +142,19 @@ class PPOActorConfig:
         default=False,
         metadata={
             "help": "Under top-p/top-k/min-p sampling, recompute the sampler's kept tokens from the trainer's logits "
-            "and renormalise over them, so ratios compare like with like. Not built yet: true is a config error, "
-            "and so is truncated sampling without it (README.md, Config guards)."
+            "(top_k, top_p, min_p below, which must equal gconfig's) and renormalise over them, so every trainer "
+            "logprob in a ratio is of the distribution actually sampled (docs/truncated_sampling.md). Truncated "
+            "sampling without it is a config error (README.md, Config guards)."
         },
+    )
+    top_k: int = field(
+        default=-1, metadata={"help": "Top-k the sampler used (replayed; e.g. ${gconfig.top_k}); <= 0 disables."}
+    )
+    top_p: float = field(
+        default=1.0, metadata={"help": "Top-p the sampler used (replayed; e.g. ${gconfig.top_p}); 1 disables."}
+    )
+    min_p: float = field(
+        default=0.0, metadata={"help": "Min-p the sampler used (replayed; e.g. ${gconfig.min_p}); 0 disables."}
     )
     # ---- additions: advantage normalization, KL form, loss shape, reward shaping, critic
     adv_norm: NormConfig = field(default_factory=NormConfig)

@@ -64,6 +64,7 @@ class SGLangBackend(TimeoutsMixin):
             "temperature": 0.0 if g.greedy else g.temperature,
             "top_p": 1.0 if g.greedy else g.top_p,
             "top_k": 1 if g.greedy else (g.top_k if g.top_k > 0 else -1),  # -1 disables top-k
+            "min_p": 0.0 if g.greedy else g.min_p,
             "stop_token_ids": list(g.stop_token_ids),
             "frequency_penalty": g.frequency_penalty,
         }

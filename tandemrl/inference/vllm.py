@@ -81,6 +81,7 @@ class VLLMBackend(TimeoutsMixin):
             "temperature": 0.0 if g.greedy else g.temperature,
             "top_p": 1.0 if g.greedy else g.top_p,
             "top_k": 0 if g.greedy or g.top_k <= 0 else g.top_k,  # 0 disables top-k in vLLM
+            "min_p": 0.0 if g.greedy else g.min_p,
             "stop_token_ids": list(g.stop_token_ids),
             "frequency_penalty": g.frequency_penalty,
             "logprobs": 0,  # the sampled token's logprob only

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import torch
@@ -231,10 +231,12 @@ class RLTrainer:
     def reference(self) -> PPOActor | None:
         """The frozen reference policy when the KL term is on (``actor.kl_ctl > 0`` and ``ref`` set), else None.
 
-        It computes ``ref_logp`` with the actor's algorithm settings (temperature) on the ``ref`` model.
+        It computes ``ref_logp`` with the actor's algorithm settings (temperature) on the ``ref`` model,
+        over the full vocabulary (no truncation replay: the KL is to the untruncated reference).
         """
         if self.config.actor.kl_ctl > 0 and self.config.ref is not None:
-            return PPOActor(self.config.actor, self.add_engine(self.config.ref, "ref"))
+            settings = replace(self.config.actor, truncation_replay=False)
+            return PPOActor(settings, self.add_engine(self.config.ref, "ref"))
         return None
 
     def rlvr_workflows(

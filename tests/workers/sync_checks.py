@@ -5,6 +5,8 @@ Modes (results go to ``--out``, written by rank 0):
 * ``logprobs``: each rank samples completions through ``RemoteVLLMEngine.agenerate`` at
   every ``--temperatures`` value, then ``FSDPEngine.forward`` recomputes the sampled
   tokens' logprobs at that temperature on the same weights -> ``logprobs.pt``.
+* ``truncated``: the same at T=1 with ``--top-p``/``--top-k``, recomputed by ``PPOActor.compute_logp``
+  with and without ``truncation_replay``, plus each token's outside-the-kept-set flag -> ``truncated.pt``.
 * ``update``: train a few SFT steps on a fixed batch, export the weights (HF),
   push them with ``RolloutController.push_weights`` (``--sync disk`` or ``collective``) and record the
   server's greedy continuations of ``--prompts`` before and after -> ``update.pt``.
@@ -30,11 +32,14 @@ import torch
 import torch.distributed as dist
 
 from tandemrl.algorithms.lm import LMEngine
+from tandemrl.algorithms.ppo import PPOActor
+from tandemrl.algorithms.truncation import truncated_logprobs
 from tandemrl.api.allocation import AllocationMode
 from tandemrl.api.engine import TrainEngine
 from tandemrl.api.inference import HttpRequest, ModelRequest, ModelResponse, WeightUpdateMeta
 from tandemrl.api.types import FinetuneSpec, SaveLoadMeta, TensorDict
 from tandemrl.configs.engine import OptimizerConfig, TrainEngineConfig
+from tandemrl.configs.ppo import PPOActorConfig
 from tandemrl.configs.rollout import InferenceEngineConfig
 from tandemrl.engines.registry import engine_class
 from tandemrl.engines.teardown import destroy_process_groups
@@ -105,6 +110,34 @@ def gather_to_rank0(obj: object) -> list[object]:
 # --------------------------------------------------------------------------- logprobs
 
 
+def sampling_requests(
+    args: argparse.Namespace, vocab: int, g: torch.Generator, tag: str, **sampling: Any
+) -> list[ModelRequest]:
+    """``args.samples`` random prompts of 6-15 tokens, each to run ``args.new_tokens`` tokens (no EOS stop)."""
+    reqs = []
+    for i in range(args.samples):
+        prompt = torch.randint(3, vocab, (int(torch.randint(6, 16, (1,), generator=g)),), generator=g)
+        req = ModelRequest(rid=f"{tag}-{i}", input_ids=prompt.tolist(), metadata={"ignore_eos": True})
+        req.gconfig = req.gconfig.new(max_new_tokens=args.new_tokens, **sampling)
+        reqs.append(req)
+    return reqs
+
+
+def generated_positions(
+    args: argparse.Namespace, resps: list[ModelResponse], recomputed: dict[str, torch.Tensor]
+) -> dict[str, list[float]]:
+    """The server's logprobs and each [B, L] next-token aligned recomputation, on the generated tokens."""
+    out: dict[str, list[float]] = {"server": [], **{k: [] for k in recomputed}}
+    for i, r in enumerate(resps):
+        assert r.output_len == args.new_tokens, (r.output_len, r.stop_reason)
+        # Position t holds log p(token t + 1 | tokens <= t).
+        span = slice(r.input_len - 1, r.input_len - 1 + r.output_len)
+        for k, v in recomputed.items():
+            out[k] += v[i, span].tolist()
+        out["server"] += r.output_logprobs
+    return out
+
+
 def logprobs(args: argparse.Namespace) -> None:
     """Server (behaviour) logprobs vs the trainer's recomputation, per temperature."""
     engine = make_engine(args.model, lr=1e-4)
@@ -116,15 +149,7 @@ def logprobs(args: argparse.Namespace) -> None:
     result: dict[float, dict[str, list[float]]] = {}
     try:
         for temp in args.temperatures:
-            reqs = []
-            for i in range(args.samples):
-                prompt = torch.randint(3, vocab, (int(torch.randint(6, 16, (1,), generator=g)),), generator=g)
-                req = ModelRequest(
-                    rid=f"lp-{rank}-{temp}-{i}", input_ids=prompt.tolist(), metadata={"ignore_eos": True}
-                )
-                req.gconfig = req.gconfig.new(temperature=temp, max_new_tokens=args.new_tokens)
-                reqs.append(req)
-            resps = generate(rollout, reqs)
+            resps = generate(rollout, sampling_requests(args, vocab, g, f"lp-{rank}-{temp}", temperature=temp))
 
             def post_hook(logits: torch.Tensor, mb: TensorDict, temp: float = temp) -> torch.Tensor:
                 return gather_logprobs(logits, next_token_labels(mb["input_ids"], mb["cu_seqlens"]), temp)
@@ -136,22 +161,46 @@ def logprobs(args: argparse.Namespace) -> None:
             recomputed = engine.forward(batch, post_hook=post_hook)
             raw = engine.forward(batch, post_hook=raw_hook)  # ignoring the temperature (a control)
             in_bf16 = bf16.forward(batch, post_hook=post_hook)
-            out: dict[str, list[float]] = {"server": [], "trainer": [], "trainer_raw": [], "trainer_bf16": []}
-            for i, r in enumerate(resps):
-                assert r.output_len == args.new_tokens, (r.output_len, r.stop_reason)
-                # Position t holds log p(token t + 1 | tokens <= t).
-                span = slice(r.input_len - 1, r.input_len - 1 + r.output_len)
-                out["trainer"] += recomputed[i, span].tolist()
-                out["trainer_raw"] += raw[i, span].tolist()
-                out["trainer_bf16"] += in_bf16[i, span].tolist()
-                out["server"] += r.output_logprobs
-            result[temp] = out
+            result[temp] = generated_positions(
+                args, resps, {"trainer": recomputed, "trainer_raw": raw, "trainer_bf16": in_bf16}
+            )
     finally:
         rollout.destroy()
     gathered = gather_to_rank0(result)
     if rank == 0:
         merged = {t: {k: sum((part[t][k] for part in gathered), []) for k in result[t]} for t in result}
         torch.save(merged, os.path.join(args.out, "logprobs.pt"))
+
+
+def truncated(args: argparse.Namespace) -> None:
+    """Sampling at T=1 with top-p/top-k: the server's logprobs vs PPOActor.compute_logp with and without
+    ``truncation_replay`` (fp32 trainer), and whether each token fell outside the trainer's kept set."""
+    engine = make_engine(args.model, lr=1e-4)
+    rollout = make_rollout(args.addr)
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(2000 + rank)
+    sampling = {"temperature": 1.0, "top_p": args.top_p, "top_k": args.top_k}
+    try:
+        resps = generate(
+            rollout, sampling_requests(args, int(engine.model_config.vocab_size), g, f"tr-{rank}", **sampling)
+        )
+    finally:
+        rollout.destroy()
+    batch = padded([r.input_tokens + r.output_tokens for r in resps])
+    replay = PPOActorConfig(truncation_replay=True, top_p=args.top_p, top_k=args.top_k)
+    replayed = PPOActor(replay, engine).compute_logp(batch)
+    full = PPOActor(PPOActorConfig(), engine).compute_logp(batch)
+
+    def outside_hook(logits: torch.Tensor, mb: TensorDict) -> torch.Tensor:
+        labels = next_token_labels(mb["input_ids"], mb["cu_seqlens"])
+        return truncated_logprobs(logits, labels, 1.0, args.top_k, args.top_p)[1].float()
+
+    outside = engine.forward(batch, post_hook=outside_hook)
+    out = generated_positions(args, resps, {"replay": replayed, "full": full, "outside": outside})
+    gathered = gather_to_rank0(out)
+    if rank == 0:
+        merged = {k: sum((part[k] for part in gathered), []) for k in out}
+        torch.save(merged, os.path.join(args.out, "truncated.pt"))
 
 
 # ----------------------------------------------------------------------------- update
@@ -305,13 +354,15 @@ def delta(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["logprobs", "update", "delta"])
+    p.add_argument("mode", choices=["logprobs", "truncated", "update", "delta"])
     p.add_argument("--model", required=True)
     p.add_argument("--addr", required=True, help="host:port of the vLLM server")
     p.add_argument("--out", required=True)
     p.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.7])
     p.add_argument("--samples", type=int, default=4, help="completions per rank and temperature")
     p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--top-p", type=float, default=0.8, help="truncated mode's sampling top_p")
+    p.add_argument("--top-k", type=int, default=20, help="truncated mode's sampling top_k")
     p.add_argument("--sync", choices=["disk", "collective"], default="disk")
     p.add_argument("--prompts", help="JSON list of token-id prompts for the greedy comparison")
     p.add_argument("--steps", type=int, default=3)
@@ -319,5 +370,5 @@ if __name__ == "__main__":
     p.add_argument("--bucket-mb", type=int, default=8)
     p.add_argument("--allocation", default="fsdp:d2", help="training allocation of the update mode's engine")
     a = p.parse_args()
-    {"logprobs": logprobs, "update": update, "delta": delta}[a.mode](a)
+    {"logprobs": logprobs, "truncated": truncated, "update": update, "delta": delta}[a.mode](a)
     destroy_process_groups()
