@@ -142,8 +142,15 @@ def test_ppo_loss_ratios_use_the_replay_and_count_outside_tokens(replayed: bool)
     ids, cu = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8]), torch.tensor([0, 8], dtype=torch.int32)
     server, outside = truncated_logprobs(logits, next_token_labels(ids, cu), top_k=4, top_p=0.9)
     action = torch.tensor([False, False, True, True, True, True, True, False])
-    mb = {"input_ids": ids, "cu_seqlens": cu, "action_mask": action, "old_logp": server, "advantages": torch.ones(8)}
-    cfg = PPOActorConfig(engine=TrainEngineConfig(path="unused"), truncation_replay=replayed, top_k=4, top_p=0.9)
+    mb = {"input_ids": ids, "cu_seqlens": cu, "action_mask": action, "advantages": torch.ones(8)}
+    mb |= {"old_logp": server, "behav_logp": server}  # the server's (truncated) logprobs, as a batch carries them
+    cfg = PPOActorConfig(
+        engine=TrainEngineConfig(path="unused"),
+        truncation_replay=replayed,
+        top_k=4,
+        top_p=0.9,
+        offpolicy_correction="none",
+    )
     stats_tracker.export(reset=True)
     PPOActor(cfg, engine=None)._loss(logits, mb)  # type: ignore[arg-type]
     stats = stats_tracker.export(reset=True)
