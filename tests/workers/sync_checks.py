@@ -52,11 +52,20 @@ from tandemrl.rollout.controller import RolloutController
 GREEDY_TOKENS = 12  # greedy continuation length compared with transformers
 
 
-def make_engine(model: str, lr: float, allocation: str = "fsdp:d2", mixed_precision: str | None = None) -> TrainEngine:
+def make_engine(
+    model: str,
+    lr: float,
+    allocation: str = "fsdp:d2",
+    mixed_precision: str | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> TrainEngine:
     """An SFT engine of the backend and layout ``allocation`` names (the engine registry picks the class);
-    fp32 compute unless ``mixed_precision`` says otherwise."""
+    fp32 compute unless ``mixed_precision`` says otherwise; ``overrides``: dotted TrainEngineConfig fields."""
+    from parity_checks import apply_overrides
+
     opt = OptimizerConfig(lr=lr, gradient_clipping=0.0)
     cfg = TrainEngineConfig(path=model, mixed_precision=mixed_precision, optimizer=opt)
+    apply_overrides(cfg, overrides or {})
     component = AllocationMode.from_str(allocation).train
     engine = engine_class(component.backend)(cfg)
     engine.create_process_group(component.strategy)
@@ -77,8 +86,9 @@ class RecordingClient(HttpClient):
         return await super().send(addr, req, *args, **kwargs)
 
 
-def make_rollout(addr: str, client: HttpClient | None = None) -> RemoteVLLMEngine:
-    config = InferenceEngineConfig(request_retries=1, request_timeout=300.0, setup_timeout=60.0)
+def make_rollout(addr: str, client: HttpClient | None = None, setup_timeout: float = 60.0) -> RemoteVLLMEngine:
+    """A client of the server at ``addr``; ``initialize`` waits up to ``setup_timeout`` for it to be healthy."""
+    config = InferenceEngineConfig(request_retries=1, request_timeout=300.0, setup_timeout=setup_timeout)
     rollout = RemoteVLLMEngine(config, http_client=client)
     rollout.initialize([addr])
     return rollout
