@@ -77,6 +77,9 @@ def push(
     record["update_seconds"] = time.perf_counter() - start
     record["rank_versions"] = gather_to_rank0((controller.engine.get_version(), rollout.get_version()))
     if rank == 0:
+        s = controller._pusher.last_stats  # the pusher's weight_sync/* figures of this push
+        assert s is not None
+        record["sync"] = {"bytes": s.bytes, "full_bytes": s.full_bytes, "seconds": s.seconds}
         record["after"] = greedy_outputs(rollout, prompts)
         record["label_after"] = version_label(rollout)
         record["client_version"] = rollout.get_version()
