@@ -68,7 +68,7 @@ def test_remax_example_two_steps(tiny_model_dir: str, gsm8k_dir: str, tmp_path: 
 @pytest.mark.slow
 def test_ppo_critic_example_two_steps(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
     overrides = [f"actor.engine.path={tiny_model_dir}", f"train_dataset.path={gsm8k_dir}"]
-    # Asynchronous rollout (prepare_batch) with staleness 0: step 2 must see the new weights.
+    # Staleness 0: synchronous rollout (async_training follows the bound); step 2 must see the new weights.
     stats = _launch("gsm8k_ppo", [*overrides, "rollout.max_head_offpolicyness=0"], tmp_path)
     actor_loss = stats["actor/ppo_actor/update/loss"]
     critic_loss = stats["critic/ppo_critic/loss"]
@@ -83,4 +83,5 @@ def test_ppo_critic_example_two_steps(tiny_model_dir: str, gsm8k_dir: str, tmp_p
     # Staleness 0: every batch is on-policy, so the server's logprobs replace the recompute forward.
     assert stats["actor/recompute_skipped"] == [1.0, 1.0] and "timeperf/actor/recompute_logp" not in stats
     assert len(stats["timeperf/compute_values"]) == len(stats["timeperf/critic/ppo_critic/fwd_bwd"]) == 2
-    assert max(stats["rollout/staleness/max"]) == 0
+    # Every token of step k's batch came from version k (the weights pushed after step k-1).
+    assert stats["rollout_version_min"] == stats["rollout_version_max"] == [0.0, 1.0], stats["rollout_version_max"]
