@@ -53,6 +53,9 @@ def test_grpo_deterministic_runs_are_bitwise_identical(tiny_model_dir: str, gsm8
             # trains on the batch generated whole by version s - 1 (never interrupted by an update).
             expected = [0.0, 1.0, 2.0] if mode == "false" else [0.0, 0.0, 1.0]
             assert stats["rollout_version_min"] == expected == stats["rollout_version_max"], (trial, stats)
+            assert stats["actor/ppo_actor/offpolicy/multi_version_tokens"] == [0.0] * STEPS, trial
+            if mode == "true":
+                assert stats["rollout/staleness/max"] == [0.0, 1.0, 1.0] == stats["rollout/staleness/min"], trial
             ckpt = tmp_path / "checkpoints" / "gsm8k-grpo" / trial / f"epoch0epochstep{STEPS - 1}globalstep{STEPS - 1}"
             runs[(mode, name)] = (stats, _weights_digest(ckpt))
             assert runs[(mode, name)][1] != _weights_digest(Path(tiny_model_dir)), f"{trial}: training left the weights"
@@ -65,4 +68,7 @@ def test_grpo_deterministic_runs_are_bitwise_identical(tiny_model_dir: str, gsm8
     # Negative control: the same comparison tells the two modes apart (different data, different weights).
     (sync, sync_w), (async_, async_w) = runs[("false", "a")], runs[("true", "a")]
     assert sync_w != async_w
-    assert sync["actor/ppo_actor/update/loss"] != async_["actor/ppo_actor/update/loss"]
+    loss = "actor/ppo_actor/update/loss"
+    assert sync[loss][1:] != async_[loss][1:]
+    # Seeds follow the row and the rollout, not the mode or timing: step 0 (batch 0, version 0) is the same.
+    assert sync[loss][0] == async_[loss][0]
