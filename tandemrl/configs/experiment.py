@@ -25,6 +25,15 @@ class BaseExperimentConfig:
     trial_name: str = field(default="trial0", metadata={"help": "One run of an experiment."})
     allocation_mode: str = field(default="fsdp:d2", metadata={"help": "Devices and parallelism, e.g. vllm:d1+fsdp:d1."})
     seed: int = field(default=1, metadata={"help": "Global seed."})
+    deterministic: bool = field(
+        default=False,
+        metadata={
+            "help": "Bitwise-reproducible runs on one machine: deterministic torch algorithms on every rank, "
+            "per-request sampling seeds derived from (seed, rollout, prompt id, sample), rollouts consumed in "
+            "submission order, and (async) every batch generated whole by one weight version (a weight update "
+            "waits for running rollouts instead of interrupting them). See README 'Deterministic mode'."
+        },
+    )
     total_train_epochs: int = field(default=1, metadata={"help": "Epochs over the train set.", "min": 1})
     total_train_steps: int | None = field(
         default=None, metadata={"help": "Stop after this many steps if set.", "min": 1}

@@ -6,7 +6,7 @@ Token-in/token-out via ``POST /generate`` with ``input_ids`` and ``return_logpro
 which go through ``/update_weights_from_disk`` or ``/init_weights_update_group`` +
 ``/update_weights_from_distributed``. Not exercised against a real SGLang server here
 (SGLang is not installed); the shapes follow SGLang's docs and ``io_struct.py``.
-Request metadata ``ignore_eos`` (bool) is forwarded when present.
+Request metadata ``seed`` (int, sent as ``sampling_seed``) and ``ignore_eos`` (bool) are forwarded when present.
 """
 
 from __future__ import annotations
@@ -70,6 +70,8 @@ class SGLangBackend(TimeoutsMixin):
         }
         if g.stop:
             params["stop"] = list(g.stop)
+        if req.metadata.get("seed") is not None:  # per-request seed (SGLang's SamplingParams.sampling_seed)
+            params["sampling_seed"] = int(req.metadata["seed"])
         if req.metadata.get("ignore_eos"):
             params["ignore_eos"] = True
         body = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True, "stream": False}

@@ -20,6 +20,8 @@ import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
+import torch.distributed as dist
+
 from tandemrl.api.engine import TrainEngine
 from tandemrl.api.inference import WeightUpdateMeta
 from tandemrl.api.types import TensorDict
@@ -51,6 +53,8 @@ class RolloutController:
     unit of the staleness bound; the trainer passes ``train_dataset.batch_size`` per DP rank).
     ``eval_stats_name``: also run an evaluation executor (never staleness-throttled, its
     statistics under that tracker name) for :meth:`eval_batch`.
+    ``deterministic``: rollouts in submission order, and each weight update waits for the running
+    ones on every rank instead of interrupting them (``WorkflowExecutor``'s deterministic mode).
     """
 
     def __init__(
@@ -61,16 +65,18 @@ class RolloutController:
         meta: WeightUpdateMeta | None = None,
         eval_stats_name: str | None = None,
         consumer_batch_size: int = 1,
+        deterministic: bool = False,
     ) -> None:
         self.client, self.engine, self.config, self.meta = client, engine, config, meta
+        self.deterministic = deterministic
         self._pusher = WeightPusher(engine, client)
-        self._executor = WorkflowExecutor(config, client, consumer_batch_size)
+        self._executor = WorkflowExecutor(config, client, consumer_batch_size, deterministic)
         self._eval_executor: WorkflowExecutor | None = None
         if eval_stats_name is not None:
             eval_config = dataclasses.replace(
                 config, max_head_offpolicyness=UNBOUNDED_STALENESS, stats_name=eval_stats_name
             )
-            self._eval_executor = WorkflowExecutor(eval_config, client, consumer_batch_size)
+            self._eval_executor = WorkflowExecutor(eval_config, client, consumer_batch_size, deterministic)
         self._destroyed = False
         try:
             for executor in self._executors():
@@ -156,6 +162,9 @@ class RolloutController:
             raise ValueError("push_weights: no WeightUpdateMeta (pass one here or to RolloutController)")
         if version is None:
             version = meta.version if meta.version is not None else self.engine.get_version() + 1
+        if self.deterministic:  # no rank's rollout may be cut by the servers' pause
+            self._executor.drain()
+            dist.barrier()
         self.pause()
         try:
             self._pusher.push(meta.with_version(version))

@@ -9,6 +9,15 @@ running rollout to be consumed in time. Together this guarantees that a rollout 
 weight version v is consumed by a trainer at version <= v + max_head_offpolicyness,
 provided the trainer consumes ``consumer_batch_size`` trajectories per version bump.
 
+Deterministic mode (``deterministic=True``): batches are the trajectories of the earliest
+submitted rows, in submission order (never completion order); ``prepare_batch`` takes rows from
+the dataloader on a fixed schedule (at weight version v, until it has taken v + k + 1 batches,
+k = ``max_head_offpolicyness``; one more batch only when everything submitted has finished
+without filling the batch), the staleness capacity is replaced by that schedule, and
+:meth:`drain` lets a weight update wait for every submitted rollout, so each one is generated
+whole by the weights it started with. Each episode runs under its ``RolloutKey``
+(``tandemrl.api.determinism``), from which workflows derive per-request sampling seeds.
+
 ``pending_rows`` lists the rows ``prepare_batch`` took from the dataloader that no batch has
 handed out yet; a recoverable checkpoint saves them and the resumed executor submits them
 first (``replay_first``), so a restart neither skips nor repeats a row.
@@ -30,6 +39,7 @@ from typing import Any
 
 import torch
 
+from tandemrl.api.determinism import RolloutKey, rollout_key_context
 from tandemrl.api.types import TensorDict
 from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
 from tandemrl.configs.rollout import InferenceEngineConfig
@@ -62,6 +72,7 @@ class _Task:
     should_accept_fn: ShouldAcceptFn | None
     tag: int | None  # the rollout_batch call it belongs to; None for submit()/prepare_batch()
     order: int  # submission order
+    key: RolloutKey  # the rollout it belongs to (per-request seeds in deterministic mode)
     pulled: bool = False  # prepare_batch took it from the dataloader
 
 
@@ -80,6 +91,7 @@ class _Done:
 class _Running:
     version: int
     tag: int | None
+    order: int
 
 
 def _check_trajectory(traj: Any, workflow: RolloutWorkflow) -> None:
@@ -95,9 +107,14 @@ class WorkflowExecutor:
     """Streams rollouts of submitted rows and collates accepted ones into training batches."""
 
     def __init__(
-        self, config: InferenceEngineConfig, inference_engine: GenerationEngine, consumer_batch_size: int = 1
+        self,
+        config: InferenceEngineConfig,
+        inference_engine: GenerationEngine,
+        consumer_batch_size: int = 1,
+        deterministic: bool = False,
     ) -> None:
-        """``consumer_batch_size``: trajectories one training step consumes (the staleness unit)."""
+        """``consumer_batch_size``: trajectories one training step consumes (the staleness unit);
+        ``deterministic``: see the module docstring."""
         if config.workflow_error_policy not in ERROR_POLICIES:
             raise ValueError(
                 f"InferenceEngineConfig.workflow_error_policy must be one of {ERROR_POLICIES}, "
@@ -115,6 +132,7 @@ class WorkflowExecutor:
         )
         self.error_policy = config.workflow_error_policy
         self.tracing = config.enable_rollout_tracing
+        self.deterministic = deterministic
 
         self._cond = threading.Condition()
         self._input: deque[_Task] = deque()
@@ -132,6 +150,7 @@ class WorkflowExecutor:
         self._orders = itertools.count()
         self._seqs = itertools.count()
         self._tags = itertools.count()
+        self._pulls = 0  # batches prepare_batch took (from replay or the dataloader): the rollout index
         self._data_iter: Iterator[Any] | None = None
         self._data_source: Any = None
         self._pending: dict[int, dict[str, Any]] = {}  # order -> row pulled by prepare_batch, not handed out
@@ -206,7 +225,14 @@ class WorkflowExecutor:
         return self._paused.is_set()
 
     def get_capacity(self) -> int:
-        return self.staleness.get_capacity(self.get_version())
+        return self._capacity(self.get_version())
+
+    def _capacity(self, version: int) -> int:
+        """Rollouts that may start now; in deterministic mode only concurrency bounds them
+        (``prepare_batch``'s schedule bounds staleness)."""
+        if self.deterministic:
+            return self.max_concurrent_rollouts - self.staleness.get_stats().running
+        return self.staleness.get_capacity(version)
 
     # ------------------------------------------------------------------ launching
     def _wake(self) -> None:
@@ -240,16 +266,17 @@ class WorkflowExecutor:
                     return
             version = self.get_version()
             with self._cond:
-                if not self._input or self.staleness.get_capacity(version) <= 0:
+                if not self._input or self._capacity(version) <= 0:
                     return
                 task = self._input.popleft()
                 rid = next(self._rids)
                 self.staleness.on_submit()
-                self._running[rid] = _Running(version, task.tag)
+                self._running[rid] = _Running(version, task.tag, task.order)
                 self._cond.notify_all()  # prepare_batch refills the input queue
             if self.tracing:
                 logger.info("rollout %d started at version %d (%s)", rid, version, type(task.workflow).__name__)
-            atask = loop.create_task(self._run_episode(task), name=f"rollout-{rid}")
+            ctx = rollout_key_context(task.key)
+            atask = loop.create_task(self._run_episode(task), name=f"rollout-{rid}", context=ctx)
             self._tasks[rid] = atask
             atask.add_done_callback(functools.partial(self._on_done, rid, task, version, time.monotonic()))
 
@@ -317,7 +344,7 @@ class WorkflowExecutor:
         should_accept_fn: ShouldAcceptFn | None = None,
     ) -> None:
         """Queue one row; it starts when capacity allows and is not paused."""
-        self._submit(data, workflow, should_accept_fn, None)
+        self._submit(data, workflow, should_accept_fn, None, RolloutKey(-1))
         self._wake()
 
     def _submit(
@@ -326,6 +353,7 @@ class WorkflowExecutor:
         workflow: RolloutWorkflow,
         should_accept_fn: ShouldAcceptFn | None,
         tag: int | None,
+        key: RolloutKey,
         pulled: bool = False,
     ) -> None:
         self._require_runner()
@@ -337,7 +365,7 @@ class WorkflowExecutor:
                     f"rollout input queue is full ({self.queue_size} rows, InferenceEngineConfig.queue_size); "
                     "wait() for results before submitting more"
                 )
-            task = _Task(data, workflow, should_accept_fn, tag, next(self._orders), pulled)
+            task = _Task(data, workflow, should_accept_fn, tag, next(self._orders), key, pulled)
             self._input.append(task)
             if pulled:
                 self._pending[task.order] = data
@@ -376,14 +404,25 @@ class WorkflowExecutor:
                 return True
         return False
 
+    def _outstanding_locked(self, before: float = float("inf")) -> bool:
+        """Whether an untagged row submitted before order ``before`` is still queued or running."""
+        queued = any(t.tag is None and t.order < before for t in self._input)
+        return queued or any(r.tag is None and r.order < before for r in self._running.values())
+
     def _try_pick_locked(self, count: int) -> list[_Done] | None:
         if len(self._accepted) < count:
             return None
         version = self.get_version()
-        ready = sorted(self._accepted, key=lambda d: (d.version, d.seq))
-        picked, rest = ready[:count], ready[count:]
-        if self._must_wait_for_older(rest, count, version):
-            return None
+        if self.deterministic:  # the earliest submitted rows, once none before them is still running
+            ready = sorted(self._accepted, key=lambda d: d.order)
+            picked, rest = ready[:count], ready[count:]
+            if self._outstanding_locked(before=picked[-1].order):
+                return None
+        else:
+            ready = sorted(self._accepted, key=lambda d: (d.version, d.seq))
+            picked, rest = ready[:count], ready[count:]
+            if self._must_wait_for_older(rest, count, version):
+                return None
         self._accepted = rest
         for d in picked:
             self._pending.pop(d.order, None)
@@ -416,12 +455,7 @@ class WorkflowExecutor:
 
     def _warn_if_stalled_locked(self) -> None:
         """Log once per stall when rows wait for a version bump that a blocked trainer cannot make."""
-        stalled = (
-            bool(self._input)
-            and not self._running
-            and not self.is_paused()
-            and self.staleness.get_capacity(self.get_version()) <= 0
-        )
+        stalled = bool(self._input) and not self._running and not self.is_paused() and self.get_capacity() <= 0
         now = time.monotonic()
         if not stalled:
             self._stall_since = None
@@ -491,21 +525,48 @@ class WorkflowExecutor:
         if self._data_iter is None or self._data_source is not dataloader:
             self._data_iter, self._data_source = cycle_batches(dataloader), dataloader
         deadline = None if timeout is None else time.monotonic() + timeout
+        refill = False
         while True:
             with self._cond:
-                refill = len(self._input) < batch_size and self.queue_size - len(self._input) >= batch_size
+                refill = refill or self._refill_due_locked(batch_size)
             if refill:
-                for row in self._next_rows(batch_size):
-                    self._submit(row, workflow, should_accept_fn, None, pulled=True)
+                key = RolloutKey(self._pulls)
+                rows = self._next_rows(batch_size)
+                self._pulls += 1
+                for row in rows:
+                    self._submit(row, workflow, should_accept_fn, None, key, pulled=True)
                 self._wake()
             with self._cond:
                 self._raise_errors_locked()
                 picked = self._try_pick_locked(batch_size)
                 if picked is not None:
                     break
-                if not (len(self._input) < batch_size and self.queue_size - len(self._input) >= batch_size):
+                refill = self._refill_due_locked(batch_size)
+                if self.deterministic:  # one more batch once everything submitted finished short of a batch
+                    refill = refill or not self._outstanding_locked()
+                if not refill:
                     self._sleep_locked(deadline, f"prepare_batch(batch_size={batch_size}, timeout={timeout})")
         return concat_padded_tensors([d.traj for d in picked])
+
+    def _refill_due_locked(self, batch_size: int) -> bool:
+        """Whether prepare_batch takes the next batch of rows now: while fewer than a batch are
+        queued, or in deterministic mode while it has taken fewer than v + k + 1 batches at version v."""
+        if self.deterministic:
+            version = self.get_version() - self.staleness.base_version
+            return self._pulls < version + self.staleness.max_staleness + 1
+        return len(self._input) < batch_size and self.queue_size - len(self._input) >= batch_size
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait until every row submitted to this executor (not to ``rollout_batch``) has finished.
+
+        Deterministic mode calls it before each weight update, so no rollout is cut by the update
+        and each is generated whole by the weights it started with.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._outstanding_locked():
+                self._raise_errors_locked()
+                self._sleep_locked(deadline, f"drain(timeout={timeout})")
 
     def _next_rows(self, batch_size: int) -> list[dict[str, Any]]:
         """Up to ``batch_size`` rows to replay (see :meth:`replay_first`), else the dataloader's next batch."""
@@ -585,7 +646,8 @@ class WorkflowExecutor:
                         )
                     room = self.queue_size - len(self._input)
                     while pending > 0 and room > 0:
-                        self._input.append(_Task(next(rows), workflow, should_accept_fn, tag, next(self._orders)))
+                        key = RolloutKey(tag, attempt=submitted // n)  # the k-th pass over data: attempt k
+                        self._input.append(_Task(next(rows), workflow, should_accept_fn, tag, next(self._orders), key))
                         pending, submitted, room = pending - 1, submitted + 1, room - 1
                 self._wake()
                 with self._cond:

@@ -54,6 +54,11 @@ class StalenessManager:
             staleness = versions * self.consumer_batch_size - (s.accepted + s.running)
             return min(concurrency, staleness)
 
+    @property
+    def base_version(self) -> int:
+        """The version the counts start from (see :meth:`set_base_version`)."""
+        return self._base_version
+
     def set_base_version(self, version: int) -> None:
         """Count from ``version``: a run resumed there consumed every batch of earlier versions.
 

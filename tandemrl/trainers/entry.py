@@ -8,13 +8,14 @@ those checks need ``data`` and ``models``.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from tandemrl.configs.checks import InputsChecked
 from tandemrl.configs.data import DatasetConfig
 from tandemrl.configs.loader import ConfigError, load_config
 from tandemrl.data.loader import check_dataset_inputs
 from tandemrl.models.resolve import TINY_PREFIX, resolve_model_path
+from tandemrl.trainers.determinism import enable_determinism
 from tandemrl.utils.cli import exit_with_error
 
 T = TypeVar("T")
@@ -49,12 +50,19 @@ def check_inputs(config: Any) -> None:
 
 
 def load_script_config(argv: list[str], schema: type[T]) -> tuple[T, str]:
-    """``load_config``; in a check-only run it also checks the inputs, then stops with ``InputsChecked``."""
+    """``load_config``; in a check-only run it also checks the inputs, then stops with ``InputsChecked``.
+
+    A config with ``deterministic: true`` switches this rank to deterministic mode
+    (``tandemrl.trainers.determinism``).
+    """
     try:
-        return load_config(argv, schema)
+        config, path = load_config(argv, schema)
     except InputsChecked as done:
         check_inputs(done.config)
         raise
+    if getattr(config, "deterministic", False):
+        enable_determinism(int(cast(Any, config).seed))
+    return config, path
 
 
 def load_config_or_exit(argv: list[str], schema: type[T]) -> tuple[T, str]:

@@ -197,6 +197,7 @@ class RLTrainer:
             self.meta,
             eval_stats_name=eval_stats,
             consumer_batch_size=config.train_dataset.batch_size // world,
+            deterministic=config.deterministic,
         )
         stop = sorted({*config.gconfig.stop_token_ids, self.tokenizer.eos_token_id})
         self.gconfig = config.gconfig.new(stop_token_ids=stop)
@@ -242,7 +243,12 @@ class RLTrainer:
     def rlvr_workflows(
         self, reward_fn: RewardFn, workflow_cls: type[RLVRWorkflow] = RLVRWorkflow, **kwargs: Any
     ) -> tuple[RLVRWorkflow, RLVRWorkflow]:
-        """(training workflow, greedy single-sample evaluation workflow) scoring with ``reward_fn``."""
+        """(training workflow, greedy single-sample evaluation workflow) scoring with ``reward_fn``.
+
+        With ``deterministic`` the training workflow seeds every request from the run's ``seed``.
+        """
+        if self.config.deterministic:
+            kwargs.setdefault("seed", self.config.seed)
         workflow = workflow_cls(reward_fn, self.gconfig, self.tokenizer, **kwargs)
         eval_gconfig = self.gconfig.new(greedy=True, n_samples=1)
         return workflow, RLVRWorkflow(reward_fn, eval_gconfig, self.tokenizer, stat_scope=EVAL_STATS)

@@ -49,9 +49,10 @@ class MultiTurnWorkflow(RLVRWorkflow):
         stat_scope: str = "rollout",
         reward_workers: int = 4,
         max_context_len: int | None = None,
+        seed: int | None = None,
     ) -> None:
         super().__init__(
-            reward_fn, gconfig, tokenizer, enable_thinking, reward_timeout, dump_dir, stat_scope, reward_workers
+            reward_fn, gconfig, tokenizer, enable_thinking, reward_timeout, dump_dir, stat_scope, reward_workers, seed
         )
         if max_turns < 1:
             raise ValueError(f"MultiTurnWorkflow: max_turns must be >= 1, got {max_turns}")
@@ -87,7 +88,13 @@ class MultiTurnWorkflow(RLVRWorkflow):
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     async def _conversation(
-        self, engine: GenerationEngine, data: dict[str, Any], prompt_ids: list[int], prompt: str, suffix: str
+        self,
+        engine: GenerationEngine,
+        data: dict[str, Any],
+        prompt_ids: list[int],
+        prompt: str,
+        suffix: str,
+        sample: int = 0,
     ) -> tuple[TensorDict, float, int] | None:
         rid = uuid.uuid4().hex  # one rid per conversation: its turns reuse one server's prefix cache
         gconfig = self.gconfig.new(n_samples=1)
@@ -95,7 +102,7 @@ class MultiTurnWorkflow(RLVRWorkflow):
         logprobs, versions = [0.0] * len(prompt_ids), [-1] * len(prompt_ids)
         turns, reward = 0, 0.0
         while True:
-            resp = await engine.agenerate(self.request(seq, gconfig, rid))
+            resp = await engine.agenerate(self.request(seq, gconfig, rid, self.sample_seed(data, sample, turns)))
             check_response(resp)
             seq += resp.output_tokens
             loss_mask += [1] * len(resp.output_tokens)
@@ -123,7 +130,7 @@ class MultiTurnWorkflow(RLVRWorkflow):
         suffix = self.feedback_suffix(data["messages"])
         prompt = self.tokenizer.decode(prompt_ids)
         results = await asyncio.gather(
-            *[self._conversation(engine, data, prompt_ids, prompt, suffix) for _ in range(self.gconfig.n_samples)]
+            *[self._conversation(engine, data, prompt_ids, prompt, suffix, i) for i in range(self.gconfig.n_samples)]
         )
         if self.drop_group([None if r is None else r[1] for r in results]):
             return None

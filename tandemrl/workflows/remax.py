@@ -29,7 +29,7 @@ class ReMaxRLVRWorkflow(RLVRWorkflow):
         greedy_cfg = self.gconfig.new(n_samples=1, greedy=True)
         n = self.gconfig.n_samples
         resps = await asyncio.gather(
-            *[engine.agenerate(self.request(prompt_ids, sample_cfg, rid)) for _ in range(n)],
+            *[engine.agenerate(self.request(prompt_ids, sample_cfg, rid, self.sample_seed(data, i))) for i in range(n)],
             engine.agenerate(self.request(prompt_ids, greedy_cfg, rid)),
         )
         samples, greedy = list(resps[:n]), resps[n]

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from tandemrl.api.determinism import request_seed
 from tandemrl.api.inference import ModelRequest, ModelResponse
 from tandemrl.api.types import TensorDict
 from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
@@ -104,6 +105,9 @@ class RLVRWorkflow(RolloutWorkflow):
     would teach the others a wrong baseline, and dropping one sample would change the group
     size. Failures are counted per sample (``<stat_scope>/reward_failed``) and per group
     (``<stat_scope>/group_dropped``); the batch is refilled from later prompts.
+
+    ``seed`` (deterministic mode): every sample's request carries a sampling seed derived from
+    it, the running rollout and the row's ``id`` (``tandemrl.api.determinism``); None sends none.
     """
 
     def __init__(
@@ -116,6 +120,7 @@ class RLVRWorkflow(RolloutWorkflow):
         dump_dir: str | None = None,
         stat_scope: str = "rollout",
         reward_workers: int = 4,
+        seed: int | None = None,
     ) -> None:
         if gconfig.n_samples < 1:
             raise ValueError(f"GenerationHyperparameters.n_samples must be >= 1, got {gconfig.n_samples}")
@@ -124,6 +129,7 @@ class RLVRWorkflow(RolloutWorkflow):
         self.enable_thinking = enable_thinking
         self.stat_scope = stat_scope
         self.dump_dir = dump_dir
+        self.seed = seed
         self.reward = (
             reward_fn
             if isinstance(reward_fn, RewardRunner)
@@ -159,8 +165,18 @@ class RLVRWorkflow(RolloutWorkflow):
         stats_tracker.get(self.stat_scope).scalar(group_dropped=float(dropped))
         return dropped
 
-    def request(self, prompt_ids: Sequence[int], gconfig: GenerationHyperparameters, rid: str) -> ModelRequest:
-        return ModelRequest(rid=rid, input_ids=list(prompt_ids), gconfig=gconfig, tokenizer=self.tokenizer)
+    def request(
+        self, prompt_ids: Sequence[int], gconfig: GenerationHyperparameters, rid: str, seed: int | None = None
+    ) -> ModelRequest:
+        """``seed``: the request's sampling seed (see :meth:`sample_seed`); None lets the server pick."""
+        metadata = {} if seed is None else {"seed": seed}
+        return ModelRequest(
+            rid=rid, input_ids=list(prompt_ids), gconfig=gconfig, tokenizer=self.tokenizer, metadata=metadata
+        )
+
+    def sample_seed(self, data: dict[str, Any], sample: int, turn: int = 0) -> int | None:
+        """The sampling seed of sample ``sample`` (turn ``turn``) of this row; None unless ``seed`` is set."""
+        return request_seed(self.seed, data, sample, turn)
 
     def record(self, resp: ModelResponse, reward: float) -> None:
         stats_tracker.get(self.stat_scope).scalar(
@@ -199,7 +215,10 @@ class RLVRWorkflow(RolloutWorkflow):
         gconfig = self.gconfig.new(n_samples=1)
         rid = uuid.uuid4().hex  # one rid: the client keeps a group on one server (prefix cache)
         resps = await asyncio.gather(
-            *[engine.agenerate(self.request(prompt_ids, gconfig, rid)) for _ in range(self.gconfig.n_samples)]
+            *[
+                engine.agenerate(self.request(prompt_ids, gconfig, rid, self.sample_seed(data, i)))
+                for i in range(self.gconfig.n_samples)
+            ]
         )
         prompt = self.tokenizer.decode(prompt_ids)
         rewards = await asyncio.gather(*[self.score(prompt, prompt_ids, r.output_tokens, data) for r in resps])
