@@ -152,7 +152,9 @@ class PPOActor:
         Recomputed (one forward) when ``config.recompute_logprob`` asks for it
         (:func:`~tandemrl.algorithms.recompute.needs_logp_recompute`; ``auto``: some generated
         token came from weights older than ``engine.get_version()``, or a mismatch correction
-        needs it because the update takes several optimizer steps); else None: the update uses
+        needs it because the update takes several optimizer steps; never for a one-step update
+        with a correction on and no KL reward, whose training forward is the proximal policy);
+        else None: the update uses
         the server's logprobs as its old policy, and an active correction takes the trainer's
         from the update's own (single) training forward. The data-parallel ranks decide
         together (a stale token on any rank recomputes on all). Records ``recompute_skipped``
@@ -161,8 +163,14 @@ class PPOActor:
         require_fields(batch, ("input_ids", "attention_mask", "loss_mask", "logprobs"), "proximal_logp")
         versions = batch["versions"] if "versions" in batch else None
         version = self.engine.get_version()
-        local = needs_logp_recompute(self.config.recompute_logprob, versions, batch["loss_mask"], version)
+        cfg = self.config
+        local = needs_logp_recompute(cfg.recompute_logprob, versions, batch["loss_mask"], version)
         local = local or (self.correction.active and not self.one_step)
+        # One optimizer step with a correction on: the update's own forward runs at the proximal
+        # weights, so a recompute would repeat it exactly (unless a KL reward reads prox_logp).
+        kl_reward = cfg.kl_ctl > 0 and not cfg.use_kl_loss
+        if cfg.recompute_logprob == "auto" and self.correction.active and self.one_step and not kl_reward:
+            local = False
         recompute = bool(self._dp_sum(torch.tensor([float(local)])).item() > 0)
         stats_tracker.scalar(recompute_skipped=float(not recompute))
         if recompute:
