@@ -61,13 +61,27 @@ class TurnTaker:
         _barrier()  # no rank computes before every rank's client has paused the servers
         start = time.time()
         yield
-        _barrier()  # no rank wakes the servers while another still computes
         end = time.time()
+        # Also the closing barrier: no rank wakes the servers while another still computes. The
+        # turn spans every rank's compute, and each rank took its times between the barriers, so
+        # every pause ended before ``start`` and every wake-up starts after ``end``.
+        start, end = _span_over_ranks(start, end)
         self.client.wake_up()
         self.turns += 1
         if self._log is not None and _rank() == 0:
             with open(self._log, "a") as f:
                 f.write(json.dumps({"turn": self.turns, "start": start, "end": end}) + "\n")
+
+
+def _span_over_ranks(start: float, end: float) -> tuple[float, float]:
+    """(earliest start, latest end) over all ranks: one all-reduce, which is also a barrier."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return start, end
+    on_gpu = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    span = torch.tensor([-start, end], dtype=torch.float64, device=device)
+    dist.all_reduce(span, op=dist.ReduceOp.MAX)
+    return -float(span[0]), float(span[1])
 
 
 def _barrier() -> None:
