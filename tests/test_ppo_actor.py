@@ -338,6 +338,9 @@ def test_recompute_skipped_exactly_when_on_policy_and_loss_unchanged(results: tu
     assert _max_diff(rec["auto"]["params"], rec["always"]["params"]) < 1e-6
     # One stale row on rank 1 only: both ranks recompute (the forward is collective).
     assert stale["actor/recompute_skipped"] == 0.0 and stale["timeperf/actor/recompute_logp"] > 0.0
+    # With a correction on and one optimizer step, the training forward serves as the proximal policy.
+    stale_tis = rec["stale_tis"]["exported"]
+    assert stale_tis["actor/recompute_skipped"] == 1.0 and "timeperf/actor/recompute_logp" not in stale_tis
     # The engine timed its phases of train_batch.
     assert auto["timeperf/actor/ppo_actor/update/fwd_bwd"] > 0.0
     assert auto["timeperf/actor/ppo_actor/update/optimizer_step"] > 0.0

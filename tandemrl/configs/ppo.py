@@ -93,9 +93,11 @@ class PPOActorConfig:
     recompute_logprob: str = field(
         default="auto",
         metadata={
-            "help": "Proximal (pre-update) logprobs: 'auto' recomputes them with an extra forward only when "
-            "some generated token of the batch came from older weights than the trainer's, else uses the "
-            "server's; 'always' recomputes every step; 'never' uses the server's (behaviour) logprobs.",
+            "help": "Proximal (pre-update) logprobs: 'auto' never recomputes them for a one-step update with a "
+            "correction on and no KL reward (its training forward is the proximal policy), else recomputes "
+            "with an extra forward when some generated token came from older weights than the trainer's or "
+            "the update takes several steps with a correction on; 'always' recomputes every step; 'never' "
+            "uses the server's (behaviour) logprobs.",
             "choices": ["auto", "always", "never"],
         },
     )

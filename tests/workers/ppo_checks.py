@@ -139,7 +139,9 @@ def recompute_checks(model: str, global_batch: dict[str, torch.Tensor]) -> dict:
     from tandemrl.trainers.rl_loop import ppo_train_step
 
     version = 3
-    fields = dict(CONFIGS["decoupled"], behav_imp_weight_cap=None)
+    # No correction: the recompute decision rests on the versions alone (a correction on a one-step
+    # update never recomputes; ``stale_tis`` below).
+    fields = dict(adv_norm=CONFIGS["decoupled"]["adv_norm"], offpolicy_correction="none")
     out: dict[str, dict] = {}
     logprobs = None
     for mode in ("auto", "always"):
@@ -163,6 +165,11 @@ def recompute_checks(model: str, global_batch: dict[str, torch.Tensor]) -> dict:
                 batch["versions"][0] = torch.where(batch["loss_mask"][0].bool(), version - 1, -1)
             ppo_train_step(actor)(batch, 1)
             out["stale"] = {"exported": e.export_stats()}
+            # The same stale batch under token TIS (the default correction), one optimizer step: the
+            # update's own forward is the proximal policy, so no recompute.
+            tis = PPOActor(actor_config(model, adv_norm=fields["adv_norm"], offpolicy_correction="tis"), e)
+            ppo_train_step(tis)(batch, 2)
+            out["stale_tis"] = {"exported": e.export_stats()}
         e.destroy()
     return out
 
