@@ -272,8 +272,13 @@ def parse_tandemrl(out: str, w: Workload) -> Result:
     return Result("tandemrl", w.samples_per_step / samples_s, w.samples_per_step, w.new_tokens, tokens_s / samples_s)
 
 
-def run_tandemrl(w: Workload, workdir: Path, extra: list[str]) -> Result:
-    out = run_logged(tandemrl_command(w, fileroot(workdir), extra), workdir / "tandemrl.log", child_env())
+def run_tandemrl(w: Workload, workdir: Path, extra: list[str], threads: int = 0) -> Result:
+    """The main job through the launcher; ``threads`` > 0 sets the trainer's OMP_NUM_THREADS (the launcher
+    lets a user's value win over its placement's one thread per process)."""
+    env = child_env()
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    out = run_logged(tandemrl_command(w, fileroot(workdir), extra), workdir / "tandemrl.log", env)
     return parse_tandemrl(out, w)
 
 
@@ -395,6 +400,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tandemrl-overrides", default="", help="extra tandemrl config overrides (placement etc.)")
     p.add_argument("--trl-args", default="", help="extra GRPOConfig key=value (JSON values), e.g. bf16=true")
     p.add_argument("--trl-threads", type=int, default=0, help="torch threads of the TRL process (0: torch's default)")
+    p.add_argument(
+        "--tandemrl-threads", type=int, default=0, help="OMP_NUM_THREADS of tandemrl's trainer (0: the launcher's)"
+    )
     p.add_argument("--only", choices=("both", "tandemrl", "trl"), default="both")
     p.add_argument("--venv", default=str(REPO / ".venv-bench"), help="virtualenv TRL is installed into")
     p.add_argument("--workdir", default="", help="logs and run outputs (default runs/vs_trl/<time>)")
@@ -403,8 +411,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name in ("steps", "prompts", "group_size", "new_tokens", "max_prompt_len"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.trl_threads < 0:
-        p.error("--trl-threads must be >= 0")
+    for name in ("trl_threads", "tandemrl_threads"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0")
     return args
 
 
@@ -443,12 +452,13 @@ def main(argv: list[str]) -> None:
     prompts = prompt_rows(tandemrl_config(w, fileroot(workdir), t_extra))
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"workload: {json.dumps(asdict(w))}\ntandemrl extra: {t_extra}\nTRL extra: {trl_extra}")
+    print(f"tandemrl trainer threads: {args.tandemrl_threads or 'the launcher default'}")
     print(f"TRL threads: {args.trl_threads or 'torch default'}; OMP_WAIT_POLICY={child_env()['OMP_WAIT_POLICY']}")
     print(f"logs: {workdir}")
     loads, results = [load()], []
     print(f"load average at start: {loads[0]}", flush=True)
     if args.only in ("both", "tandemrl"):
-        results.append(run_tandemrl(w, workdir, t_extra))
+        results.append(run_tandemrl(w, workdir, t_extra, args.tandemrl_threads))
         loads.append(load())
         print(f"tandemrl: {results[-1].samples_per_s:.2f} samples/s; load average {loads[-1]}", flush=True)
     if args.only in ("both", "trl"):

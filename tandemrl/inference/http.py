@@ -36,6 +36,10 @@ DEFAULT_TIMEOUT = 60.0  # seconds, for requests that carry no timeout of their o
 DEFAULT_BACKOFF = 0.5  # seconds before the first retry; doubles on each further one
 MAX_BACKOFF = 10.0
 CONNECT_TIMEOUT = 30.0  # opening a TCP connection; a refused one fails immediately anyway
+# An idle pooled connection is dropped after this long: well under the 5 s after which uvicorn
+# (vLLM's and SGLang's HTTP server) closes an idle keep-alive connection, so the pool never hands
+# out one the server is closing.
+KEEPALIVE_S = 2.0
 _DETAIL_CHARS = 300
 
 
@@ -133,6 +137,7 @@ class HttpClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._fresh: aiohttp.ClientSession | None = None  # one new connection per request
         self._closed = False
 
     # ------------------------------------------------------------------ loop thread
@@ -158,13 +163,19 @@ class HttpClient:
     def in_loop_thread(self) -> bool:
         return self._thread is not None and threading.current_thread() is self._thread
 
-    def _get_session(self) -> aiohttp.ClientSession:
-        """The session, created on first use inside the loop thread (aiohttp binds it to its loop)."""
+    def _get_session(self, fresh: bool = False) -> aiohttp.ClientSession:
+        """The pooled session, or with ``fresh`` one that opens a new connection per request;
+        created on first use inside the loop thread (aiohttp binds a session to its loop)."""
         import aiohttp
 
+        if fresh:
+            if self._fresh is None or self._fresh.closed:
+                self._fresh = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True))
+            return self._fresh
         if self._session is None or self._session.closed:
             # limit=0: rollouts may keep hundreds of generate calls open at once.
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, limit_per_host=0))
+            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=KEEPALIVE_S)
+            self._session = aiohttp.ClientSession(connector=connector)
         return self._session
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
@@ -196,7 +207,10 @@ class HttpClient:
 
         ``req.timeout`` wins over ``timeout`` (then ``DEFAULT_TIMEOUT``); each attempt gets
         the full timeout. Transient failures are retried ``retries`` times, waiting
-        ``backoff * 2**i`` seconds (at most ``MAX_BACKOFF``) before retry ``i``.
+        ``backoff * 2**i`` seconds (at most ``MAX_BACKOFF``) before retry ``i``. A request
+        sent with ``retries=0`` (one that must not be repeated, e.g. a weight receive) goes out
+        on a new connection: a pooled one can be closed by the server just as the request
+        leaves, which fails it without the server ever seeing it.
         """
         if retries < 0:
             raise ValueError(f"send: retries must be >= 0, got {retries}")
@@ -225,7 +239,7 @@ class HttpClient:
         while True:
             attempt += 1
             try:
-                return await self._attempt(addr, req, total)
+                return await self._attempt(addr, req, total, fresh=retries == 0)
             except _Attempt as e:
                 if not e.retryable or attempt > retries:
                     raise InferenceServerError(
@@ -233,12 +247,12 @@ class HttpClient:
                     ) from None
             await asyncio.sleep(min(backoff * 2 ** (attempt - 1), MAX_BACKOFF))
 
-    async def _attempt(self, addr: str, req: HttpRequest, total: float) -> Any:
+    async def _attempt(self, addr: str, req: HttpRequest, total: float, fresh: bool) -> Any:
         import aiohttp
 
         timeout = aiohttp.ClientTimeout(total=total, sock_connect=min(total, CONNECT_TIMEOUT))
         try:
-            async with self._get_session().request(
+            async with self._get_session(fresh).request(
                 req.method, base_url(addr) + req.path, json=req.json, timeout=timeout, headers=auth_headers()
             ) as resp:
                 body = await resp.text(errors="replace")
@@ -266,8 +280,9 @@ class HttpClient:
             return
 
         async def shutdown() -> None:
-            if self._session is not None and not self._session.closed:
-                await self._session.close()
+            for session in (self._session, self._fresh):
+                if session is not None and not session.closed:
+                    await session.close()
 
         try:
             asyncio.run_coroutine_threadsafe(shutdown(), loop).result(timeout)
