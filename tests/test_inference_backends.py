@@ -290,6 +290,9 @@ def test_vllm_collective_requests() -> None:
         with pytest.raises(ValueError) as exc:
             b.build_init_weight_group(meta, rank_offset=bad)
         assert_one_line_error(exc, "rank_offset", str(bad))
+    leave = b.build_leave_weight_group(meta)  # the extension's method, also used by the real-server tests
+    assert (leave.method, leave.path) == ("POST", "/collective_rpc")
+    assert leave.json is not None and leave.json["method"] == "tandemrl_destroy_weight_group"
     specs = [ParamSpec("model.embed_tokens.weight", (64, 16), "bfloat16"), ParamSpec("lm_head.bias", (64,), "float32")]
     assert b.multi_bucket_collective is True
     # Every bucket in ONE RPC, in the multi-bucket JSON the extension parses back exactly.
@@ -576,6 +579,12 @@ def test_sglang_weight_updates_not_run_against_real_server() -> None:
         "group_name": "tandemrl_weight_update",
         "backend": "gloo",
     }
+    leave = b.build_leave_weight_group(coll)
+    assert (leave.method, leave.path, leave.json) == (
+        "POST",
+        "/destroy_weights_update_group",
+        {"group_name": "tandemrl_weight_update"},
+    )
     specs = [ParamSpec("a.weight", (4, 2), "bfloat16"), ParamSpec("b.bias", (4,), "float32")]
     assert b.multi_bucket_collective is False  # the documented API describes one bucket per call
     upd = b.build_update_from_collective(coll, [specs])

@@ -328,6 +328,28 @@ def test_failed_update_is_clear_and_server_stays_updatable(vllm_server: VLLMTest
         restore_session_server(server, label)
 
 
+@pytest.mark.slow
+def test_failed_receive_request_does_not_strand_the_trainer(
+    vllm_server: VLLMTestServer, tiny_model_dir: str, tmp_path: Path
+) -> None:
+    """The receive request fails on the client after the trainer posted its broadcasts (the server never
+    saw it): the push fails with that request's one line instead of blocking until the weight group's
+    timeout (600 s, longer than this worker may run), the server is left unpaused with its weights and
+    label, leaves the group when asked, and the next update joins a new group and lands."""
+    label = weight_label(vllm_server)
+    args = ["leave", "--model", tiny_model_dir, "--addr", vllm_server.proc.address, "--out", str(tmp_path)]
+    try:
+        run_torchrun(WORKER, nproc=1, args=args, env=WORKER_ENV, timeout=400)
+    finally:
+        restore_session_server(vllm_server, label)
+    r = torch.load(tmp_path / "leave.pt")
+    assert "/collective_rpc failed: ServerDisconnectedError" in r["error"], r.get("error")
+    assert r["label_failed"] == r["label_before"] and len(r["generates_after_failure"]) == 4
+    methods = ["tandemrl_init_weight_group", "tandemrl_destroy_weight_group", "tandemrl_init_weight_group"]
+    assert r["rpcs"] == [*methods, "tandemrl_recv_weights"], r["rpcs"]
+    assert r["label_after"] == "1" and r["versions"] == (1, 1), (r["label_after"], r["versions"])
+
+
 # ------------------------------------------------------------------ 3. interruption
 
 

@@ -69,6 +69,15 @@ class InferenceBackend(Protocol):
         """
         ...
 
+    def build_leave_weight_group(self, meta: WeightUpdateMeta) -> HttpRequest:
+        """Make the server's ranks leave the update group (their side is destroyed).
+
+        Sent after an update failed with broadcasts already posted: once the servers' side is
+        gone those broadcasts fail, so the trainer can drop its side without waiting out the
+        group's timeout. The next update joins a new group.
+        """
+        ...
+
     def build_flush_cache(self) -> HttpRequest:
         """Drop cached KV computed with old weights."""
         ...

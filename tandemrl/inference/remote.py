@@ -396,6 +396,12 @@ class RemoteInfEngine:
         plan = {a: [self.backend.build_init_weight_group(meta, 1 + i * per_server)] for i, a in enumerate(addrs)}
         return self._start_update(plan, None, pause=False)
 
+    def leave_weights_update_group(self, meta: WeightUpdateMeta) -> concurrent.futures.Future[None]:
+        """Ask every live server to leave the weight-update group, in the background (see
+        ``InferenceBackend.build_leave_weight_group``); a dead one has left already."""
+        plan = {a: [self.backend.build_leave_weight_group(meta)] for a in self.pool.live()}
+        return self._start_update(plan, None, pause=False, skip_dead=True)
+
     def update_weights_from_distributed(
         self, meta: WeightUpdateMeta, param_specs_per_bucket: list[list[ParamSpec]]
     ) -> concurrent.futures.Future[None]:

@@ -164,6 +164,10 @@ class SGLangBackend(TimeoutsMixin):
         }
         return HttpRequest("POST", "/init_weights_update_group", body, self.update_timeout)
 
+    def build_leave_weight_group(self, meta: WeightUpdateMeta) -> HttpRequest:
+        body = {"group_name": meta.group_name}
+        return HttpRequest("POST", "/destroy_weights_update_group", body, self.update_timeout)
+
     def build_update_from_collective(self, meta: WeightUpdateMeta, buckets: list[list[ParamSpec]]) -> HttpRequest:
         """One bucket: SGLang's ``/update_weights_from_distributed`` takes names/dtypes/shapes per call."""
         if meta.type != "collective":

@@ -170,6 +170,9 @@ class VLLMBackend(TimeoutsMixin):
         }
         return self._rpc("tandemrl_init_weight_group", kwargs)
 
+    def build_leave_weight_group(self, meta: WeightUpdateMeta) -> HttpRequest:
+        return self._rpc("tandemrl_destroy_weight_group", {})
+
     def build_update_from_collective(self, meta: WeightUpdateMeta, buckets: list[list[ParamSpec]]) -> HttpRequest:
         """ONE RPC receiving every bucket: the extension reads the broadcasts in order inside the call.
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import logging
 import os
 import time
 import uuid
@@ -34,7 +35,10 @@ from tandemrl.inference.weight_group import (
 from tandemrl.utils import stats_tracker
 
 # Broadcasts queued at once: the next bucket is packed (and encoded) while the previous one is on the wire.
+logger = logging.getLogger(__name__)
+
 MAX_IN_FLIGHT = 4
+LEAVE_TIMEOUT_S = 60.0  # how long a failed update waits for the servers to leave the weight group
 
 
 class WeightReceiver(Protocol):
@@ -43,6 +47,8 @@ class WeightReceiver(Protocol):
     def update_weights_from_disk(self, meta: WeightUpdateMeta) -> Future[None]: ...
 
     def init_weights_update_group(self, meta: WeightUpdateMeta) -> Future[None]: ...
+
+    def leave_weights_update_group(self, meta: WeightUpdateMeta) -> Future[None]: ...
 
     def update_weights_from_distributed(self, meta: WeightUpdateMeta, param_specs: list[list[ParamSpec]]) -> Any:
         """Start the servers' receive of every bucket (one request per server where the backend allows)."""
@@ -157,7 +163,7 @@ class WeightPusher:
         try:
             if sender:
                 self._join_group(meta)
-                stream = _Broadcasts(self, self.client.update_weights_from_distributed(meta, plan))
+                stream = _Broadcasts(self, self.client.update_weights_from_distributed(meta, plan), meta)
             params = self.engine.iter_hf_params()
             for b, bucket in enumerate(plan):
                 tensors = [next(params) for _ in bucket]
@@ -234,8 +240,8 @@ class _Broadcasts:
     requests) never joins the next broadcast: waiting on it would block until the group's timeout.
     """
 
-    def __init__(self, pusher: WeightPusher, servers: Future[None]) -> None:
-        self.pusher, self.servers = pusher, servers
+    def __init__(self, pusher: WeightPusher, servers: Future[None], meta: WeightUpdateMeta) -> None:
+        self.pusher, self.servers, self.meta = pusher, servers, meta
         self.pending: deque[tuple[Any, torch.Tensor]] = deque()
 
     def send(self, t: torch.Tensor) -> None:
@@ -252,7 +258,25 @@ class _Broadcasts:
         while not work.is_completed():
             failed = self.servers.exception() if self.servers.done() else None
             if failed is not None:
-                self.pusher._weight_group = None  # the group is unusable now; the next update builds a new one
+                # The error (kept by the servers' future) will hold this frame: not the work, which
+                # holds the group and so rank 0's store and port.
+                del work
+                self._abandon_group()
                 raise failed
             time.sleep(0.002)
         work.wait()
+
+    def _abandon_group(self) -> None:
+        """Drop the group after a failed update; the next update builds a new one.
+
+        A gloo group whose broadcast no peer will join cannot be destroyed (dropped, shut down
+        or aborted) until its timeout or until the peers' side is gone, so the servers leave it
+        first; a server that cannot be asked is dead, and its side went with it.
+        """
+        try:
+            self.pusher.client.leave_weights_update_group(self.meta).result(LEAVE_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - the update's own error is the one to report
+            logger.warning("weight update failed; asking the servers to leave the weight group also failed: %s", e)
+        group, self.pusher._weight_group = self.pusher._weight_group, None
+        self.pending.clear()
+        destroy_weight_group(group)  # frees rank 0's store and port for the next group

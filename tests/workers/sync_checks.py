@@ -15,6 +15,9 @@ Modes (results go to ``--out``, written by rank 0):
   sparse, sparse cast to bf16; an anchor every 3), then the server's copy of the last update
   (sha256 per tensor, ``tandemrl_delta_digest``) and its logprobs, and the same after a whole
   fp32 (``delta="none"``) push of the same weights -> ``delta.pt``.
+* ``leave`` (one rank): the first collective update's receive request fails on the client after the
+  trainer posted its broadcasts; the pusher makes the server leave the group instead of waiting out
+  its timeout, and the next update works -> ``leave.pt``.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from tandemrl.configs.ppo import PPOActorConfig
 from tandemrl.configs.rollout import InferenceEngineConfig
 from tandemrl.engines.registry import engine_class
 from tandemrl.engines.teardown import destroy_process_groups
-from tandemrl.inference.http import HttpClient
+from tandemrl.inference.http import HttpClient, InferenceServerError
 from tandemrl.inference.remote import RemoteVLLMEngine
 from tandemrl.inference.weight_group import parse_buckets_json
 from tandemrl.models.functional import gather_logprobs, next_token_labels
@@ -362,9 +365,59 @@ def delta(args: argparse.Namespace) -> None:
         torch.save(record, os.path.join(args.out, "delta.pt"))
 
 
+# ------------------------------------------------------------------------------ leave
+
+
+class FailFirstReceive(RecordingClient):
+    """``RecordingClient`` whose first weight receive fails on the client, before the server sees it:
+    what a pooled connection the server had just closed did to a real run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropped = 0
+
+    async def send(self, addr: str, req: HttpRequest, *args: Any, **kwargs: Any) -> Any:
+        body = req.json or {}
+        if req.path == "/collective_rpc" and body.get("method") == "tandemrl_recv_weights" and not self.dropped:
+            self.dropped += 1
+            detail = "ServerDisconnectedError: Server disconnected"
+            raise InferenceServerError(addr, req.method, req.path, detail, retryable=True)
+        return await super().send(addr, req, *args, **kwargs)
+
+
+def leave(args: argparse.Namespace) -> None:
+    """One trainer rank; its first collective update fails after the broadcasts were posted, the next works."""
+    engine = make_engine(args.model, lr=args.lr, allocation="fsdp:d1")
+    client = FailFirstReceive()
+    rollout = make_rollout(args.addr, client)
+    meta = WeightUpdateMeta.from_fsdp_collective(
+        AllocationMode.from_str("vllm:d1+fsdp:d1"), group_addr="127.0.0.1", comm_backend="gloo", bucket_size_mb=1
+    )
+    controller = RolloutController(rollout, engine, rollout.config, meta)
+    prompts = [[5 + i, 17, 42, 99, 7 + 3 * i] for i in range(4)]
+    record: dict[str, Any] = {"label_before": version_label(rollout)}
+    try:
+        LMEngine(engine).train_lm(memorize_batch(int(engine.model_config.vocab_size), seed=7))
+        try:
+            controller.push_weights()
+        except InferenceServerError as e:
+            record["error"] = str(e)
+        record["label_failed"] = version_label(rollout)
+        record["generates_after_failure"] = greedy_outputs(rollout, prompts)
+        controller.push_weights()
+        record["label_after"] = version_label(rollout)
+        record["versions"] = (engine.get_version(), rollout.get_version())
+        record["rpcs"] = [r["method"] for r in client.rpcs]
+    finally:
+        controller.destroy()
+        rollout.destroy()
+        client.close()
+    torch.save(record, os.path.join(args.out, "leave.pt"))
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["logprobs", "truncated", "update", "delta"])
+    p.add_argument("mode", choices=["logprobs", "truncated", "update", "delta", "leave"])
     p.add_argument("--model", required=True)
     p.add_argument("--addr", required=True, help="host:port of the vLLM server")
     p.add_argument("--out", required=True)
@@ -380,5 +433,5 @@ if __name__ == "__main__":
     p.add_argument("--bucket-mb", type=int, default=8)
     p.add_argument("--allocation", default="fsdp:d2", help="training allocation of the update mode's engine")
     a = p.parse_args()
-    {"logprobs": logprobs, "truncated": truncated, "update": update, "delta": delta}[a.mode](a)
+    {"logprobs": logprobs, "truncated": truncated, "update": update, "delta": delta, "leave": leave}[a.mode](a)
     destroy_process_groups()
