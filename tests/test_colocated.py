@@ -155,8 +155,8 @@ def test_sleep_holds_generation_until_wake_up_on_real_vllm(vllm_server) -> None:
 
 
 # ---------------------------------------------------------------- GRPO through the launcher
-def _overlaps(a: dict, b: dict) -> bool:
-    return a["start"] < b["end"] and b["start"] < a["end"]
+def _arrived_during(request: dict, turn: dict) -> bool:
+    return turn["start"] < request["start"] <= turn["end"]
 
 
 def assert_no_generation_during_turns(run: Path, steps: int) -> None:
@@ -169,14 +169,17 @@ def assert_no_generation_during_turns(run: Path, steps: int) -> None:
     generates = [r for r in requests if r["path"] == GENERATE]
     # Training rollouts (8 prompts x 4 samples per step) and the final evaluation were served.
     assert len(generates) >= steps * 32 + 8 and all(r["status"] == 200 for r in generates)
+    # Only the servers' arrival times are compared with the turn: a request arrives before its answer
+    # leaves, so the trainer (which starts a turn after the pause's answer, and sends the wake-up after
+    # the turn ends) orders them by causality. The log's "end" is taken after the answer was sent and
+    # may come a few ms after the trainer has already started its turn.
+    control = [r for r in requests if r["path"] in ("/pause", "/resume")]
     for turn in turns:
-        assert not [g for g in generates if _overlaps(g, turn)], turn
-        # Server-side: the last control request before the turn paused the server, and nothing
-        # resumed it before the turn ended.
-        control = [r for r in requests if r["path"] in ("/pause", "/resume")]
-        before = [r for r in control if r["end"] <= turn["start"]]
+        assert not [g for g in generates if _arrived_during(g, turn)], turn
+        # The last control request to reach the server before the turn paused it; none resumed it in the turn.
+        before = [r for r in control if r["start"] <= turn["start"]]
         assert before and before[-1]["path"] == "/pause", turn
-        assert not [r for r in control if r["path"] == "/resume" and turn["start"] < r["end"] <= turn["end"]]
+        assert not [r for r in control if r["path"] == "/resume" and _arrived_during(r, turn)], turn
     cpus = sorted(os.sched_getaffinity(0))
     server_log = (run / "vllm-server-0.log").read_text()
     assert f"core ids={cpus}" in server_log or len(cpus) < 2, server_log[-2000:]
