@@ -70,6 +70,16 @@ def test_grpo_gsm8k_sync_and_async(tiny_model_dir: str, gsm8k_dir: str, tmp_path
         assert stats["rollout_version_max"][-1] >= 1
         assert stats["rollout_version_max"] == sorted(stats["rollout_version_max"])
         assert "eval-rollout/reward" in stats
+        # stats.jsonl mirrors the committed steps; curves.png is drawn from it at the end.
+        log_dir = tmp_path / "logs" / "gsm8k-grpo" / trial
+        from tandemrl.trainers.plots import read_stats
+
+        rows = read_stats(str(log_dir / "stats.jsonl"))
+        assert sorted(rows) == [1, 2, 3] and [rows[s]["rollout/reward"] for s in (1, 2, 3)] == pytest.approx(
+            stats["rollout/reward"], rel=1e-6
+        )
+        assert "eval-rollout/accuracy" in rows[3], sorted(rows[3])
+        assert (log_dir / "curves.png").stat().st_size > 0 and str(log_dir / "curves.png") in proc.stdout
         ckpt = tmp_path / "checkpoints" / "gsm8k-grpo" / trial / "epoch0epochstep2globalstep2"
         from transformers import AutoModelForCausalLM
 

@@ -65,7 +65,7 @@ def test_console_table_sorted():
 
 def test_disabled_backends_write_nothing(tmp_path: Path, capsys):
     cfg = _config(tmp_path)
-    cfg.console = False
+    cfg.console = cfg.jsonl = False
     logger = StatsLogger(cfg, None)
     logger.commit(0, 0, 0, {"x": 1.0})
     logger.close()
@@ -81,3 +81,45 @@ def test_bad_values_and_mode(tmp_path: Path):
         logger.commit(0, 0, 0, {"vec": torch.ones(2)})
     with pytest.raises(ValueError, match="wandb.mode"):
         StatsLogger(_config(tmp_path, wandb_mode="cloud"), None)
+
+
+def test_jsonl_and_curves_png(tmp_path: Path, capsys):
+    logger = StatsLogger(_config(tmp_path), None)
+    rewards = [0.1, 0.3, 0.6]
+    for i, r in enumerate(rewards):
+        stats = {
+            "rollout/reward": r,
+            "actor/ppo_actor/response_len/avg": 40.0 + i,
+            "actor/ppo_actor/update/approx_kl/avg": 0.01 * i,
+            "actor/ppo_actor/update/offpolicy/kl_k3": 0.002,
+        }
+        if i == 2:
+            stats["eval-rollout/accuracy"] = 0.5
+        logger.commit(0, i, i, stats)
+    logger.close()
+    logger.close()  # a second close draws nothing more
+
+    from tandemrl.trainers.plots import _series, read_stats
+
+    rows = read_stats(str(Path(logger.log_dir) / "stats.jsonl"))
+    assert sorted(rows) == [1, 2, 3]  # steps are global step + 1
+    assert _series(rows, r"^rollout/reward$") == ("rollout/reward", [1, 2, 3], rewards)
+    assert _series(rows, r"^eval-rollout/accuracy$") == ("eval-rollout/accuracy", [3], [0.5])
+    png = Path(logger.log_dir) / "curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from PIL import Image
+
+    with Image.open(png) as img:
+        assert img.size[1] > img.size[0]  # four stacked panels
+    assert capsys.readouterr().out.count(str(png)) == 1
+
+
+def test_plot_skips_empty_and_names_bad_line(tmp_path: Path):
+    from tandemrl.trainers.plots import plot_curves
+
+    path = tmp_path / "stats.jsonl"
+    path.write_text('{"step": 1, "unrelated": 1.0}\n')
+    assert plot_curves(str(path)) is None
+    path.write_text('{"step": 1, "rollout/reward": 1.0}\nnot json\n')
+    with pytest.raises(ValueError, match=r"stats.jsonl:2: not a JSON line"):
+        plot_curves(str(path))

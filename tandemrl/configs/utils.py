@@ -80,6 +80,20 @@ class StatsLoggerConfig:
     wandb: WandBConfig = field(default_factory=WandBConfig)
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
     console: bool = field(default=True, metadata={"help": "Print a table of statistics at each commit."})
+    jsonl: bool = field(
+        default=True,
+        metadata={
+            "help": 'Append each commit as one JSON line {"step": global step + 1, stat: value, ...} to '
+            "<fileroot>/logs/<experiment>/<trial>/stats.jsonl."
+        },
+    )
+    plot: bool = field(
+        default=True,
+        metadata={
+            "help": "When the run ends, draw curves.png next to stats.jsonl (reward, eval accuracy, response "
+            "length, KL and train/inference mismatch per step; needs jsonl) and print its path."
+        },
+    )
     prompt_ids: bool = field(
         default=False,
         metadata={

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -48,6 +49,7 @@ class StatsLogger:
         self.ft_spec = ft_spec
         self._wandb_run: Any = None
         self._writer: Any = None
+        self._jsonl: str | None = None
         if not _is_rank0():
             return
         if config.wandb.mode != "disabled":
@@ -57,6 +59,9 @@ class StatsLogger:
 
             os.makedirs(config.tensorboard.path, exist_ok=True)
             self._writer = SummaryWriter(log_dir=config.tensorboard.path)
+        if config.jsonl:
+            os.makedirs(self.log_dir, exist_ok=True)
+            self._jsonl = os.path.join(self.log_dir, "stats.jsonl")
 
     @property
     def log_dir(self) -> str:
@@ -106,9 +111,26 @@ class StatsLogger:
             for key, value in data.items():
                 self._writer.add_scalar(key, value, global_step)
             self._writer.flush()
+        if self._jsonl is not None:
+            with open(self._jsonl, "a") as f:
+                f.write(json.dumps({"step": global_step + 1, **data}) + "\n")
+
+    def plot(self) -> str | None:
+        """Draw curves.png from this run's stats.jsonl and print its path; None when there is nothing to draw."""
+        if self._jsonl is None or not os.path.isfile(self._jsonl):
+            return None
+        from tandemrl.trainers.plots import plot_curves
+
+        out = plot_curves(self._jsonl)
+        if out is not None:
+            print(f"curves (reward, accuracy, response length, KL/mismatch per step): {out}", flush=True)
+        return out
 
     def close(self) -> None:
-        """Flush and release the backends; safe to call twice."""
+        """Draw the curves (``plot``), flush and release the backends; safe to call twice."""
+        if self.config.plot and self._jsonl is not None:
+            self.plot()
+            self._jsonl = None
         if self._wandb_run is not None:
             self._wandb_run.finish()
             self._wandb_run = None
