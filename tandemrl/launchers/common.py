@@ -8,7 +8,6 @@ turning Ctrl-C/SIGTERM into a clean teardown, one-line errors — lives here onc
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import os
@@ -18,7 +17,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -26,7 +25,7 @@ from typing import IO
 from tandemrl.launchers import dry_run
 from tandemrl.launchers.check import check_script
 from tandemrl.launchers.launch_config import LaunchError, LaunchSpec, read_launch_spec
-from tandemrl.utils.cli import first_line
+from tandemrl.utils.cli import first_line, signals_interrupt
 from tandemrl.utils.lifeline import exit_status
 
 
@@ -227,23 +226,6 @@ def trainer_failure(run_dir: Path, returncode: int, since_ns: int) -> str:
     if first is None:
         return f"trainer {exit_status(returncode)}"
     return f"trainer rank {first[0]}: {first[1]}"
-
-
-@contextlib.contextmanager
-def signals_interrupt() -> Iterator[None]:
-    """SIGTERM/SIGHUP raise KeyboardInterrupt like Ctrl-C, so teardown runs on any of them."""
-
-    def on_signal(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
-    for s in previous:
-        signal.signal(s, on_signal)
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 def guarded_trial(

@@ -20,8 +20,7 @@ import sys
 import time
 
 from tandemrl.inference.server_auth import TOKEN_ENV
-from tandemrl.launchers.common import signals_interrupt
-from tandemrl.utils.cli import first_line
+from tandemrl.utils.cli import first_line, signals_interrupt
 
 
 def _args(argv: list[str]) -> argparse.Namespace:

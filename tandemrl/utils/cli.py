@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NoReturn
 
 # Errors a user causes with a config value, a path or a data file. Their messages are
@@ -22,6 +24,23 @@ def first_line(err: BaseException, *, with_type: bool = False, limit: int | None
         return type(err).__name__
     line = text.splitlines()[0][:limit]
     return f"{type(err).__name__}: {line}" if with_type else line
+
+
+@contextlib.contextmanager
+def signals_interrupt() -> Iterator[None]:
+    """SIGTERM/SIGHUP raise KeyboardInterrupt like Ctrl-C, so teardown runs on any of them."""
+
+    def on_signal(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    for s in previous:
+        signal.signal(s, on_signal)
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def record_error(err: BaseException) -> None:

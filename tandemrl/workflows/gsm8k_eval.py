@@ -1,0 +1,191 @@
+"""GSM8K accuracy of whatever an inference client serves: greedy answers, the training reward, a Wilson interval.
+
+``evaluate_gsm8k(client_or_url, tokenizer, rows)`` sends one greedy request per row (all in
+flight at once, or ``concurrency`` at a time), decodes each completion as the RLVR workflow
+does, and scores it with the GSM8K training reward (``tandemrl.rewards.gsm8k``). Rows are
+those of ``tandemrl.data.gsm8k.get_gsm8k_rl_dataset`` (``id``, ``messages``, ``answer``); the
+prompt is built as in training (``chat_prompt_ids``), or is the bare question with
+``chat_template=False``. A running trainer passes its own client; a script passes a server's
+``host:port`` or URL. ``python -m tandemrl.eval`` is the command-line front end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tandemrl.api.generation import GenerationHyperparameters
+from tandemrl.api.inference import ModelRequest
+from tandemrl.api.workflow import GenerationEngine
+from tandemrl.rewards.gsm8k import extract_final_answer, extract_reference_answer, gsm8k_reward_fn
+from tandemrl.workflows.rlvr import chat_prompt_ids
+
+if TYPE_CHECKING:
+    from tandemrl.inference.remote import RemoteInfEngine
+
+Z_95 = 1.959963984540054  # two-sided 95% quantile of the standard normal
+INTERVAL_METHOD = "Wilson score interval, 95%"
+
+
+@dataclass
+class QuestionResult:
+    """One scored question: its row index in the split, the completion and both answers."""
+
+    index: int
+    generated: str
+    extracted: str | None  # the completion's final answer as the reward reads it; None if it has none
+    gold: str
+    correct: bool
+
+
+@dataclass
+class EvalResult:
+    """Accuracy over ``questions`` with its 95% Wilson score interval."""
+
+    n: int
+    correct: int
+    accuracy: float
+    interval_low: float
+    interval_high: float
+    max_new_tokens: int
+    chat_template: bool
+    seconds: float
+    questions: list[QuestionResult] = field(default_factory=list)
+    interval_method: str = INTERVAL_METHOD
+
+    @property
+    def indices(self) -> list[int]:
+        return [q.index for q in self.questions]
+
+    def summary(self) -> str:
+        """``accuracy 0.1234 (24/200), 95% Wilson score interval [0.0812, 0.1776]``."""
+        return (
+            f"accuracy {self.accuracy:.4f} ({self.correct}/{self.n}), "
+            f"95% Wilson score interval [{self.interval_low:.4f}, {self.interval_high:.4f}]"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["indices"] = self.indices
+        return out
+
+
+def wilson_interval(correct: int, n: int, z: float = Z_95) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion ``correct / n`` (default: 95%)."""
+    if n <= 0 or not 0 <= correct <= n:
+        raise ValueError(f"wilson_interval: need 0 <= correct <= n and n > 0, got correct={correct}, n={n}")
+    p = correct / n
+    z2 = z * z
+    denom = 1.0 + z2 / n
+    center = (p + z2 / (2 * n)) / denom
+    half = z * math.sqrt(p * (1.0 - p) / n + z2 / (4 * n * n)) / denom
+    low = 0.0 if correct == 0 else max(0.0, center - half)  # exact ends: rounding leaves ~1e-18 there
+    high = 1.0 if correct == n else min(1.0, center + half)
+    return low, high
+
+
+def score_completion(index: int, completion: str, answer: str) -> QuestionResult:
+    """Score one completion against a GSM8K reference ``answer`` with the training reward."""
+    reward = gsm8k_reward_fn(None, completion, None, None, answer=answer)
+    return QuestionResult(
+        index=index,
+        generated=completion,
+        extracted=extract_final_answer(completion),
+        gold=extract_reference_answer(answer),
+        correct=reward == 1.0,
+    )
+
+
+def summarize(questions: list[QuestionResult], max_new_tokens: int, chat_template: bool, seconds: float) -> EvalResult:
+    """Accuracy and its interval over scored ``questions``."""
+    n = len(questions)
+    correct = sum(q.correct for q in questions)
+    low, high = wilson_interval(correct, n)
+    return EvalResult(n, correct, correct / n, low, high, max_new_tokens, chat_template, seconds, questions)
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def prompt_ids(tokenizer: Any, row: dict[str, Any], chat_template: bool) -> list[int]:
+    """The training prompt of ``row`` (chat template), or its bare ``question`` text."""
+    if chat_template:
+        return chat_prompt_ids(tokenizer, row["messages"])
+    return list(tokenizer(row["question"])["input_ids"])
+
+
+def connect(url: str, request_timeout: float = 3600.0) -> RemoteInfEngine:
+    """A vLLM client of the running server at ``url`` (``host:port`` or ``http://host:port``), healthy."""
+    from tandemrl.configs.rollout import InferenceEngineConfig
+    from tandemrl.inference.remote import remote_engine_for
+
+    addr = url.split("://", 1)[-1].rstrip("/")
+    engine = remote_engine_for("vllm", InferenceEngineConfig(request_timeout=request_timeout, setup_timeout=60.0))
+    engine.initialize([addr])
+    return engine
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """Generation budget, prompt format (None: the chat template if the tokenizer has one) and
+    requests in flight at once (None: all)."""
+
+    max_new_tokens: int = 256
+    chat_template: bool | None = None
+    concurrency: int | None = None
+
+
+async def aevaluate_gsm8k(
+    engine: GenerationEngine, tokenizer: Any, rows: Sequence[dict[str, Any]], options: EvalOptions
+) -> EvalResult:
+    """``evaluate_gsm8k`` on the caller's event loop, with an engine (see the module docstring)."""
+    if not rows:
+        raise ValueError("evaluate_gsm8k: no rows to score")
+    max_new_tokens, chat_template = options.max_new_tokens, options.chat_template
+    if chat_template is None:
+        chat_template = has_chat_template(tokenizer)
+    elif chat_template and not has_chat_template(tokenizer):
+        raise ValueError("evaluate_gsm8k: chat_template=True but the tokenizer has no chat template")
+    gconfig = GenerationHyperparameters(max_new_tokens=max_new_tokens, greedy=True)
+    gate = asyncio.Semaphore(options.concurrency or len(rows))
+    start = time.perf_counter()
+
+    async def generate(row: dict[str, Any]) -> str:
+        req = ModelRequest(input_ids=prompt_ids(tokenizer, row, chat_template), gconfig=gconfig, tokenizer=tokenizer)
+        async with gate:
+            resp = await engine.agenerate(req)
+        return tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
+
+    completions = await asyncio.gather(*(generate(row) for row in rows))
+    questions = [
+        score_completion(int(row["id"]), text, row["answer"]) for row, text in zip(rows, completions, strict=True)
+    ]
+    return summarize(questions, max_new_tokens, chat_template, time.perf_counter() - start)
+
+
+def evaluate_gsm8k(
+    client_or_url: GenerationEngine | str,
+    tokenizer: Any,
+    rows: Sequence[dict[str, Any]],
+    max_new_tokens: int = 256,
+    chat_template: bool | None = None,
+    concurrency: int | None = None,
+) -> EvalResult:
+    """Greedy GSM8K accuracy of the model behind ``client_or_url`` on ``rows``; blocks until done.
+
+    ``chat_template`` None uses the tokenizer's template when it has one. Call it from a thread
+    without a running event loop (use ``aevaluate_gsm8k`` inside one).
+    """
+    options = EvalOptions(max_new_tokens, chat_template, concurrency)
+    if not isinstance(client_or_url, str):
+        return asyncio.run(aevaluate_gsm8k(client_or_url, tokenizer, rows, options))
+    engine = connect(client_or_url)
+    try:
+        return asyncio.run(aevaluate_gsm8k(engine, tokenizer, rows, options))
+    finally:
+        engine.destroy()
