@@ -55,9 +55,21 @@ def _grpo_args(script: str, model: str, data: str, root: Path, steps: int, new_t
 @pytest.mark.slow
 def test_grpo_gsm8k_sync_and_async(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
     args = _grpo_args("examples/gsm8k_grpo.py", tiny_model_dir, gsm8k_dir, tmp_path, steps=3, new_tokens=32)
-    proc = _run([*args, "--multirun", "async_training=false,true"], timeout=1200)
+    heldout = ["heldout_eval.n=6", "heldout_eval.max_new_tokens=8"]
+    proc = _run([*args, *heldout, "--multirun", "async_training=false,true"], timeout=1200)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    # Held-out accuracy before the first step (version 0) and after the last (version 3), both trials.
+    assert proc.stdout.count("held-out greedy accuracy on test[:6] (gsm8k): ") == 2, proc.stdout[-3000:]
     for trial, bound in (("trial0_async_trainingfalse", 0), ("trial0_async_trainingtrue", 1)):
+        reports = [
+            json.loads((tmp_path / "logs" / "gsm8k-grpo" / trial / f"heldout_{t}.json").read_text())
+            for t in ("before", "after")
+        ]
+        assert [(r["tag"], r["version"], r["n"], r["indices"]) for r in reports] == [
+            ("before", 0, 6, list(range(6))),
+            ("after", 3, 6, list(range(6))),
+        ]
+        assert all(len(q["generated"]) > 0 and q["gold"] for r in reports for q in r["questions"])
         stats = _scalars(tmp_path / "tensorboard" / "gsm8k-grpo" / trial)
         assert len(stats["actor/ppo_actor/update/loss"]) >= 3 or len(stats["rollout/reward"]) == 3, sorted(stats)
         # The staleness bound holds at every step (the trainer is at version s at step s);

@@ -8,6 +8,7 @@ from tandemrl.configs.rollout import GenerationHyperparameters, InferenceEngineC
 from tandemrl.configs.utils import (
     ClusterConfig,
     EvaluatorConfig,
+    HeldoutEvalConfig,
     RecoverConfig,
     SaverConfig,
     StatsLoggerConfig,
@@ -20,6 +21,7 @@ __all__ = [
     "ClusterConfig",
     "DatasetConfig",
     "EvaluatorConfig",
+    "HeldoutEvalConfig",
     "GRPOConfig",
     "GenerationHyperparameters",
     "InferenceEngineConfig",

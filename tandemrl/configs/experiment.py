@@ -11,6 +11,7 @@ from tandemrl.configs.rollout import GenerationHyperparameters, InferenceEngineC
 from tandemrl.configs.utils import (
     ClusterConfig,
     EvaluatorConfig,
+    HeldoutEvalConfig,
     RecoverConfig,
     SaverConfig,
     StatsLoggerConfig,
@@ -97,6 +98,7 @@ class GRPOConfig(BaseExperimentConfig):
     ref: TrainEngineConfig | None = field(
         default=None, metadata={"help": "Frozen reference model for the KL term (path empty = actor's)."}
     )
+    heldout_eval: HeldoutEvalConfig = field(default_factory=HeldoutEvalConfig)
 
 
 def async_enabled(config: object) -> bool:

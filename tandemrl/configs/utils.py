@@ -50,6 +50,28 @@ class EvaluatorConfig(FreqConfig):
 
 
 @dataclass
+class HeldoutEvalConfig:
+    """Greedy accuracy of the served policy on a fixed held-out slice, before the first step and after the last."""
+
+    n: int = field(
+        default=0,
+        metadata={
+            "help": "Questions scored: the first n rows of `split` (GSM8K-style jsonl); 0 turns it off.",
+            "min": 0,
+        },
+    )
+    path: str = field(default="${train_dataset.path}", metadata={"help": "Directory holding <split>.jsonl."})
+    split: str = field(default="test", metadata={"help": "File stem of the held-out split."})
+    max_new_tokens: int = field(default=256, metadata={"help": "Greedy generation budget per question.", "min": 1})
+    experiment_name: str = field(default="${experiment_name}", metadata={"help": "Filled from the root config."})
+    trial_name: str = field(default="${trial_name}", metadata={"help": "Filled from the root config."})
+    fileroot: str = field(
+        default="${cluster.fileroot}",
+        metadata={"help": "Reports go to <fileroot>/logs/<experiment>/<trial>/heldout_{before,after}.json."},
+    )
+
+
+@dataclass
 class WandBConfig:
     """Weights & Biases logging."""
 

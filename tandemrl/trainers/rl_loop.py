@@ -57,6 +57,7 @@ from tandemrl.models.resolve import resolve_model_path
 from tandemrl.rewards.runner import RewardFn
 from tandemrl.rollout.controller import RolloutController
 from tandemrl.trainers.evaluator import Evaluator
+from tandemrl.trainers.heldout import HeldoutEval
 from tandemrl.trainers.prompt_log import log_prompt_ids
 from tandemrl.trainers.recover import RecoverHandler
 from tandemrl.trainers.saver import Saver
@@ -207,6 +208,7 @@ class RLTrainer:
         self.recover = RecoverHandler(config.recover, self.ft_spec)
         self._named_engines: dict[str, Any] = {"actor": self.actor}
         self.logger = StatsLogger(config.stats_logger, self.ft_spec)
+        self.heldout = HeldoutEval(config.heldout_eval, self.tokenizer)
         # Colocated ('|'): the servers sleep during each train_step (turns.py); async is refused at load.
         self.turns = TurnTaker(self.client, alloc.colocated(alloc.gen, alloc.train), self.logger.log_dir)
         if dist.get_rank() == 0:
@@ -319,6 +321,8 @@ class RLTrainer:
         group = config.actor.group_size
         world = actor.data_parallel_world_size
         first_step = self._maybe_resume()
+        if first_step == 0:
+            self.heldout.score(self.client, "before", actor.get_version())
         data_iter = cycle_batches(self.train_dl, "rollout_batch")
         total_steps = self.ft_spec.total_train_steps
         spe = self.ft_spec.steps_per_epoch
@@ -375,6 +379,9 @@ class RLTrainer:
         bar.close()
         summary.steps += max(0, total_steps - first_step)
         summary.seconds += time.monotonic() - start
+        if self.heldout.enabled:
+            rollout.pause()  # no new training episodes compete with the held-out requests
+            self.heldout.score(self.client, "after", actor.get_version())
         self._print_summary()
         return summary
 
@@ -404,6 +411,9 @@ class RLTrainer:
             flush=True,
         )
         print(f"{self.name} {format_time_split(s.phase_seconds)}", flush=True)
+        heldout = self.heldout.report()
+        if heldout is not None:
+            print(f"{self.name} {heldout}", flush=True)
 
     def close(self) -> None:
         """Stop rollout (its weight-update group too) and the client; release every engine and the process group."""
