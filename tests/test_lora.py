@@ -147,6 +147,19 @@ def test_vllm_backend_adapter_requests() -> None:
     assert b.build_generate(req, [], 4, 0).json["model"] == ADAPTER_NAME
 
 
+def test_launcher_starts_lora_servers_for_disk_updates() -> None:
+    from tandemrl.launchers.launch_config import read_launch_spec
+
+    grpo = str(REPO_ROOT / "examples" / "gsm8k_grpo.yaml")
+    spec = read_launch_spec(grpo, ["actor.engine.lora.rank=12", "weight_update_mode=disk"])
+    assert spec.server_extra == {"enable_lora": True, "max_lora_rank": 16, "max_loras": 1}
+    # Collective updates send merged weights: the servers need no LoRA support.
+    assert read_launch_spec(grpo, ["actor.engine.lora.rank=12", "weight_update_mode=collective"]).server_extra == {}
+    assert read_launch_spec(grpo, ["weight_update_mode=disk"]).server_extra == {}
+    with pytest.raises(ValueError, match=r"lora\.rank=600 exceeds"):
+        read_launch_spec(grpo, ["actor.engine.lora.rank=600", "weight_update_mode=disk"])
+
+
 # ----------------------------------------------------------------------------- slow
 
 
@@ -182,6 +195,9 @@ def test_fsdp2_two_ranks_bf16_train_only_adapters_and_export_merged(tiny_model_d
         n = int(probe["attention_mask"][0].sum())
         ref = hf(input_ids=probe["input_ids"][:1, :n]).logits[0]
     assert (logits[0, :n] - ref).abs().max().item() < 0.1
+    # DCP resume: adapters and their Adam states come back (the next step lands on the same weights).
+    assert all(torch.equal(res["restored"][k], t) for k, t in after.items())
+    assert all(torch.equal(res["resumed_stepped"][k], t) for k, t in res["stepped"].items())
 
 
 @pytest.fixture(scope="module")

@@ -51,6 +51,17 @@ WORKER_EXTENSION = "tandemrl.inference.vllm_ext.TandemWorkerExtension"
 ADAPTER_NAME = "tandemrl-policy"
 # vLLM attaches /v1/load_lora_adapter only with this set; a server also needs --enable-lora.
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's --max-lora-rank accepts
+
+
+def lora_server_flags(rank: int) -> dict[str, Any]:
+    """Server flags that let a vLLM server load one adapter of ``rank`` at run time."""
+    fits = [r for r in _MAX_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"lora.rank={rank} exceeds vLLM's largest --max-lora-rank {_MAX_LORA_RANKS[-1]}")
+    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1}
+
+
 # vLLM finish reasons -> ours; "repetition" is the model ending itself, like a stop.
 _FINISH: dict[str, StopReason] = {"stop": "stop", "length": "length", "abort": "abort", "repetition": "stop"}
 # Flags server_command owns; passing them in `extra` would silently conflict.

@@ -20,9 +20,9 @@ from tandemrl.engines.fsdp import FSDPEngine
 from tandemrl.engines.teardown import destroy_process_groups
 
 
-def main(args: argparse.Namespace) -> None:
+def build(model: str) -> FSDPEngine:
     cfg = TrainEngineConfig(
-        path=args.model,
+        path=model,
         mb_spec=MicroBatchSpec(n_mbs=2),
         mixed_precision="bfloat16",
         optimizer=OptimizerConfig(lr=1e-2, gradient_clipping=1.0),
@@ -31,6 +31,11 @@ def main(args: argparse.Namespace) -> None:
     e = FSDPEngine(cfg)
     e.create_process_group()
     e.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=100, train_batch_size=10))
+    return e
+
+
+def main(args: argparse.Namespace) -> None:
+    e = build(args.model)
     trainable = sorted(n for n, p in e.model.named_parameters() if p.requires_grad)
     before = _raw(e)
     losses = [LMEngine(e).train_lm(rank_slice(make_batch(700 + step)))["loss"] for step in range(2)]
@@ -40,11 +45,21 @@ def main(args: argparse.Namespace) -> None:
     logits = e.forward(probe)
     e.save(SaveLoadMeta(path=os.path.join(args.out, "adapter"), weight_format="peft"))
     e.save(SaveLoadMeta(path=os.path.join(args.out, "merged"), weight_format="hf", tokenizer_path=args.model))
+    e.save(SaveLoadMeta(path=os.path.join(args.out, "dcp"), weight_format="dcp", with_optim=True))
+    LMEngine(e).train_lm(rank_slice(make_batch(702)))
+    stepped = _raw(e)
+    e.destroy()
+    resumed = build(args.model)  # fresh adapters, then the checkpoint's adapters and Adam states
+    resumed.load(SaveLoadMeta(path=os.path.join(args.out, "dcp"), weight_format="dcp", with_optim=True))
+    restored = _raw(resumed)
+    LMEngine(resumed).train_lm(rank_slice(make_batch(702)))
+    resumed_stepped = _raw(resumed)
+    resumed.destroy()
     if dist.get_rank() == 0:
         result = {"trainable": trainable, "before": before, "after": after, "exported": exported}
         result.update(losses=losses, probe=probe, logits=logits, world=dist.get_world_size())
+        result.update(restored=restored, stepped=stepped, resumed_stepped=resumed_stepped)
         torch.save(result, os.path.join(args.out, "lora.pt"))
-    e.destroy()
 
 
 def _raw(e: FSDPEngine) -> dict[str, torch.Tensor]:
@@ -61,6 +76,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", required=True, help="HF model directory")
     parser.add_argument("--out", required=True, help="directory for lora.pt, adapter/ and merged/")
+    torch.use_deterministic_algorithms(True)
     try:
         main(parser.parse_args())
     finally:
