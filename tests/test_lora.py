@@ -200,6 +200,28 @@ def test_fsdp2_two_ranks_bf16_train_only_adapters_and_export_merged(tiny_model_d
     assert all(torch.equal(res["resumed_stepped"][k], t) for k, t in res["stepped"].items())
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", ["disk", "collective"])
+def test_server_without_lora_gets_merged_weights(
+    vllm_server: VLLMTestServer, tiny_model_dir: str, tmp_path: Path, sync: str
+) -> None:
+    """The session server loads no adapters: a LoRA trainer's disk and collective pushes send the merged
+    model, and the server then generates as transformers does on the merged export."""
+    from test_weight_sync import check_update_record, random_prompts, restore_session_server, run_worker, weight_label
+
+    label = weight_label(vllm_server)
+    prompts = random_prompts(int(load_hf(tiny_model_dir).config.vocab_size), seed=17, n=256)
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    try:
+        run_worker(
+            "update", tiny_model_dir, vllm_server, tmp_path, "--sync", sync, "--lora-rank", "8",
+            "--prompts", str(tmp_path / "prompts.json"), "--lr", "3e-3",
+        )  # fmt: skip
+        assert not check_update_record(tmp_path, prompts, sync, fp32_server=False)["sync"]["adapter"]
+    finally:
+        restore_session_server(vllm_server, label)
+
+
 @pytest.fixture(scope="module")
 def lora_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMTestServer]:
     """A vLLM server with runtime LoRA loading, for this module only."""
@@ -220,10 +242,10 @@ def test_adapter_update_reaches_vllm_and_matches_merged_weights(
     """FSDP2 LoRA trainer -> disk push: the pusher sends only the adapter, the server's greedy output
     changes and then equals transformers' on the merged export; versions advance on both sides."""
     vocab = int(load_hf(tiny_model_dir).config.vocab_size)
-    prompts = torch.randint(3, vocab, (64, 8), generator=torch.Generator().manual_seed(3)).tolist()
+    prompts = torch.randint(3, vocab, (256, 8), generator=torch.Generator().manual_seed(3)).tolist()
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))
     args = ["update", "--model", tiny_model_dir, "--addr", lora_server.proc.address, "--out", str(tmp_path)]
-    args += ["--sync", "disk", "--prompts", str(tmp_path / "prompts.json"), "--lr", "3e-2", "--lora-rank", "8"]
+    args += ["--sync", "disk", "--prompts", str(tmp_path / "prompts.json"), "--lr", "3e-3", "--lora-rank", "8"]
     run_torchrun(WORKERS / "sync_checks.py", 2, args, env=ENV, timeout=600)
     record = torch.load(tmp_path / "update.pt")
     sync = record["sync"]
@@ -237,6 +259,7 @@ def test_adapter_update_reaches_vllm_and_matches_merged_weights(
     compared = sorted(range(len(prompts)), key=lambda i: refs[i].min_gap, reverse=True)[:8]
     for i in compared:
         assert after[i] == refs[i].ids, f"prompt {i}: server {after[i]} != merged HF {refs[i].ids}"
+    assert len({tuple(refs[i].ids) for i in compared}) >= len(compared) // 2  # not one collapsed output
     changed = sum(b != a for b, a in zip(before, after, strict=True))
     assert changed >= len(prompts) // 2, f"the adapter changed only {changed}/{len(prompts)} greedy outputs"
     assert record["label_after"] == "1" and record["client_version"] == 1
