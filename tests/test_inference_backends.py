@@ -333,7 +333,7 @@ def test_vllm_server_command_parses_with_vllm_cli(vllm_models: Any) -> None:
     assert "--prefix-caching" not in cmd  # False drops the flag
     single = b.server_command("/m", "h", 1, ParallelStrategy(), {})
     assert "--data-parallel-size" not in single and single[single.index("--tensor-parallel-size") + 1] == "1"
-    assert b.server_env() == {"VLLM_SERVER_DEV_MODE": "1"}
+    assert b.server_env() == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
     with pytest.raises(ValueError) as exc:
         b.server_command("/m", "h", 1, ParallelStrategy(), {"tensor-parallel-size": 4})
     assert_one_line_error(exc, "tensor-parallel-size", "extra")

@@ -58,6 +58,23 @@ class InferenceBackend(Protocol):
         """Ordered steps that load ``meta.path`` into a (paused) server."""
         ...
 
+    def build_lora_probe(self) -> HttpRequest:
+        """Ask the server whether it can load LoRA adapters at run time."""
+        ...
+
+    def parse_lora_probe(self, payload: dict[str, Any]) -> int:
+        """The largest adapter rank the server loads (its max LoRA rank); 0 if it loads none."""
+        ...
+
+    def build_load_adapter(self, meta: WeightUpdateMeta) -> list[HttpRequest]:
+        """Ordered steps that (re)load the PEFT adapter directory ``meta.path`` into a (paused) server,
+        after which the client calls ``adapter_loaded``."""
+        ...
+
+    def adapter_loaded(self) -> None:
+        """Every server holds the adapter now: later ``build_generate`` requests generate with it."""
+        ...
+
     def build_init_weight_group(self, meta: WeightUpdateMeta, rank_offset: int) -> HttpRequest:
         """Join the server's ranks to the update group; its first rank is ``rank_offset``."""
         ...

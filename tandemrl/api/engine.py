@@ -111,6 +111,11 @@ class TrainEngine(ABC):
     def broadcast_in_model_parallel_group(self, batch: TensorDict | None) -> TensorDict:
         """Collective in the model-parallel (TP/PP) group: the DP head's batch on every rank of its replica."""
 
+    @property
+    def lora_rank(self) -> int:
+        """Rank of the LoRA adapters the engine trains (0: none); with one, ``save`` takes weight_format "peft"."""
+        return 0
+
     @abstractmethod
     def hf_param_specs(self) -> list[ParamSpec]:
         """HF names, full shapes and dtypes of the weights, in ``iter_hf_params`` order."""

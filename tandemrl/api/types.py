@@ -69,8 +69,9 @@ class SaveLoadMeta:
     """What to save or load and where.
 
     weight_format "hf" is a safetensors directory that transformers and inference
-    servers reload; "dcp" is a torch.distributed.checkpoint of model + optimizer +
-    scheduler for exact resumption.
+    servers reload (with LoRA: the merged weights); "dcp" is a torch.distributed.checkpoint
+    of model + optimizer + scheduler for exact resumption; "peft" (LoRA engines, save only)
+    is the adapter alone as a PEFT directory (docs/lora.md).
     """
 
     path: str

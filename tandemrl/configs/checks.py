@@ -259,6 +259,31 @@ def _truncation_replayed(config: Any) -> Problem | None:
     )
 
 
+def _lora_fits(config: Any) -> Problem | None:
+    """LoRA is implemented on the FSDP2 engine only, and a critic's value head is no adapter target."""
+    from dataclasses import fields, is_dataclass
+
+    from tandemrl.api.allocation import AllocationMode
+    from tandemrl.configs.engine import TrainEngineConfig
+
+    backend = AllocationMode.from_str(config.allocation_mode).train.backend
+    for f in fields(config) if is_dataclass(config) else ():
+        cfg, key = getattr(config, f.name), f.name
+        if isinstance(getattr(cfg, "engine", None), TrainEngineConfig):  # actor.engine, critic.engine
+            cfg, key = cfg.engine, f"{key}.engine"
+        if not isinstance(cfg, TrainEngineConfig) or cfg.lora.rank <= 0:
+            continue
+        if cfg.is_critic:
+            return f"{key}.lora.rank", f"is {cfg.lora.rank}: LoRA trains actors and SFT models, not a critic"
+        if backend != "fsdp":
+            return (
+                f"{key}.lora.rank",
+                f"is {cfg.lora.rank}: LoRA is FSDP2-only for now, but allocation_mode "
+                f"'{config.allocation_mode}' trains with {backend}",
+            )
+    return None
+
+
 def first_problem(config: Any) -> Problem | None:
     """The first pair of values that do not fit together, or None."""
     dp, problem = _data_parallel_size(config)
@@ -273,4 +298,5 @@ def first_problem(config: Any) -> Problem | None:
         or _async_overlaps(config)
         or _stale_is_corrected(config)
         or _truncation_replayed(config)
+        or _lora_fits(config)
     )

@@ -89,6 +89,27 @@ class MegatronEngineConfig:
     )
 
 
+LORA_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters (docs/lora.md): y = W x + (alpha / rank) * B(A(x)) on the target linears.
+
+    With ``rank`` > 0 the base weights are frozen and only A and B are trained (FSDP2 only).
+    """
+
+    rank: int = field(default=0, metadata={"help": "Adapter rank r; 0 trains the full model (LoRA off).", "min": 0})
+    alpha: float = field(
+        default=16.0, metadata={"help": "Scale numerator: the adapter output is multiplied by alpha/r."}
+    )
+    dropout: float = field(default=0.0, metadata={"help": "Dropout on the adapter's input (0 keeps training exact)."})
+    target_modules: list[str] = field(
+        default_factory=lambda: list(LORA_DEFAULT_TARGETS),
+        metadata={"help": "Names of the nn.Linear modules to adapt (last path component, as in PEFT)."},
+    )
+
+
 @dataclass
 class TrainEngineConfig:
     """One model trained by one engine (actor, critic, reference, or SFT model)."""
@@ -145,4 +166,7 @@ class TrainEngineConfig:
     )
     megatron: MegatronEngineConfig = field(
         default_factory=MegatronEngineConfig, metadata={"help": "Options of the Megatron backend."}
+    )
+    lora: LoRAConfig = field(
+        default_factory=LoRAConfig, metadata={"help": "Low-rank adapters; rank 0 (default) trains every weight."}
     )

@@ -387,8 +387,10 @@ class BaseTrainEngine(TrainEngine):
             self._save_hf(meta)
         elif meta.weight_format == "dcp":
             self._save_recoverable(meta)
+        elif meta.weight_format == "peft":
+            self._save_adapter(meta)
         else:
-            raise ValueError(f"SaveLoadMeta.weight_format: unknown format '{meta.weight_format}' (hf or dcp)")
+            raise ValueError(f"SaveLoadMeta.weight_format: unknown format '{meta.weight_format}' (hf, dcp or peft)")
         if dist.is_initialized():
             dist.barrier()
 
@@ -402,6 +404,15 @@ class BaseTrainEngine(TrainEngine):
             self._load_recoverable(meta)
         else:
             raise ValueError(f"SaveLoadMeta.weight_format: unknown format '{meta.weight_format}' (hf or dcp)")
+
+    @property
+    def lora_rank(self) -> int:
+        """Rank of the trained LoRA adapters; 0 when every weight is trained."""
+        return self.config.lora.rank
+
+    def _save_adapter(self, meta: SaveLoadMeta) -> None:
+        """Collective: the LoRA adapter as a PEFT directory (backends with LoRA override it)."""
+        raise ValueError(f"SaveLoadMeta.weight_format='peft': the {self.backend} engine trains no LoRA adapter")
 
     def _save_hf(self, meta: SaveLoadMeta) -> None:
         sd = self.full_state_dict()

@@ -27,6 +27,7 @@ from tandemrl.api.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta
 from tandemrl.configs.engine import TrainEngineConfig
 from tandemrl.engines.base import BaseTrainEngine, data_parallel_only
 from tandemrl.engines.hf_model import build_hf_model, read_hf_state_dict
+from tandemrl.engines.lora import adapter_items, apply_lora, is_adapter_key, merged_items, write_adapter
 from tandemrl.engines.precision import resolve_precision
 from tandemrl.engines.teardown import register_group_releaser
 
@@ -53,6 +54,11 @@ def clip_grad_norm_by_mesh(params: list[torch.nn.Parameter], max_norm: float) ->
         for ps in groups.values():
             torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total)
     return total
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a (possibly sharded) state-dict entry; collective for a DTensor."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
 
 
 def _clear_dtensor_caches() -> None:
@@ -96,13 +102,15 @@ class FSDPEngine(BaseTrainEngine):
         cfg = self.config
         precision = resolve_precision(cfg)
         model, self.model_config = build_hf_model(cfg, self._device)
+        if cfg.lora.rank > 0:  # before sharding: each layer's unit holds its frozen base and its adapters
+            apply_lora(model, cfg.lora)
         kwargs: dict = {"mesh": self.mesh}
         if precision.mixed:  # sharded fp32 master weights; 16-bit gathered copies; fp32 gradient reduction
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=precision.compute, reduce_dtype=precision.weights)
         for layer in model.model.layers:
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)  # root keeps embeddings, final norm and lm_head
-        self.build_optimizer(list(model.parameters()), ft_spec)
+        self.build_optimizer([p for p in model.parameters() if p.requires_grad], ft_spec)
         return model
 
     # ---------------------------------------------------------------- compute
@@ -117,24 +125,41 @@ class FSDPEngine(BaseTrainEngine):
 
     # ---------------------------------------------------------- weight export
     def hf_param_specs(self) -> list[ParamSpec]:
+        """HF names of the (merged, with LoRA) model: adapter tensors are folded into their base weights."""
         return [
             ParamSpec(name, tuple(p.shape), str(p.dtype).removeprefix("torch."))
             for name, p in self.model.state_dict().items()
+            if not is_adapter_key(name)
         ]
 
     def iter_hf_params(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, p in self.model.state_dict().items():
-            yield name, (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+        yield from merged_items(self.model.state_dict(), self._lora_scaling, _full)
+
+    @property
+    def _lora_scaling(self) -> float:
+        lora = self.config.lora
+        return lora.alpha / lora.rank if lora.rank > 0 else 0.0
 
     # ----------------------------------------------------------- checkpoints
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: unsharded CPU weights on rank 0 (empty dict on the other ranks)."""
+        """Collective: unsharded CPU weights on rank 0 (empty dict on the other ranks); LoRA merged in."""
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(self.model, options=opts)
+        sd = get_model_state_dict(self.model, options=opts)
+        return dict(merged_items(sd, self._lora_scaling)) if self.config.lora.rank > 0 else sd
+
+    def _save_adapter(self, meta: SaveLoadMeta) -> None:
+        """Collective: the LoRA adapter as a PEFT directory, written by rank 0."""
+        if self.config.lora.rank <= 0:
+            raise ValueError("SaveLoadMeta.weight_format='peft' needs lora.rank > 0 (this engine has no adapter)")
+        tensors = {name: _full(t).cpu() for name, t in adapter_items(self.model.state_dict())}
+        if dist.get_rank() == 0:
+            write_adapter(meta.path, tensors, self.config.lora, self.config.path)
 
     def _load_hf(self, meta: SaveLoadMeta) -> None:
         sd = read_hf_state_dict(meta.path, self.model_config)
-        set_model_state_dict(self.model, sd, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # With LoRA an HF directory holds base weights only; the adapters keep their values.
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True, strict=self.config.lora.rank <= 0)
+        set_model_state_dict(self.model, sd, options=opts)
 
     def _save_checkpoint(self, meta: SaveLoadMeta) -> bool:
         """A torch DCP checkpoint of the sharded model (and optimizer)."""

@@ -30,6 +30,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from tandemrl.api.backend import InferenceBackend
 from tandemrl.api.inference import HttpRequest, ModelRequest, ModelResponse, ParamSpec, StopReason, WeightUpdateMeta
@@ -385,6 +386,31 @@ class RemoteInfEngine:
         plan = {addr: list(steps) for addr in self.pool.live()}
         return self._start_update(plan, meta.version, pause=True, skip_dead=True)
 
+    def adapter_rank_limit(self) -> int:
+        """The largest LoRA rank every live server loads at run time; 0 if one of them loads none."""
+        probe = self.backend.build_lora_probe()
+
+        async def ask() -> list[int]:
+            replies = await asyncio.gather(*(self.http.send(a, probe) for a in self.pool.live()))
+            return [self.backend.parse_lora_probe(r) for r in replies]
+
+        limits = self.http.run_sync(ask())
+        if not limits:
+            raise ServerUnavailableError(self.pool.all_dead_message())
+        return min(limits)
+
+    def update_adapter_from_disk(self, meta: WeightUpdateMeta) -> concurrent.futures.Future[None]:
+        """Load the PEFT adapter directory at ``meta.path`` into every live server, in the background.
+
+        As ``update_weights_from_disk`` (paused, relabelled with ``meta.version``, dead servers
+        skipped); once loaded, every later generation uses the adapter.
+        """
+        if meta.type != "disk":
+            raise ValueError(f"update_adapter_from_disk needs a 'disk' WeightUpdateMeta, got type {meta.type!r}")
+        steps = self.backend.build_load_adapter(meta)
+        plan = {addr: list(steps) for addr in self.pool.live()}
+        return self._start_update(plan, meta.version, pause=True, skip_dead=True, after=self.backend.adapter_loaded)
+
     def init_weights_update_group(self, meta: WeightUpdateMeta) -> concurrent.futures.Future[None]:
         """Ask every server to join the trainer's weight-update group, in the background.
 
@@ -444,15 +470,21 @@ class RemoteInfEngine:
         return list(pool.addrs)
 
     def _start_update(
-        self, plan: dict[str, list[HttpRequest]], version: int | None, pause: bool, skip_dead: bool = False
+        self,
+        plan: dict[str, list[HttpRequest]],
+        version: int | None,
+        pause: bool,
+        skip_dead: bool = False,
+        after: Callable[[], None] | None = None,
     ) -> concurrent.futures.Future[None]:
+        """``after`` runs once the plan succeeded, before the servers resume."""
         if not plan:
             raise ServerUnavailableError(self.pool.all_dead_message())
         if pause:
             with self._state_lock:
                 self._updates_running += 1  # generations wait from now on
         try:
-            return self.http.submit(self._update(plan, version, pause, skip_dead))
+            return self.http.submit(self._update(plan, version, pause, skip_dead, after))
         except BaseException:
             if pause:
                 with self._state_lock:
@@ -460,7 +492,12 @@ class RemoteInfEngine:
             raise
 
     async def _update(
-        self, plan: dict[str, list[HttpRequest]], version: int | None, pause: bool, skip_dead: bool
+        self,
+        plan: dict[str, list[HttpRequest]],
+        version: int | None,
+        pause: bool,
+        skip_dead: bool,
+        after: Callable[[], None] | None = None,
     ) -> None:
         """``skip_dead``: a server found dead (at the pause or during its steps) is left out
         (disk loads); otherwise the update fails with one line naming it (a collective group
@@ -475,6 +512,8 @@ class RemoteInfEngine:
                     "weight update: " + "; ".join(f"inference server {a} is dead ({why})" for a, why in dead.items())
                 )
             await self._run_plan({a: s for a, s in plan.items() if a not in dead}, skip_dead)
+            if after is not None:
+                after()
             if version is not None:
                 self.set_version(version)
         except BaseException as e:

@@ -152,6 +152,20 @@ class SGLangBackend(TimeoutsMixin):
             steps.append(self.build_set_version(meta.version))
         return steps
 
+    def build_lora_probe(self) -> HttpRequest:
+        return HttpRequest("GET", "/get_server_info", None, self.control_timeout)
+
+    def parse_lora_probe(self, payload: dict[str, Any]) -> int:
+        """0: adapter updates are not implemented for SGLang, so a LoRA trainer sends merged weights."""
+        server_error(payload, self.name)
+        return 0
+
+    def build_load_adapter(self, meta: WeightUpdateMeta) -> list[HttpRequest]:
+        raise ValueError(f"{self.name}: LoRA adapter updates are not supported; send merged weights (disk update)")
+
+    def adapter_loaded(self) -> None:
+        raise ValueError(f"{self.name}: LoRA adapter updates are not supported")
+
     def build_init_weight_group(self, meta: WeightUpdateMeta, rank_offset: int) -> HttpRequest:
         check_collective(meta, rank_offset, self.name)
         body = {

@@ -47,6 +47,21 @@ if TYPE_CHECKING:
     from tandemrl.api.types import ParallelStrategy
 
 WORKER_EXTENSION = "tandemrl.inference.vllm_ext.TandemWorkerExtension"
+# The served name of the trainer's LoRA adapter: every adapter update reloads it in place.
+ADAPTER_NAME = "tandemrl-policy"
+# vLLM attaches /v1/load_lora_adapter only with this set; a server also needs --enable-lora.
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's --max-lora-rank accepts
+
+
+def lora_server_flags(rank: int) -> dict[str, Any]:
+    """Server flags that let a vLLM server load one adapter of ``rank`` at run time."""
+    fits = [r for r in _MAX_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"lora.rank={rank} exceeds vLLM's largest --max-lora-rank {_MAX_LORA_RANKS[-1]}")
+    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1}
+
+
 # vLLM finish reasons -> ours; "repetition" is the model ending itself, like a stop.
 _FINISH: dict[str, StopReason] = {"stop": "stop", "length": "length", "abort": "abort", "repetition": "stop"}
 # Flags server_command owns; passing them in `extra` would silently conflict.
@@ -67,6 +82,8 @@ class VLLMBackend(TimeoutsMixin):
     name = "vllm"
     # tandemrl_recv_weights takes every bucket's metadata in one call.
     multi_bucket_collective = True
+    # Set once a LoRA adapter is loaded (``adapter_loaded``): generation then names it as the model.
+    adapter: str | None = None
 
     # ---- generation ----------------------------------------------------------------------
 
@@ -94,6 +111,8 @@ class VLLMBackend(TimeoutsMixin):
         if req.metadata.get("ignore_eos"):
             params["ignore_eos"] = True
         body = {"request_id": req.rid, "token_ids": token_ids, "sampling_params": params, "stream": False}
+        if self.adapter is not None:
+            body["model"] = self.adapter
         return HttpRequest("POST", "/inference/v1/generate", body, self.request_timeout)
 
     def parse_generate(self, payload: dict[str, Any]) -> GenerateChunk:
@@ -157,6 +176,31 @@ class VLLMBackend(TimeoutsMixin):
             steps.append(self.build_set_version(meta.version))
         return steps
 
+    def build_lora_probe(self) -> HttpRequest:
+        """The dev-mode server info: its vLLM config tells whether LoRA adapters can be loaded."""
+        return HttpRequest("GET", "/server_info?config_format=json", None, self.update_timeout)
+
+    def parse_lora_probe(self, payload: dict[str, Any]) -> int:
+        """``max_lora_rank`` of a server started with ``--enable-lora`` and runtime adapter loading; else 0."""
+        server_error(payload, self.name)
+        lora = require(payload, "vllm_config", self.name, "").get("lora_config")
+        runtime = str(payload.get("vllm_env", {}).get(RUNTIME_LORA_ENV, "")).lower() in ("1", "true")
+        return int(require(lora, "max_lora_rank", self.name, "vllm_config.lora_config")) if lora and runtime else 0
+
+    def build_load_adapter(self, meta: WeightUpdateMeta) -> list[HttpRequest]:
+        """(Re)load the PEFT adapter at ``meta.path`` as ``ADAPTER_NAME`` in place, drop the prefix cache,
+        then (if ``meta.version`` is set) relabel the weights."""
+        if meta.type != "disk" or not meta.path:
+            raise ValueError(f"{self.name}: build_load_adapter needs a 'disk' WeightUpdateMeta with a path")
+        body = {"lora_name": ADAPTER_NAME, "lora_path": meta.path, "load_inplace": True}
+        steps = [HttpRequest("POST", "/v1/load_lora_adapter", body, self.update_timeout), self.build_flush_cache()]
+        if meta.version is not None:
+            steps.append(self.build_set_version(meta.version))
+        return steps
+
+    def adapter_loaded(self) -> None:
+        self.adapter = ADAPTER_NAME
+
     def build_init_weight_group(self, meta: WeightUpdateMeta, rank_offset: int) -> HttpRequest:
         """Each worker joins as rank ``rank_offset`` + its own local rank (tp/pp index)."""
         check_collective(meta, rank_offset, self.name)
@@ -219,7 +263,8 @@ class VLLMBackend(TimeoutsMixin):
         return cmd + cli_flags({**defaults, **normalized})
 
     def server_env(self) -> dict[str, str]:
-        return {"VLLM_SERVER_DEV_MODE": "1"}
+        """Dev mode (RL routes) and runtime LoRA loading (used only by servers started with --enable-lora)."""
+        return {"VLLM_SERVER_DEV_MODE": "1", RUNTIME_LORA_ENV: "True"}
 
 
 def _logprobs(block: Any, tokens: list[int], where: str) -> list[float]:

@@ -90,6 +90,7 @@ def read_launch_spec(config_path: str | None, overrides: list[str]) -> LaunchSpe
         if _get(cfg, key):
             model_key, model_path = key, str(_get(cfg, key))
             break
+    update_mode = str(_get(cfg, "weight_update_mode", "collective"))
     return LaunchSpec(
         allocation=alloc,
         experiment_name=str(_get(cfg, "experiment_name", "tandemrl")),
@@ -99,8 +100,19 @@ def read_launch_spec(config_path: str | None, overrides: list[str]) -> LaunchSpe
         model_key=model_key,
         corpus_path=_get(cfg, "train_dataset.path"),
         server_timeout=float(_get(cfg, "rollout.setup_timeout", 600.0)),
-        weight_update_mode=str(_get(cfg, "weight_update_mode", "collective")),
+        weight_update_mode=update_mode,
+        server_extra=_lora_server_extra(cfg, alloc, update_mode),
     )
+
+
+def _lora_server_extra(cfg: Any, alloc: AllocationMode, update_mode: str) -> dict[str, Any]:
+    """vLLM servers load the actor's LoRA adapter at run time when it trains one and updates go by disk."""
+    rank = int(_get(cfg, "actor.engine.lora.rank", 0))
+    if rank <= 0 or update_mode != "disk" or alloc.gen_backend != "vllm":
+        return {}
+    from tandemrl.inference.vllm import lora_server_flags
+
+    return lora_server_flags(rank)
 
 
 LAUNCHER_SECTION = "launcher"  # settings of the launchers themselves (launcher.slurm.*), unknown to scripts

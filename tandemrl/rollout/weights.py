@@ -46,6 +46,10 @@ class WeightReceiver(Protocol):
 
     def update_weights_from_disk(self, meta: WeightUpdateMeta) -> Future[None]: ...
 
+    def adapter_rank_limit(self) -> int: ...
+
+    def update_adapter_from_disk(self, meta: WeightUpdateMeta) -> Future[None]: ...
+
     def init_weights_update_group(self, meta: WeightUpdateMeta) -> Future[None]: ...
 
     def leave_weights_update_group(self, meta: WeightUpdateMeta) -> Future[None]: ...
@@ -73,7 +77,8 @@ class SyncStats:
     """One push as rank 0 saw it; recorded as ``weight_sync/*`` scalars of the default stats tracker."""
 
     bytes: int = 0  # sent over the wire (collective: payloads and headers) or written (disk: safetensors)
-    full_bytes: int = 0  # what sending every tensor whole moves
+    full_bytes: int = 0  # what sending every tensor whole moves (a LoRA adapter update: the adapter's)
+    adapter: bool = False  # a LoRA adapter was sent, not the (merged) model
     seconds: float = 0.0
     changed: int = 0  # delta updates: elements whose bits changed since the last update
     elements: int = 0  # ... out of this many compared
@@ -114,6 +119,7 @@ class WeightPusher:
         self.client = client
         self._weight_group: Any = None
         self._delta = _DeltaState()
+        self._send_adapter: bool | None = None  # decided at the first disk push (docs/lora.md)
         self.last_stats: SyncStats | None = None  # rank 0's figures of the last push
 
     def push(self, meta: WeightUpdateMeta) -> None:
@@ -136,12 +142,37 @@ class WeightPusher:
         return dist.get_rank() == 0
 
     def _push_disk(self, meta: WeightUpdateMeta, stats: SyncStats) -> None:
+        """The model as HF safetensors, or only its LoRA adapter (PEFT) when the servers load adapters."""
         assert meta.path is not None
-        self.engine.save(SaveLoadMeta(path=meta.path, weight_format="hf"))
+        stats.adapter = self._adapter_updates()
+        self.engine.save(SaveLoadMeta(path=meta.path, weight_format="peft" if stats.adapter else "hf"))
         if self._is_sender():
             files = glob.glob(os.path.join(meta.path, "*.safetensors"))
             stats.bytes = stats.full_bytes = sum(os.path.getsize(f) for f in files)
-            self.client.update_weights_from_disk(meta).result()
+            load = self.client.update_adapter_from_disk if stats.adapter else self.client.update_weights_from_disk
+            load(meta).result()
+
+    def _adapter_updates(self) -> bool:
+        """Collective, once: send the adapter alone if the engine trains one and every server loads adapters.
+
+        Otherwise the merged weights go (a server without LoRA). Rank 0 asks the servers and
+        tells the other ranks, which must save in the same format.
+        """
+        if self._send_adapter is None:
+            rank = self.engine.lora_rank
+            decision = torch.zeros((), dtype=torch.int64, device=self.engine.device)
+            if rank > 0 and self._is_sender():
+                limit = self.client.adapter_rank_limit()
+                if 0 < limit < rank:
+                    raise ValueError(
+                        f"lora.rank={rank} exceeds the inference servers' max LoRA rank {limit} "
+                        f"(vLLM: start them with --max-lora-rank >= {rank})"
+                    )
+                decision.fill_(int(limit > 0))
+            if rank > 0:
+                dist.broadcast(decision, 0)
+            self._send_adapter = bool(decision)
+        return self._send_adapter
 
     def _push_collective(self, meta: WeightUpdateMeta, stats: SyncStats) -> None:
         """Plan the buckets, start the servers' receive of the WHOLE plan, then broadcast bucket by bucket.

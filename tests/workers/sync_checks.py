@@ -246,7 +246,8 @@ def version_label(rollout: RemoteVLLMEngine) -> str:
 
 def update(args: argparse.Namespace) -> None:
     """Train, export, update the server by ``args.sync``; record greedy outputs around the update."""
-    engine = make_engine(args.model, lr=args.lr, allocation=args.allocation)
+    lora = {"lora.rank": args.lora_rank, "lora.alpha": 2.0 * args.lora_rank} if args.lora_rank else {}
+    engine = make_engine(args.model, lr=args.lr, allocation=args.allocation, overrides=lora)
     client = RecordingClient()
     rollout = make_rollout(args.addr, client)
     rank = dist.get_rank()
@@ -280,7 +281,7 @@ def update(args: argparse.Namespace) -> None:
         if rank == 0:
             s = controller._pusher.last_stats
             assert s is not None
-            record["sync"] = {"bytes": s.bytes, "full_bytes": s.full_bytes, "seconds": s.seconds}
+            record["sync"] = {"bytes": s.bytes, "full_bytes": s.full_bytes, "seconds": s.seconds, "adapter": s.adapter}
             record["after"] = greedy_outputs(rollout, prompts)
             record["label_after"] = version_label(rollout)
             record["client_version"] = rollout.get_version()
@@ -432,6 +433,7 @@ if __name__ == "__main__":
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--bucket-mb", type=int, default=8)
     p.add_argument("--allocation", default="fsdp:d2", help="training allocation of the update mode's engine")
+    p.add_argument("--lora-rank", type=int, default=0, help="update mode: train LoRA adapters of this rank")
     a = p.parse_args()
     {"logprobs": logprobs, "truncated": truncated, "update": update, "delta": delta, "leave": leave}[a.mode](a)
     destroy_process_groups()
