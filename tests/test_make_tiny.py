@@ -121,6 +121,16 @@ def test_qwen3_moe_builds_and_runs(tiny_moe_dir: str) -> None:
     assert router.grad is not None and router.grad.abs().sum() > 0
 
 
+def test_llama_ties_its_embeddings_through_save_and_reload(tiny_llama_dir: str, tiny_model_dir: str) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.tie_word_embeddings
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert "lm_head.weight" not in load_file(str(Path(tiny_llama_dir) / "model.safetensors"))
+    tok, qwen_tok = AutoTokenizer.from_pretrained(tiny_llama_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = "Betty has 15 dollars and needs 100."
+    assert tok.encode(text) == qwen_tok.encode(text)  # the same tokenizer, whatever model_type says
+
+
 def test_ensure_tiny_model_builds_once_and_keys_by_args(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     first = mt.ensure_tiny_model(tmp_path, **SMALL)
     assert (Path(first) / "model.safetensors").is_file()
@@ -183,8 +193,8 @@ def test_bad_arguments_raise_clear_errors(tmp_path: Path, kwargs: dict[str, int]
 
 
 def test_unknown_arch_and_missing_corpus(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="unknown arch 'llama'"):
-        mt.make_tiny_model(tmp_path / "x", "llama")
+    with pytest.raises(ValueError, match="unknown arch 'gpt2'"):
+        mt.make_tiny_model(tmp_path / "x", "gpt2")
     with pytest.raises(FileNotFoundError, match="nope"):
         mt.make_tiny_model(tmp_path / "x", corpus_path=str(tmp_path / "nope"))
 

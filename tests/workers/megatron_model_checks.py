@@ -209,6 +209,9 @@ LAYOUTS = {
     # Qwen3-MoE: tied embeddings, odd vocab, a dense layer among MoE ones, norm_topk_prob=False, norms != 1
     "variant_pp2": ("variant", 1, 2, 1),
     "variant_ep2": ("variant", 1, 1, 2),
+    # Llama (SmolLM2's layout): GQA 3:1, no biases, tied embeddings across PP stages, rope theta 1e5
+    "llama_tp2": ("llama", 2, 1, 1),
+    "llama_pp2": ("llama", 1, 2, 1),
 }
 
 
@@ -218,6 +221,7 @@ def main() -> None:
     ap.add_argument("--moe", required=True)
     ap.add_argument("--variant", required=True)
     ap.add_argument("--qwen3", required=True)
+    ap.add_argument("--llama", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--only", nargs="*", default=list(LAYOUTS))
     a = ap.parse_args()

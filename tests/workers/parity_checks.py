@@ -5,7 +5,8 @@ dotted TrainEngineConfig overrides; the engine class comes from the actor regist
 this worker knows nothing backend-specific. Rank 0 writes ``<row>.pt`` with the losses and
 grad norms of 5 SFT steps then 3 PPO steps of one engine, and the values, value losses and
 grad norms of 3 critic PPO steps (on the same rollouts) of a critic engine built from one
-shared critic checkpoint (``critic-init/``, saved by the first launch).
+shared critic checkpoint (``critic-init/``, saved by the first launch; ``critic-init-llama/`` for rows
+with ``"model": "llama"``, which train ``--llama`` instead of ``--model``).
 
 A row with ``"critic_export": true`` also exports (HF format) its trained critic, with the
 values it computes on a probe batch, and a critic built from the causal-LM checkpoint (fresh
@@ -98,6 +99,11 @@ def save_critic_checkpoint(model: str, path: str) -> None:
     dist.barrier()
 
 
+def critic_dir(case: dict[str, Any]) -> str:
+    """The shared critic checkpoint of the row's model (one per model)."""
+    return CRITIC_DIR + (f"-{case['model']}" if "model" in case else "")
+
+
 def build_critic(case: dict[str, Any], path: str, model: str) -> Any:
     cfg = TrainEngineConfig(path=path, tokenizer_path=model, is_critic=True, mixed_precision=None)
     return build(case, cfg, PPO_STEPS)
@@ -105,7 +111,7 @@ def build_critic(case: dict[str, Any], path: str, model: str) -> Any:
 
 def run_critic(case: dict[str, Any], model: str, out_dir: str) -> dict[str, Any]:
     """3 critic PPO steps (values, GAE returns from them, value-loss update) on the actor's PPO rollouts."""
-    e = build_critic(case, os.path.join(out_dir, CRITIC_DIR), model)
+    e = build_critic(case, os.path.join(out_dir, critic_dir(case)), model)
     critic = PPOCritic(PPOCriticConfig(engine=e.config, group_size=GROUP, eps_clip_value=CRITIC["eps_clip_value"]), e)
     gae_cfg = PPOActorConfig(group_size=GROUP, discount=CRITIC["discount"], gae_lambda=CRITIC["gae_lambda"])
     gae = PPOActor(gae_cfg, e)
@@ -178,10 +184,11 @@ def run_case(case: dict[str, Any], model: str) -> dict[str, list[float]]:
 
 def main(args: argparse.Namespace) -> None:
     init_default_process_group()
-    save_critic_checkpoint(args.model, os.path.join(args.out, CRITIC_DIR))
     for case in json.loads(args.cases):
-        result = run_case(case, args.model)
-        result.update(run_critic(case, args.model, args.out))
+        model = args.llama if case.get("model") == "llama" else args.model
+        save_critic_checkpoint(model, os.path.join(args.out, critic_dir(case)))
+        result = run_case(case, model)
+        result.update(run_critic(case, model, args.out))
         if dist.get_rank() == 0:
             torch.save(result, os.path.join(args.out, f"{case['name']}.pt"))
 
@@ -190,6 +197,7 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--cases", required=True, help="JSON list of rows: {name, allocation, overrides}")
     p.add_argument("--model", required=True)
+    p.add_argument("--llama", required=True, help='model of the rows with "model": "llama"')
     p.add_argument("--out", required=True)
     a = p.parse_args()
     torch.use_deterministic_algorithms(True)
