@@ -305,6 +305,7 @@ YAML_SCHEMAS = {
     EXAMPLES / "gsm8k_sft.yaml": SFTConfig,
     EXAMPLES / "arith_sft.yaml": SFTConfig,
     EXAMPLES / "gsm8k_grpo.yaml": GRPOConfig,
+    EXAMPLES / "gsm8k_grpo_smollm2.yaml": GRPOConfig,
     EXAMPLES / "arith_grpo.yaml": GRPOConfig,
     EXAMPLES / "gsm8k_remax.yaml": GRPOConfig,
     EXAMPLES / "gsm8k_ppo.yaml": PPOConfig,
