@@ -27,6 +27,7 @@ ENV = {"TANDEMRL_DIST_TIMEOUT": "120"}
 RTOL = 1e-4
 pytestmark = pytest.mark.slow  # two torchrun launches: about 1-2 minutes
 
+# Plain literals only: scripts/gpu_check.py reads this table with ast.literal_eval.
 CASES: list[dict[str, Any]] = [
     {"name": "fsdp", "allocation": "fsdp:d2"},
     {"name": "deepspeed-zero1", "allocation": "deepspeed:d2", "overrides": {"deepspeed.zero_stage": 1}},
@@ -38,8 +39,12 @@ CASES: list[dict[str, Any]] = [
     {"name": "megatron-p2", "allocation": "megatron:p2", "launch": "megatron"},
     # A tiny Llama (SmolLM2's layout: tied embeddings, 2 query heads per KV head): its rows compare with its FSDP row.
     {"name": "fsdp-llama", "allocation": "fsdp:d2", "model": "llama"},
-    {"name": "deepspeed-zero3-llama", "allocation": "deepspeed:d2", "overrides": {"deepspeed.zero_stage": 3}}
-    | {"model": "llama"},
+    {
+        "name": "deepspeed-zero3-llama",
+        "allocation": "deepspeed:d2",
+        "overrides": {"deepspeed.zero_stage": 3},
+        "model": "llama",
+    },
     {"name": "megatron-t2-llama", "allocation": "megatron:t2", "launch": "megatron", "model": "llama"},
 ]
 REFERENCE = CASES[0]["name"]
