@@ -221,7 +221,9 @@ def test_ctrl_c_while_the_server_starts_leaves_no_process(tiny_model_dir: str, g
         assert _group_alive(pid)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
+    # Other processes that share stderr (e.g. multiprocessing's resource tracker) may write after the CLI's
+    # own last line, so look for the line rather than require it last.
     assert proc.returncode == 130, err
-    assert err.strip().splitlines()[-1] == "error: interrupted"
+    assert "error: interrupted" in err.splitlines(), err[-3000:]
     assert not _group_alive(pid), "the vLLM server outlived the interrupted CLI"
     assert not (tmp_path / "r.json").exists()
