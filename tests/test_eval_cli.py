@@ -208,7 +208,12 @@ def test_cli_matches_transformers_greedy(
 @pytest.mark.slow
 def test_ctrl_c_while_the_server_starts_leaves_no_process(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "tandemrl.eval", tiny_model_dir, "--data", gsm8k_dir, "--n", "2"]
+    # A terminal's foreground process starts with SIGINT at its default. pytest itself may not: a shell that
+    # starts it in the background (nohup cmd &) hands it SIGINT ignored, children inherit that through exec,
+    # and Python then installs no KeyboardInterrupt handler. Start the CLI as a terminal would.
+    start = "import signal, runpy, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    start += "sys.argv[0] = 'tandemrl.eval'; runpy.run_module('tandemrl.eval', run_name='__main__', alter_sys=True)"
+    cmd = [sys.executable, "-c", start, tiny_model_dir, "--data", gsm8k_dir, "--n", "2"]
     with subprocess.Popen(
         [*cmd, "--out", str(tmp_path / "r.json")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     ) as proc:
