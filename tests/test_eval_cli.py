@@ -18,7 +18,14 @@ from utils import REPO_ROOT
 
 from tandemrl.api.inference import ModelRequest, ModelResponse
 from tandemrl.inference.server import _group_alive
-from tandemrl.workflows.gsm8k_eval import evaluate_gsm8k, score_completion, summarize, wilson_interval
+from tandemrl.workflows.gsm8k_eval import (
+    evaluate_gsm8k,
+    mcnemar_exact_p,
+    paired_change,
+    score_completion,
+    summarize,
+    wilson_interval,
+)
 
 GOLD = "Half of 36 is 18.\n#### 18"
 
@@ -55,6 +62,22 @@ def test_scoring_of_hand_made_completions_and_wilson_interval() -> None:
     assert wilson_interval(10, 10)[1] == 1.0 and wilson_interval(10, 10)[0] == pytest.approx(0.722467, abs=2e-6)
     with pytest.raises(ValueError, match="n > 0"):
         wilson_interval(0, 0)
+
+
+def test_paired_change_counts_gained_and_lost_questions_with_exact_mcnemar_p() -> None:
+    right, wrong = "#### 18", "#### 17"
+    before = summarize([score_completion(i, t, GOLD) for i, t in enumerate([right, wrong, wrong, wrong])], 8, False, 0)
+    after = summarize([score_completion(i, t, GOLD) for i, t in enumerate([wrong, right, right, wrong])], 8, False, 0)
+    change = paired_change(before, after)
+    # Discordant pairs b=2 (gained), c=1 (lost): p = 2 * (C(3,0) + C(3,1)) / 2^3 = 1.0 (by hand).
+    assert (change.gained, change.lost, change.p_value) == (2, 1, 1.0)
+    assert change.line() == "+2 / -1 questions, exact McNemar p=1"
+    # 9 gained, 0 lost: 2 / 2^9 = 0.00390625; 10 gained, 2 lost: 2 * (1 + 12 + 66) / 4096 = 0.0385742.
+    assert mcnemar_exact_p(9, 0) == pytest.approx(0.00390625)
+    assert mcnemar_exact_p(10, 2) == pytest.approx(0.0385742, abs=1e-7)
+    assert mcnemar_exact_p(0, 0) == 1.0
+    with pytest.raises(ValueError, match="different questions"):
+        paired_change(before, summarize(after.questions[:3], 8, False, 0))
 
 
 class _CannedEngine:

@@ -60,6 +60,7 @@ def test_grpo_gsm8k_sync_and_async(tiny_model_dir: str, gsm8k_dir: str, tmp_path
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     # Held-out accuracy before the first step (version 0) and after the last (version 3), both trials.
     assert proc.stdout.count("held-out greedy accuracy on test[:6] (gsm8k): ") == 2, proc.stdout[-3000:]
+    assert proc.stdout.count(" questions, exact McNemar p=") == 2, proc.stdout[-3000:]
     for trial, bound in (("trial0_async_trainingfalse", 0), ("trial0_async_trainingtrue", 1)):
         reports = [
             json.loads((tmp_path / "logs" / "gsm8k-grpo" / trial / f"heldout_{t}.json").read_text())

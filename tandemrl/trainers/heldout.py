@@ -77,9 +77,12 @@ class HeldoutEval:
         if "before" not in by_tag or "after" not in by_tag:
             return None
         c = self.config
+        from tandemrl.workflows.gsm8k_eval import paired_change
+
+        change = paired_change(by_tag["before"].result, by_tag["after"].result)
         return (
             f"held-out greedy accuracy on {c.split}[:{c.n}] ({os.path.basename(os.path.normpath(c.path))}): "
-            f"{by_tag['before'].line()} -> {by_tag['after'].line()} (95% Wilson score intervals)"
+            f"{by_tag['before'].line()} -> {by_tag['after'].line()} (95% Wilson score intervals); {change.line()}"
         )
 
     def _write(self, score: HeldoutScore) -> str:

@@ -88,6 +88,38 @@ def wilson_interval(correct: int, n: int, z: float = Z_95) -> tuple[float, float
     return low, high
 
 
+@dataclass(frozen=True)
+class PairedChange:
+    """How the same questions moved between two scorings: gained, lost, and McNemar's exact p."""
+
+    gained: int  # wrong before, right after
+    lost: int  # right before, wrong after
+    p_value: float  # two-sided exact McNemar test (a binomial test on the discordant pairs)
+
+    def line(self) -> str:
+        return f"+{self.gained} / -{self.lost} questions, exact McNemar p={self.p_value:.3g}"
+
+
+def paired_change(before: EvalResult, after: EvalResult) -> PairedChange:
+    """Compare two scorings of the same questions (matched by row index)."""
+    was = {q.index: q.correct for q in before.questions}
+    now = {q.index: q.correct for q in after.questions}
+    if was.keys() != now.keys():
+        raise ValueError(f"paired_change: the scorings cover different questions ({len(was)} vs {len(now)})")
+    gained = sum(1 for i, ok in now.items() if ok and not was[i])
+    lost = sum(1 for i, ok in now.items() if was[i] and not ok)
+    return PairedChange(gained, lost, mcnemar_exact_p(gained, lost))
+
+
+def mcnemar_exact_p(b: int, c: int) -> float:
+    """Two-sided exact McNemar p-value for ``b`` and ``c`` discordant pairs (1.0 when there are none)."""
+    n = b + c
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, k) for k in range(min(b, c) + 1)) / 2.0**n
+    return min(1.0, 2.0 * tail)
+
+
 def score_completion(index: int, completion: str, answer: str) -> QuestionResult:
     """Score one completion against a GSM8K reference ``answer`` with the training reward."""
     reward = gsm8k_reward_fn(None, completion, None, None, answer=answer)
