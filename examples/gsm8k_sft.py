@@ -22,7 +22,7 @@ from tandemrl.models.resolve import resolve_model_path
 from tandemrl.trainers.entry import load_config_or_exit
 from tandemrl.trainers.evaluator import Evaluator
 from tandemrl.trainers.recover import RecoverHandler
-from tandemrl.trainers.saver import Saver
+from tandemrl.trainers.saver import Saver, final_outputs_line
 from tandemrl.trainers.stats_logger import StatsLogger
 from tandemrl.utils import stats_tracker
 from tandemrl.utils.cli import run_main
@@ -85,12 +85,13 @@ def main(argv: list[str]) -> None:
             stats = sft.train_lm(batch)
             engine.step_lr_scheduler()
         with stats_tracker.record_timing("save"):
-            saver.save(engine, epoch, step, global_step, tokenizer=tokenizer)
+            saver.save(engine, epoch, step, global_step, tokenizer=tokenizer, last=global_step == total_steps - 1)
         if valid_dl is not None:
             with stats_tracker.record_timing("eval"):
                 evaluator.evaluate(evaluate, epoch, step, global_step)
         logger.commit(epoch, step, global_step, engine.export_stats())
-        recover.dump({"model": engine}, engine, train_dl, step, global_step, saver, evaluator)
+        last = global_step == total_steps - 1
+        recover.dump({"model": engine}, engine, train_dl, step, global_step, saver, evaluator, last=last)
         bar.update(1)
         bar.set_postfix(loss=f"{stats['loss']:.4f}")
     bar.close()
@@ -99,6 +100,7 @@ def main(argv: list[str]) -> None:
         print(
             f"sft done: {total_steps - first_step} steps; logs in {logger.log_dir}; checkpoints under {saver.get_save_root(config.saver.fileroot, config.saver.experiment_name, config.saver.trial_name)}"
         )
+        print(final_outputs_line("sft", saver.last_path, recover), flush=True)
     engine.destroy()
     destroy_process_groups()
 

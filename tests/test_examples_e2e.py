@@ -13,13 +13,14 @@ from utils import REPO_ROOT
 
 LAUNCH = [sys.executable, "-m", "tandemrl.launchers.local"]
 ENV = {**os.environ, "WANDB_SILENT": "true", "TANDEMRL_DIST_TIMEOUT": "300", "PYTHONPATH": str(REPO_ROOT)}
-# Cheap: tiny model, 4 prompts a step, short generations, no periodic save/eval until the last step.
+# Cheap: tiny model, 4 prompts a step, short generations, no periodic eval until the last step.
+# No periodic save either: the final model is saved because it is the last step (saver.save_final).
 CHEAP = [
     "total_train_steps=2",
     "train_dataset.batch_size=4",
     "valid_dataset.max_samples=4",
     "gconfig.max_new_tokens=16",
-    "saver.freq_steps=2",
+    "saver.freq_steps=null",
     "evaluator.freq_steps=2",
 ]
 
@@ -45,7 +46,14 @@ def _launch(example: str, overrides: list[str], tmp_path: Path) -> dict[str, lis
     # The server generated step 2's tokens with the weights pushed after step 1.
     assert stats["rollout_version_max"] == [0.0, 1.0], stats["rollout_version_max"]
     assert "eval-rollout/accuracy" in stats
-    assert (tmp_path / "checkpoints" / exp / "trial0" / "epoch0epochstep1globalstep1" / "config.json").is_file()
+    final = tmp_path / "checkpoints" / exp / "trial0" / "epoch0epochstep1globalstep1"
+    assert (final / "config.json").is_file()
+    # The run's last line says where the final model (and a recoverable checkpoint, when on) is.
+    last_line = proc.stdout.strip().splitlines()[-1]
+    assert f"final model (HF format, loadable by transformers and vLLM): {final}" in last_line, last_line
+    if "recover.mode=auto" in overrides:
+        recover = tmp_path / "checkpoints" / exp / "trial0" / "recover"
+        assert last_line.endswith(f"; recoverable checkpoint: {recover}") and (recover / "loop_state.json").is_file()
     return stats
 
 
@@ -55,7 +63,9 @@ def _finite(values: list[float]) -> bool:
 
 @pytest.mark.slow
 def test_remax_example_two_steps(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
-    stats = _launch("gsm8k_remax", [f"actor.engine.path={tiny_model_dir}", f"train_dataset.path={gsm8k_dir}"], tmp_path)
+    # recover.mode=auto with no frequency: the one recoverable checkpoint is the final one.
+    overrides = [f"actor.engine.path={tiny_model_dir}", f"train_dataset.path={gsm8k_dir}", "recover.mode=auto"]
+    stats = _launch("gsm8k_remax", overrides, tmp_path)
     assert len(stats["actor/reinforce/loss"]) == 2 and _finite(stats["actor/reinforce/loss"])
     assert _finite(stats["actor/reinforce/grad_norm"])
     assert stats["actor/reinforce/update_successful"] == [1.0, 1.0]

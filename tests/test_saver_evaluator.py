@@ -17,7 +17,7 @@ from tandemrl.configs.utils import EvaluatorConfig, SaverConfig
 from tandemrl.trainers import freq
 from tandemrl.trainers.evaluator import Evaluator
 from tandemrl.trainers.freq import FreqControl
-from tandemrl.trainers.saver import Saver
+from tandemrl.trainers.saver import Saver, final_outputs_line
 
 
 class FakeClock:
@@ -161,6 +161,21 @@ def test_saver_force_and_tokenizer_object(tmp_path: Path):
     assert len(engine.metas) == 1 and engine.metas[0].tokenizer_path is None
     assert Path(tmp_path, "checkpoints/exp/t1/epoch0epochstep1globalstep1/tokenizer.json").exists()
     assert Saver.get_save_path("/r", "e", "t", 1, 2, 3) == "/r/checkpoints/e/t/epoch1epochstep2globalstep3"
+
+
+def test_saver_saves_the_last_step_whatever_the_frequency(tmp_path: Path):
+    saver = Saver(_saver_cfg(tmp_path, freq_steps=4), SPEC)
+    engine = RecordingEngine()
+    steps = list(_run(SPEC))
+    fired = [saver.save(engine, e, s, g, last=g == len(steps) - 1) for e, s, g in steps]
+    assert fired == [False, False, False, True, False, True]  # step 4 by frequency, step 6 as the last
+    assert saver.last_path == str(tmp_path / "checkpoints/exp/t1/epoch1epochstep2globalstep5")
+    assert "final model (HF format, loadable by transformers and vLLM): " + saver.last_path in final_outputs_line(
+        "grpo", saver.last_path
+    )
+    off = Saver(_saver_cfg(tmp_path / "off", save_final=False), SPEC)  # no frequency, no final save
+    assert [off.save(engine, e, s, g, last=g == len(steps) - 1) for e, s, g in steps][-1] is False
+    assert off.last_path is None and "no model saved" in final_outputs_line("grpo", off.last_path)
 
 
 class FailingEngine(RecordingEngine):

@@ -18,6 +18,11 @@ class FreqConfig:
 class SaverConfig(FreqConfig):
     """HF-format checkpoints written during training."""
 
+    save_final: bool = field(
+        default=True,
+        metadata={"help": "Also save after the last training step, whatever freq_* says (the trained model)."},
+    )
+
     experiment_name: str = field(default="${experiment_name}", metadata={"help": "Filled from the root config."})
     trial_name: str = field(default="${trial_name}", metadata={"help": "Filled from the root config."})
     fileroot: str = field(default="${cluster.fileroot}", metadata={"help": "Root directory of run outputs."})
@@ -34,6 +39,10 @@ class RecoverConfig(FreqConfig):
             "resume: like auto, but a missing checkpoint is an error.",
             "choices": ["disabled", "auto", "resume"],
         },
+    )
+    save_final: bool = field(
+        default=True,
+        metadata={"help": "When mode is not disabled, also save after the last training step, whatever freq_* says."},
     )
     experiment_name: str = field(default="${experiment_name}", metadata={"help": "Filled from the root config."})
     trial_name: str = field(default="${trial_name}", metadata={"help": "Filled from the root config."})

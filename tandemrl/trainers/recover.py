@@ -170,8 +170,11 @@ class RecoverHandler:
         saver: Any,
         evaluator: Any,
         rollout: RowSource | None = None,
+        last: bool = False,
     ) -> bool:
         """Collective: write a checkpoint after ``global_step`` if due; returns whether one was written.
+
+        ``last`` marks the run's final step: with ``save_final`` on, the checkpoint is written whatever the frequency.
 
         ``pushed`` is the engine whose weights the servers get (its ``iter_hf_params`` is fingerprinted);
         ``rollout`` holds the pending rows the resumed run must generate again (the rollout controller).
@@ -181,7 +184,7 @@ class RecoverHandler:
         due = self.freq_ctl.check(epochs=epochs_finished(step, self.ft_spec), steps=1)
         if self.freq_ctl.freq_secs is not None:
             due = agree_with_rank0(due)
-        if not due:
+        if not due and not (last and self.config.save_final):
             return False
         final, tmp = self.path, self.path + ".tmp"
         with writing_checkpoint(tmp, "recover"):

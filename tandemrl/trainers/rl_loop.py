@@ -60,7 +60,7 @@ from tandemrl.trainers.evaluator import Evaluator
 from tandemrl.trainers.heldout import HeldoutEval
 from tandemrl.trainers.prompt_log import log_prompt_ids
 from tandemrl.trainers.recover import RecoverHandler
-from tandemrl.trainers.saver import Saver
+from tandemrl.trainers.saver import Saver, final_outputs_line
 from tandemrl.trainers.stats_logger import StatsLogger
 from tandemrl.trainers.time_split import add_step_timings, format_time_split
 from tandemrl.trainers.turns import TurnTaker
@@ -330,6 +330,7 @@ class RLTrainer:
         start = time.monotonic()
         for global_step in range(first_step, total_steps):
             epoch, step = divmod(global_step, spe)
+            last = global_step == total_steps - 1
             step_start = time.perf_counter()
             # The trainer idles here: the whole generation when sync, what training did not overlap when async.
             with stats_tracker.record_timing("rollout_wait"):
@@ -351,7 +352,7 @@ class RLTrainer:
             with stats_tracker.record_timing("update_weights"):
                 rollout.push_weights(global_step + 1)
             with stats_tracker.record_timing("save"):
-                self.saver.save(actor, epoch, step, global_step, tokenizer=self.tokenizer)
+                self.saver.save(actor, epoch, step, global_step, tokenizer=self.tokenizer, last=last)
             if eval_workflow is not None and self.valid_dl is not None:
                 with stats_tracker.record_timing("eval"):
                     self.evaluator.evaluate(
@@ -367,6 +368,7 @@ class RLTrainer:
                     self.saver,
                     self.evaluator,
                     rollout=rollout,
+                    last=last,
                 )
             stats_tracker.scalar(**{"timeperf/step": time.perf_counter() - step_start})
             self._commit(epoch, step, global_step)
@@ -414,6 +416,7 @@ class RLTrainer:
         heldout = self.heldout.report()
         if heldout is not None:
             print(f"{self.name} {heldout}", flush=True)
+        print(final_outputs_line(self.name, self.saver.last_path, self.recover), flush=True)
 
     def close(self) -> None:
         """Stop rollout (its weight-update group too) and the client; release every engine and the process group."""

@@ -74,6 +74,7 @@ class Saver:
         self.config = config
         self.ft_spec = ft_spec
         self.freq_ctl = FreqControl.from_config(config)
+        self.last_path: str | None = None  # the newest checkpoint this run wrote
 
     @staticmethod
     def get_save_root(fileroot: str, experiment_name: str, trial_name: str) -> str:
@@ -103,13 +104,16 @@ class Saver:
         global_step: int,
         tokenizer: str | Any | None = None,
         force: bool = False,
+        last: bool = False,
     ) -> bool:
-        """Save if due (or ``force``); returns whether a checkpoint was written.
+        """Save if due (or ``force``, or ``last`` with ``save_final`` on); returns whether one was written.
+
+        ``last`` marks the run's final step: the trained model is saved whatever the frequency.
 
         ``tokenizer`` is a path passed on to the engine, or a tokenizer object that rank 0
         writes into the checkpoint with ``save_pretrained``.
         """
-        if not self._due(step, force):
+        if not self._due(step, force or (last and self.config.save_final)):
             return False
         path = self.get_save_path(
             self.config.fileroot, self.config.experiment_name, self.config.trial_name, epoch, step, global_step
@@ -135,6 +139,7 @@ class Saver:
                 shutil.rmtree(path, ignore_errors=True)
                 os.rename(tmp, path)
         _barrier()
+        self.last_path = path
         return True
 
     def state_dict(self) -> dict[str, Any]:
@@ -142,3 +147,14 @@ class Saver:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.freq_ctl.load_state_dict(state["freq_ctl"])
+
+
+def final_outputs_line(name: str, model_path: str | None, recover: Any = None) -> str:
+    """The run's last line: where the final HF model (and the recoverable checkpoint) are, or that none was saved."""
+    if model_path is None:
+        line = f"{name}: no model saved (saver.save_final=false and no save was due)"
+    else:
+        line = f"{name}: final model (HF format, loadable by transformers and vLLM): {model_path}"
+    if recover is not None and getattr(recover, "enabled", False) and os.path.isdir(recover.path):
+        line += f"; recoverable checkpoint: {recover.path}"
+    return line
