@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tandemrl.configs.experiment import GRPOConfig
+
 
 @dataclass
 class AgentConfig:
@@ -42,3 +44,10 @@ class AgentConfig:
     episode_timeout: float | None = field(
         default=None, metadata={"help": "Seconds an agent run may take; a timed-out run drops its group."}
     )
+
+
+@dataclass
+class AgentGRPOConfig(GRPOConfig):
+    """GRPO whose rollouts are agent episodes (``examples/gsm8k_agent.py``)."""
+
+    agent: AgentConfig = field(default_factory=AgentConfig)
