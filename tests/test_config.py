@@ -21,6 +21,7 @@ from tandemrl.configs import (
     register_configs,
     save_config,
 )
+from tandemrl.configs.agent import AgentGRPOConfig
 from tandemrl.configs.loader import list_presets
 from tandemrl.trainers.entry import load_config_or_exit
 
@@ -309,6 +310,7 @@ YAML_SCHEMAS = {
     EXAMPLES / "arith_grpo.yaml": GRPOConfig,
     EXAMPLES / "gsm8k_remax.yaml": GRPOConfig,
     EXAMPLES / "gsm8k_ppo.yaml": PPOConfig,
+    EXAMPLES / "gsm8k_agent.yaml": AgentGRPOConfig,
     PRESETS / "grpo_gsm8k.yaml": GRPOConfig,
     PRESETS / "sft_gsm8k.yaml": SFTConfig,
 }

@@ -10,7 +10,8 @@ listing all buckets; the trainer broadcasts them in order while that call runs.
 
 Interruption: ``POST /pause?mode=abort`` makes in-flight requests return their partial
 tokens with ``finish_reason "abort"``; the client resubmits the prompt plus those tokens.
-Request metadata ``seed`` (int) and ``ignore_eos`` (bool) are forwarded when present.
+Request metadata ``seed`` (int), ``ignore_eos`` (bool) and ``structured_outputs`` (vLLM's
+constraint object, e.g. ``{"regex": ...}``) are forwarded when present.
 """
 
 from __future__ import annotations
@@ -110,6 +111,8 @@ class VLLMBackend(TimeoutsMixin):
             params["seed"] = int(req.metadata["seed"])
         if req.metadata.get("ignore_eos"):
             params["ignore_eos"] = True
+        if req.metadata.get("structured_outputs"):  # e.g. {"regex": ...} or {"json": schema}
+            params["structured_outputs"] = dict(req.metadata["structured_outputs"])
         body = {"request_id": req.rid, "token_ids": token_ids, "sampling_params": params, "stream": False}
         if self.adapter is not None:
             body["model"] = self.adapter

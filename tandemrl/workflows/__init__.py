@@ -14,6 +14,8 @@ _EXPORTS = {
     "RLVRWorkflow": "tandemrl.workflows.rlvr",
     "ReMaxRLVRWorkflow": "tandemrl.workflows.remax",
     "MultiTurnWorkflow": "tandemrl.workflows.multi_turn",
+    "AgentWorkflow": "tandemrl.workflows.agent",
+    "AgentProxy": "tandemrl.workflows.proxy",
 }
 
 __all__ = sorted(_EXPORTS)
