@@ -24,6 +24,8 @@ from tandemrl.configs.loader import ConfigError
 from tandemrl.configs.rollout import GenerationHyperparameters, InferenceEngineConfig
 from tandemrl.configs.services import RewardServiceConfig
 from tandemrl.inference.reward_service import RemoteReward
+from tandemrl.launchers.common import refuse_aux_servers
+from tandemrl.launchers.dry_run import allocation_lines
 from tandemrl.launchers.launch_config import read_launch_spec
 from tandemrl.launchers.placement import plan_placement
 from tandemrl.models.hf import load_hf_tokenizer
@@ -221,6 +223,11 @@ JUDGE = ["allocation_mode='vllm[gen]:d1+vllm[judge]:d1+fsdp[actor]:d1'", "+aux_s
         (["reward_service.url=http://h:port/r"], "reward_service.url", "not a URL"),
         ([*JUDGE, "reward_service.judge=judge", "reward_service.url=http://h:1/r"], "reward_service.judge", "only one"),
         (["+aux_servers.teacher.path=tiny:qwen2"], "aux_servers.teacher", "names no auxiliary server"),
+        (
+            ["allocation_mode='vllm[gen]:d1+vllm[judge]:d1|fsdp[actor]:d1'", JUDGE[1]],
+            "allocation_mode",
+            "colocates auxiliary server 'judge'",
+        ),
     ],
 )
 def test_service_config_errors_are_one_line_naming_the_key(overrides: list[str], key: str, says: str) -> None:
@@ -234,8 +241,36 @@ def test_service_config_errors_are_one_line_naming_the_key(overrides: list[str],
     assert f"'{key}'" in str(launch_err.value) and says in str(launch_err.value)
 
 
+def test_ray_and_slurm_refuse_aux_servers_before_any_start() -> None:
+    specs = [([], read_launch_spec("examples/gsm8k_grpo.yaml", JUDGE))]
+    with pytest.raises(ValueError, match=r"auxiliary servers \(judge\) are started by the local launcher only"):
+        refuse_aux_servers(specs, "ray")
+    refuse_aux_servers([([], read_launch_spec("examples/gsm8k_grpo.yaml", []))], "slurm")  # none: fine
+    assert "auxiliary server judge: 1 vllm, 1 devices each" in allocation_lines(specs[0][1].allocation)
+
+
 def test_launcher_reads_aux_servers() -> None:
     spec = read_launch_spec("examples/gsm8k_grpo.yaml", [*JUDGE, "+aux_servers.judge.server_args.max_model_len=512"])
     assert [(a.name, a.model_path, a.server_args) for a in spec.aux_servers] == [
         ("judge", "tiny:qwen2", {"max_model_len": 512})
     ]
+
+
+def test_a_dead_auxiliary_server_stops_the_run_with_one_line() -> None:
+    from test_faults_runtime import _Sleeper
+
+    from tandemrl.launchers.server_watch import wait_trainer
+
+    trainer, gen, judge = _Sleeper("trainer"), _Sleeper("127.0.0.1:1001"), _Sleeper("127.0.0.1:1002")
+    stopped: list[int] = []
+    try:
+        judge.proc.kill()
+        rc, error = wait_trainer(
+            trainer.proc, [gen], "vllm", True, lambda: (stopped.append(1), trainer.proc.kill()), [("judge", judge)]
+        )
+    finally:
+        for p in (trainer, gen, judge):
+            p.proc.kill()
+            p.proc.wait()
+    assert rc == 1 and stopped == [1]
+    assert error == "auxiliary server judge at 127.0.0.1:1002 was killed by SIGKILL: the run needs it"
