@@ -274,3 +274,11 @@ def test_a_dead_auxiliary_server_stops_the_run_with_one_line() -> None:
             p.proc.wait()
     assert rc == 1 and stopped == [1]
     assert error == "auxiliary server judge at 127.0.0.1:1002 was killed by SIGKILL: the run needs it"
+
+
+def test_a_mistyped_aux_server_key_names_the_valid_ones(tmp_path: Any) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("aux_servers:\n  judge:\n    pth: tiny:qwen2\n")
+    for argv in (["+aux_servers.judge.pth=x"], ["--config", str(bad)]):
+        with pytest.raises(ConfigError, match=r"'aux_servers\.judge\.pth'.*did you mean 'aux_servers\.judge\.path'"):
+            load_config(argv, GRPOConfig)
