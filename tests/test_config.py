@@ -307,6 +307,7 @@ YAML_SCHEMAS = {
     EXAMPLES / "arith_sft.yaml": SFTConfig,
     EXAMPLES / "gsm8k_grpo.yaml": GRPOConfig,
     EXAMPLES / "gsm8k_grpo_smollm2.yaml": GRPOConfig,
+    EXAMPLES / "gsm8k_judge.yaml": GRPOConfig,
     EXAMPLES / "arith_grpo.yaml": GRPOConfig,
     EXAMPLES / "gsm8k_remax.yaml": GRPOConfig,
     EXAMPLES / "gsm8k_ppo.yaml": PPOConfig,
@@ -328,6 +329,8 @@ def _restated_defaults(data: dict, default: object, prefix: str = "") -> list[st
     for key, value in data.items():
         full = f"{prefix}.{key}" if prefix else key
         if full in LAUNCHER_KEYS:
+            continue
+        if isinstance(default, dict):  # entries of a dict field (aux_servers.judge) have no defaults
             continue
         current = getattr(default, key)
         if isinstance(value, dict):

@@ -1,4 +1,4 @@
-"""ReMax and PPO-with-critic examples end to end: launcher, a real vLLM server, 2 steps each."""
+"""ReMax, PPO-with-critic and judge-rewarded examples end to end: launcher, real vLLM servers, 2 steps each."""
 
 from __future__ import annotations
 
@@ -33,15 +33,16 @@ def _scalars(tb_dir: Path) -> dict[str, list[float]]:
     return {t: [e.value for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
 
 
-def _launch(example: str, overrides: list[str], tmp_path: Path) -> dict[str, list[float]]:
-    args = [f"examples/{example}.py", "--config", f"examples/{example}.yaml", f"cluster.fileroot={tmp_path}"]
+def _launch(example: str, overrides: list[str], tmp_path: Path, config: str = "") -> dict[str, list[float]]:
+    config = config or example
+    args = [f"examples/{example}.py", "--config", f"examples/{config}.yaml", f"cluster.fileroot={tmp_path}"]
     proc = subprocess.run(
         LAUNCH + args + CHEAP + overrides, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=1200
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert " done: 2 steps in " in proc.stdout, proc.stdout[-2000:]
     assert " time split: rollout wait (trainer idle) " in proc.stdout, proc.stdout[-2000:]
-    exp = example.replace("_", "-")
+    exp = config.replace("_", "-")
     stats = _scalars(tmp_path / "tensorboard" / exp / "trial0")
     # The server generated step 2's tokens with the weights pushed after step 1.
     assert stats["rollout_version_max"] == [0.0, 1.0], stats["rollout_version_max"]
@@ -95,3 +96,17 @@ def test_ppo_critic_example_two_steps(tiny_model_dir: str, gsm8k_dir: str, tmp_p
     assert len(stats["timeperf/compute_values"]) == len(stats["timeperf/critic/ppo_critic/fwd_bwd"]) == 2
     # Every token of step k's batch came from version k (the weights pushed after step k-1).
     assert stats["rollout_version_min"] == stats["rollout_version_max"] == [0.0, 1.0], stats["rollout_version_max"]
+
+
+@pytest.mark.slow
+def test_judge_rewarded_example_two_steps(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
+    """A second vLLM server (allocation_mode's vllm[judge]) scores every training sample; eval keeps GSM8K's reward."""
+    overrides = [f"actor.engine.path={tiny_model_dir}", f"aux_servers.judge.path={tiny_model_dir}"]
+    stats = _launch("gsm8k_grpo", [*overrides, f"train_dataset.path={gsm8k_dir}"], tmp_path, config="gsm8k_judge")
+    assert stats["rollout/reward_service/failed"] == [0.0, 0.0] and stats["rollout/group_dropped"] == [0.0, 0.0]
+    assert all(0.0 <= r <= 1.0 for r in stats["rollout/reward"])
+    logs = tmp_path / "logs" / "gsm8k-judge" / "trial0"
+    judged = (logs / "vllm-judge-server-0-requests.jsonl").read_text().splitlines()
+    # every sample of both steps' 4 prompts x 4 samples was judged on the judge server, not the policy's
+    assert len(judged) >= 2 * 4 * 4 and all('"/v1/chat/completions"' in line for line in judged)
+    assert "chat/completions" not in (logs / "vllm-server-0-requests.jsonl").read_text()

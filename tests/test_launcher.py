@@ -283,6 +283,7 @@ def test_sft_multirun_sweep_makes_separate_trials(tiny_model_dir: str, gsm8k_dir
             "allocation_mode=vllm:d1|fsdp:d1",
             "'async_training' in the schema defaults must be false when allocation_mode",
         ),
+        ("allocation_mode='vllm[gen]:d1+vllm[judge]:d1+fsdp[actor]:d1'", "'aux_servers.judge.path' is not set"),
     ],
 )
 def test_bad_input_fails_before_any_process(override: str, expected: str, tmp_path: Path) -> None:

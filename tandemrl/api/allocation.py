@@ -22,6 +22,9 @@ and share p.
 
 Names tell apart several components of one kind (``fsdp[actor]:d2|fsdp[ref]:d2``). Every
 member must be named once a spec has 3 or more members, or 2 or more of the same kind.
+With several inference components, the one named ``gen`` (else the first) serves the policy's
+generations; the others are auxiliary servers (``vllm[gen]:d1+vllm[judge]:d1+fsdp[actor]:d1``)
+whose models the config names (``aux_servers.<name>.path``).
 
 Examples: ``fsdp:d2``, ``d8``, ``vllm:d2t2+fsdp:d4``, ``sglang.d4p1t1+d4p1t1``,
 ``sglang[gen]:d2+fsdp[actor]:d2|fsdp[ref]:d2``. ``str(AllocationMode)`` prints a canonical
@@ -130,8 +133,15 @@ class AllocationMode:
 
     @property
     def gen(self) -> AllocationComponent | None:
-        """The (first) inference component, or None for training-only specs."""
-        return next((c for c in self.components if c.kind == "inference"), None)
+        """The generation servers: the inference component named ``gen``, else the first; None if none."""
+        inference = [c for c in self.components if c.kind == "inference"]
+        return next((c for c in inference if c.name == "gen"), inference[0] if inference else None)
+
+    @property
+    def aux(self) -> list[AllocationComponent]:
+        """Auxiliary inference components (a judge, a teacher): every inference component but :attr:`gen`."""
+        gen = self.gen
+        return [c for c in self.components if c.kind == "inference" and c is not gen]
 
     @property
     def train(self) -> AllocationComponent | None:

@@ -284,6 +284,19 @@ def _lora_fits(config: Any) -> Problem | None:
     return None
 
 
+def _services_fit(config: Any) -> Problem | None:
+    """Auxiliary servers and the reward service must match allocation_mode (``configs.services``)."""
+    from tandemrl.configs.services import service_problem
+
+    aux = getattr(config, "aux_servers", None)
+    service = getattr(config, "reward_service", None)
+    if aux is None and service is None:
+        return None
+    paths = {name: cfg.path for name, cfg in (aux or {}).items()}
+    judge, url = (service.judge, service.url) if service is not None else ("", "")
+    return service_problem(config.allocation_mode, paths, judge, url)
+
+
 def first_problem(config: Any) -> Problem | None:
     """The first pair of values that do not fit together, or None."""
     dp, problem = _data_parallel_size(config)
@@ -299,4 +312,5 @@ def first_problem(config: Any) -> Problem | None:
         or _stale_is_corrected(config)
         or _truncation_replayed(config)
         or _lora_fits(config)
+        or _services_fit(config)
     )

@@ -8,6 +8,7 @@ from tandemrl.configs.data import DatasetConfig
 from tandemrl.configs.engine import TrainEngineConfig
 from tandemrl.configs.ppo import PPOActorConfig, PPOCriticConfig
 from tandemrl.configs.rollout import GenerationHyperparameters, InferenceEngineConfig
+from tandemrl.configs.services import AuxServerConfig, RewardServiceConfig
 from tandemrl.configs.utils import (
     ClusterConfig,
     EvaluatorConfig,
@@ -99,6 +100,11 @@ class GRPOConfig(BaseExperimentConfig):
         default=None, metadata={"help": "Frozen reference model for the KL term (path empty = actor's)."}
     )
     heldout_eval: HeldoutEvalConfig = field(default_factory=HeldoutEvalConfig)
+    aux_servers: dict[str, AuxServerConfig] = field(
+        default_factory=dict,
+        metadata={"help": "Auxiliary inference servers by allocation_mode name (vllm[judge] -> aux_servers.judge)."},
+    )
+    reward_service: RewardServiceConfig = field(default_factory=RewardServiceConfig)
 
 
 def async_enabled(config: object) -> bool:

@@ -167,10 +167,20 @@ def _split_key(key: str) -> list[str | int]:
     return parts
 
 
+def _dataclass_values(annotation: Any) -> Any:
+    """The value dataclass of a ``dict[str, SomeConfig]`` field (``aux_servers``), else None."""
+    inner, _ = _unwrap_optional(annotation)
+    args = typing.get_args(inner) if typing.get_origin(inner) in (dict, Mapping) else ()
+    return args[1] if len(args) == 2 and dataclasses.is_dataclass(args[1]) else None
+
+
 def _annotation_at(schema: type, key: str) -> Any:
     """Annotation of a dotted key, ``_OPEN`` inside a dict/Any field, None if the schema lacks it."""
     annotation: Any = schema
     for part in _split_key(key):
+        if _dataclass_values(annotation) is not None:  # ``part`` names an entry: its schema is the dataclass
+            annotation = _dataclass_values(annotation)
+            continue
         if _is_open(annotation):
             return _OPEN
         inner, _ = _unwrap_optional(annotation)

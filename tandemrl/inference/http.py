@@ -131,8 +131,10 @@ class _Attempt(Exception):
 class HttpClient:
     """An event-loop thread with one aiohttp session; see the module docstring."""
 
-    def __init__(self, name: str = "tandemrl-http") -> None:
+    def __init__(self, name: str = "tandemrl-http", send_token: bool = True) -> None:
+        """``send_token``: attach the run's server token; False for services outside the run (a reward URL)."""
         self.name = name
+        self.send_token = send_token
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -253,7 +255,11 @@ class HttpClient:
         timeout = aiohttp.ClientTimeout(total=total, sock_connect=min(total, CONNECT_TIMEOUT))
         try:
             async with self._get_session(fresh).request(
-                req.method, base_url(addr) + req.path, json=req.json, timeout=timeout, headers=auth_headers()
+                req.method,
+                base_url(addr) + req.path,
+                json=req.json,
+                timeout=timeout,
+                headers=auth_headers() if self.send_token else {},
             ) as resp:
                 body = await resp.text(errors="replace")
                 if resp.status >= 400:

@@ -141,6 +141,17 @@ def plan_trials(args: LaunchArgs) -> list[tuple[list[str], LaunchSpec]]:
     return specs
 
 
+def refuse_aux_servers(specs: list[tuple[list[str], LaunchSpec]], launcher: str) -> None:
+    """Launchers that cannot start auxiliary servers yet refuse them before anything starts (one line)."""
+    for _, spec in specs:
+        if spec.aux_servers:
+            names = ", ".join(a.name for a in spec.aux_servers)
+            raise ValueError(
+                f"allocation_mode '{spec.allocation}': auxiliary servers ({names}) are started by the local "
+                f"launcher only; the {launcher} launcher does not start them yet"
+            )
+
+
 def check_script_inputs(args: LaunchArgs, specs: list[tuple[list[str], LaunchSpec]]) -> list[str | None]:
     """Validate each trial's config against the script's own schema, and its data files, before any start.
 

@@ -36,6 +36,9 @@ def allocation_lines(alloc: AllocationMode) -> list[str]:
             f"servers: {gen.strategy.dp} {gen.backend}, {gen.strategy.tp * gen.strategy.pp} devices each, "
             + ("sharing the trainer's devices" if shared else "on devices of their own")
         )
+    for aux in alloc.aux:
+        per = aux.strategy.tp * aux.strategy.pp
+        lines.append(f"auxiliary server {aux.name}: {aux.strategy.dp} {aux.backend}, {per} devices each")
     return lines
 
 

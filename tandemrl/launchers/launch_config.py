@@ -17,6 +17,15 @@ from tandemrl.api.allocation import AllocationMode
 MODEL_KEYS = ("actor.engine.path", "model.path")
 
 
+@dataclass
+class AuxServer:
+    """An auxiliary inference server to start: allocation component ``name``, its model and extra flags."""
+
+    name: str
+    model_path: str
+    server_args: dict[str, Any] = field(default_factory=dict)
+
+
 class LaunchError(RuntimeError):
     """The launcher itself cannot go on (no cluster, no ``sbatch``): one line, exit code 1."""
 
@@ -35,6 +44,7 @@ class LaunchSpec:
     server_timeout: float = 600.0
     server_extra: dict[str, Any] = field(default_factory=dict)
     weight_update_mode: str = "collective"  # GRPOConfig's default; "disk" survives a lost server
+    aux_servers: list[AuxServer] = field(default_factory=list)  # the allocation's aux components, in order
 
     @property
     def run_dir(self) -> str:
@@ -46,6 +56,9 @@ class LaunchSpec:
 
         if self.model_path or self.allocation.gen is not None:
             self.model_path = resolve_model_path(self.model_path, self.model_key, corpus_path=self.corpus_path)
+        for aux in self.aux_servers:
+            key = f"aux_servers.{aux.name}.path"
+            aux.model_path = resolve_model_path(aux.model_path, key, corpus_path=self.corpus_path)
 
 
 def _load(config_path: str | None, overrides: list[str]) -> Any:
@@ -102,7 +115,27 @@ def read_launch_spec(config_path: str | None, overrides: list[str]) -> LaunchSpe
         server_timeout=float(_get(cfg, "rollout.setup_timeout", 600.0)),
         weight_update_mode=update_mode,
         server_extra=_lora_server_extra(cfg, alloc, update_mode),
+        aux_servers=_aux_servers(cfg, alloc),
     )
+
+
+def _aux_servers(cfg: Any, alloc: AllocationMode) -> list[AuxServer]:
+    """The auxiliary servers ``aux_servers`` configures, checked against allocation_mode (one line naming the key)."""
+    from omegaconf import OmegaConf
+
+    from tandemrl.configs.services import service_problem
+
+    section = _get(cfg, "aux_servers", {})
+    table = OmegaConf.to_container(section, resolve=True) if OmegaConf.is_config(section) else dict(section)
+    if not isinstance(table, dict) or not all(isinstance(v, dict) for v in table.values()):
+        raise ValueError("config key 'aux_servers' must map server names to {path, server_args}")
+    paths = {str(name): str(v.get("path") or "") for name, v in table.items()}
+    problem = service_problem(
+        str(alloc), paths, str(_get(cfg, "reward_service.judge", "")), str(_get(cfg, "reward_service.url", ""))
+    )
+    if problem is not None:
+        raise ValueError(f"config key '{problem[0]}' {problem[1]}")
+    return [AuxServer(str(c.name), paths[str(c.name)], dict(table[c.name].get("server_args") or {})) for c in alloc.aux]
 
 
 def _lora_server_extra(cfg: Any, alloc: AllocationMode, update_mode: str) -> dict[str, Any]:

@@ -6,7 +6,9 @@
 
 Reads ``allocation_mode``, starts the inference servers it describes on free loopback
 ports, waits until they are healthy, exports their addresses in
-``TANDEMRL_LLM_SERVER_ADDRS`` (vLLM servers require a fresh per-run bearer token, passed
+``TANDEMRL_LLM_SERVER_ADDRS`` and those of the auxiliary servers (a judge, a teacher: every
+other inference component, its model from ``aux_servers.<name>``) in ``TANDEMRL_AUX_SERVER_ADDRS``
+(``tandemrl.api.aux_servers``; vLLM servers require a fresh per-run bearer token, passed
 in ``TANDEMRL_SERVER_TOKEN``), runs SCRIPT under torchrun on the training world size with
 prefixed logs copied into the run directory while watching the servers (``server_watch``),
 and tears everything down on success, failure or Ctrl-C. ``--multirun`` runs every combination of the comma-separated values as
@@ -22,8 +24,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from tandemrl.api.allocation import AllocationMode
+from tandemrl.api.allocation import AllocationComponent, AllocationMode
+from tandemrl.api.aux_servers import AUX_SERVERS_ENV, format_aux_addresses
 from tandemrl.inference.remote import SERVER_ADDRS_ENV
 from tandemrl.inference.server_auth import TOKEN_ENV, new_token
 from tandemrl.launchers import common, dry_run
@@ -49,14 +53,16 @@ class _Children:
     """Processes this launcher owns; stopped together on any exit."""
 
     servers: list = field(default_factory=list)
+    aux: list[tuple[str, Any]] = field(default_factory=list)  # (name, server) of the auxiliary servers
     trainer: subprocess.Popen | None = None
 
     def stop(self) -> None:
         if self.trainer is not None and self.trainer.poll() is None:
             kill_group(self.trainer)
-        for server in self.servers:
+        for server in [*self.servers, *(s for _, s in self.aux)]:
             server.stop()
         self.servers.clear()
+        self.aux.clear()
 
 
 def start_servers(
@@ -67,32 +73,55 @@ def start_servers(
     token: str | None,
     placement: Placement,
 ) -> list[str]:
-    """One server per inference data-parallel replica; returns their addresses."""
+    """One server per inference data-parallel replica, auxiliary ones too; returns the generation servers' addresses.
+
+    The auxiliary servers' addresses are in ``children.aux``.
+    """
+    gen = alloc.gen
+    if gen is None:
+        return []
+    extra = {**placement.server_flags, **spec.server_extra}
+    children.servers += _launch(gen, spec.model_path, extra, placement.server_env, run_dir, token, "")
+    for aux in spec.aux_servers:
+        comp = alloc.get(aux.name)
+        servers = _launch(comp, aux.model_path, aux.server_args, placement.aux_env[aux.name], run_dir, token, aux.name)
+        children.aux += [(aux.name, s) for s in servers]
+    for server in [*children.servers, *(s for _, s in children.aux)]:
+        server.wait_healthy(timeout=spec.server_timeout)
+    return [s.address for s in children.servers]
+
+
+def _launch(
+    comp: AllocationComponent,
+    model_path: str,
+    extra: dict[str, Any],
+    envs: list[dict[str, str]],
+    run_dir: Path,
+    token: str | None,
+    name: str,
+) -> list:
+    """Start (not wait for) the ``dp`` replicas of one inference component on loopback ports."""
     from tandemrl.api.types import ParallelStrategy
     from tandemrl.inference.registry import get_backend
     from tandemrl.inference.server import launch_server
 
-    gen = alloc.gen
-    if gen is None:
-        return []
-    backend = get_backend(gen.backend)
-    per_server = ParallelStrategy(tp=gen.strategy.tp, pp=gen.strategy.pp)
-    for i in range(gen.strategy.dp):
-        server = launch_server(
+    backend = get_backend(comp.backend)
+    per_server = ParallelStrategy(tp=comp.strategy.tp, pp=comp.strategy.pp)
+    stem = f"{comp.backend}-{name}-server" if name else f"{comp.backend}-server"
+    return [
+        launch_server(
             backend,
-            spec.model_path,
+            model_path,
             host="127.0.0.1",
             strategy=per_server,
-            extra={**placement.server_flags, **spec.server_extra},
-            log_file=str(run_dir / f"{gen.backend}-server-{i}.log"),
-            env=placement.server_env[i],
+            extra=extra,
+            log_file=str(run_dir / f"{stem}-{i}.log"),
+            env=envs[i],
             token=token,
-            request_log=str(run_dir / f"{gen.backend}-server-{i}-requests.jsonl") if token else None,
+            request_log=str(run_dir / f"{stem}-{i}-requests.jsonl") if token else None,
         )
-        children.servers.append(server)
-    for server in children.servers:
-        server.wait_healthy(timeout=spec.server_timeout)
-    return [s.address for s in children.servers]
+        for i in range(comp.strategy.dp)
+    ]
 
 
 def run_trial(script: str, config_path: str | None, overrides: list[str], spec: LaunchSpec) -> TrialResult:
@@ -101,7 +130,8 @@ def run_trial(script: str, config_path: str | None, overrides: list[str], spec: 
     children = _Children()
 
     def body(run_dir: Path) -> tuple[int, str]:
-        token = new_token() if alloc.gen_backend == "vllm" else None  # fresh per run, never printed
+        # fresh per run, never printed
+        token = new_token() if any(c.backend == "vllm" for c in [alloc.gen, *alloc.aux] if c) else None
         placement = plan_placement(alloc, visible_gpus(), visible_cpus())
         addrs = start_servers(spec, alloc, run_dir, children, token, placement)
         env = dict(os.environ)
@@ -116,6 +146,13 @@ def run_trial(script: str, config_path: str | None, overrides: list[str], spec: 
         if addrs:
             env[SERVER_ADDRS_ENV] = ",".join(addrs)
             print(f"[launcher] {alloc.gen_backend} servers healthy at {env[SERVER_ADDRS_ENV]}", flush=True)
+        env.pop(AUX_SERVERS_ENV, None)
+        if children.aux:
+            table: dict[str, list[str]] = {}
+            for name, server in children.aux:
+                table.setdefault(name, []).append(server.address)
+            env[AUX_SERVERS_ENV] = format_aux_addresses(table)
+            print(f"[launcher] auxiliary servers healthy: {env[AUX_SERVERS_ENV]}", flush=True)
         cmd = [
             sys.executable,
             "-m",
@@ -139,7 +176,7 @@ def run_trial(script: str, config_path: str | None, overrides: list[str], spec: 
         survivable = spec.weight_update_mode != "collective"
         trainer = children.trainer
         rc, lost = wait_trainer(
-            trainer, children.servers, alloc.gen_backend or "", survivable, lambda: kill_group(trainer)
+            trainer, children.servers, alloc.gen_backend or "", survivable, lambda: kill_group(trainer), children.aux
         )
         out.join(timeout=10)
         if lost is not None:

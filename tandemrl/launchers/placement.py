@@ -10,6 +10,10 @@ take turns. On GPU the servers start with sleep mode on and a share of the memor
 sleep. On CPU the servers' ranks bind every core between them (vLLM holds none back for its
 front end) and each trainer rank gets ``cores // train_world_size`` threads: whichever side has the turn uses the whole machine.
 
+Auxiliary servers (inference components other than the generation one, ``vllm[judge]:d1``) sit in
+their own ``+`` group: on GPUs they get the devices after the trainer's; on CPU they keep vLLM's own
+binding like the generation servers, sharing the cores.
+
 Across nodes (the Ray and Slurm launchers, ``plan_colocated``), server ``i`` shares the devices of
 trainer ranks ``i*tp*pp .. (i+1)*tp*pp - 1``, which must sit on one node; each node then gets the
 one-machine plan above for its own ranks, their devices and the servers sharing them.
@@ -34,6 +38,7 @@ class Placement:
     server_env: list[dict[str, str]] = field(default_factory=list)
     server_flags: dict[str, Any] = field(default_factory=dict)
     trainer_env: dict[str, str] = field(default_factory=dict)
+    aux_env: dict[str, list[dict[str, str]]] = field(default_factory=dict)  # aux server name -> env per replica
 
 
 def is_colocated(alloc: AllocationMode) -> bool:
@@ -49,7 +54,35 @@ def _server_shape(alloc: AllocationMode) -> tuple[int, int]:
 def plan_placement(alloc: AllocationMode, gpus: list[str], cpus: list[int]) -> Placement:
     """``gpus``: ids of the visible GPUs (empty: a CPU run); ``cpus``: the cores this process may use."""
     n_servers, per_server = _server_shape(alloc)
-    return plan_machine(alloc, is_colocated(alloc), n_servers, per_server, alloc.train_world_size, gpus, cpus)
+    colocated = is_colocated(alloc)
+    plan = plan_machine(alloc, colocated, n_servers, per_server, alloc.train_world_size, gpus, cpus)
+    used = (
+        max(n_servers * per_server, alloc.train_world_size)
+        if colocated
+        else n_servers * per_server + alloc.train_world_size
+    )
+    plan.aux_env = _plan_aux(alloc, gpus, used)
+    return plan
+
+
+def _plan_aux(alloc: AllocationMode, gpus: list[str], first: int) -> dict[str, list[dict[str, str]]]:
+    """Each auxiliary server replica's env: the GPUs from ``first`` on, one block of tp*pp each; {} on CPU."""
+    out: dict[str, list[dict[str, str]]] = {}
+    for comp in alloc.aux:
+        per, envs = comp.strategy.tp * comp.strategy.pp, []
+        for _ in range(comp.strategy.dp):
+            if gpus:
+                if first + per > len(gpus):
+                    raise ValueError(
+                        f"allocation_mode '{alloc}' needs {first + per} GPUs with its auxiliary servers "
+                        f"but {len(gpus)} are visible"
+                    )
+                envs.append({"CUDA_VISIBLE_DEVICES": ",".join(gpus[first : first + per])})
+                first += per
+            else:
+                envs.append({})
+        out[str(comp.name)] = envs
+    return out
 
 
 def plan_machine(

@@ -527,6 +527,7 @@ def connect(specs: list[tuple[list[str], LaunchSpec]]) -> bool:
 def main(argv: list[str]) -> int:
     args = common.parse_args(argv, "tandemrl.launchers.ray", flags=("--multirun", dry_run.FLAG))
     specs = common.plan_trials(args)
+    common.refuse_aux_servers(specs, "ray")
     for _, spec in specs:
         if is_colocated(spec.allocation):
             check_colocated_fits(spec.allocation)  # before any actor starts

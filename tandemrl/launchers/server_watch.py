@@ -3,7 +3,8 @@
 A server that exits mid-run is reported at once on one line. The run goes on while a
 server is left and weight updates can skip the dead one (``weight_update_mode=disk``);
 otherwise the trainer is stopped and the trial fails with one line naming the dead
-server(s), instead of waiting for the trainer's own timeouts.
+server(s), instead of waiting for the trainer's own timeouts. An auxiliary server (a judge) that
+exits stops the run the same way: nothing else serves its model.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def wait_trainer(
     backend: str,
     survivable: bool,
     stop_trainer: Callable[[], None],
+    aux: Sequence[tuple[str, WatchedServer]] = (),
 ) -> tuple[int, str | None]:
     """(trainer's exit code, None) or, when the servers can no longer serve the run, (1, one-line error).
 
@@ -43,11 +45,16 @@ def wait_trainer(
     _notify(events, None, trainer)
     for i, server in enumerate(servers):
         _notify(events, i, server.proc)
+    for name, server in aux:
+        _notify(events, (name, server.address), server.proc)
     dead: list[str] = []
     while True:
         key, rc = events.get()
         if key is None:
             return rc, None
+        if isinstance(key, tuple):
+            stop_trainer()
+            return 1, f"auxiliary server {key[0]} at {key[1]} {exit_status(rc)}: the run needs it"
         server = servers[key]
         dead.append(f"{backend} server {server.address} {exit_status(rc)}")
         left = len(servers) - len(dead)

@@ -328,6 +328,7 @@ def submit(job: Path) -> str:
 def main(argv: list[str]) -> int:
     args = common.parse_args(argv, "tandemrl.launchers.slurm", flags=(dry_run.FLAG,), options=OPTIONS)
     specs = common.plan_trials(args)
+    common.refuse_aux_servers(specs, "slurm")
     if any(o in ("--multirun", "-m") for o in args.overrides):
         raise ValueError("the slurm launcher submits one trial: run one launcher call per sweep value")
     overrides, spec = specs[0]

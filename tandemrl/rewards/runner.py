@@ -8,7 +8,9 @@ drop the sample's whole group rather than score it 0), is counted in
 ``<scope>/reward_failed``, and is logged in one line the first time each kind of failure
 occurs (the exception type, a timeout, a non-number, a non-finite number). Python threads cannot be killed: a timed-out call keeps running in
 its thread, which the pool replaces so capacity stays constant; being daemon threads,
-they never block interpreter exit.
+they never block interpreter exit. A function with ``self_timed = True`` (a remote reward service
+that bounds and retries its own requests, ``tandemrl.inference.reward_service``) gets no timeout here:
+waiting for its turn under its concurrency cap is not a failure.
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ class RewardRunner:
         if timeout is not None and timeout <= 0:
             raise ValueError(f"RewardRunner: timeout must be positive or None, got {timeout}")
         self.reward_fn = reward_fn
-        self.timeout = timeout
+        self.timeout = None if getattr(reward_fn, "self_timed", False) is True else timeout
         self.stat_scope = stat_scope
         self.name = getattr(reward_fn, "__name__", type(reward_fn).__name__)
         # async functions, or objects whose __call__ is async

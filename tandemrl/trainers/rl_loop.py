@@ -184,6 +184,7 @@ class RLTrainer:
         )
         self.actor.initialize(None, self.ft_spec)
         self._extra_engines: list[TrainEngine] = []
+        self._reward_service: Any = None  # a RemoteReward, closed with the trainer
 
         # Each trainer rank runs its own client; servers come from the launcher's environment.
         self.client = remote_engine_for(alloc.gen_backend, config.rollout)
@@ -247,11 +248,18 @@ class RLTrainer:
     ) -> tuple[RLVRWorkflow, RLVRWorkflow]:
         """(training workflow, greedy single-sample evaluation workflow) scoring with ``reward_fn``.
 
-        With ``deterministic`` the training workflow seeds every request from the run's ``seed``.
+        With ``deterministic`` the training workflow seeds every request from the run's ``seed``. With
+        ``reward_service.url`` or ``.judge`` set, training rewards come from that service
+        (``tandemrl.inference.reward_service``); evaluation keeps ``reward_fn``.
         """
         if self.config.deterministic:
             kwargs.setdefault("seed", self.config.seed)
-        workflow = workflow_cls(reward_fn, self.gconfig, self.tokenizer, **kwargs)
+        train_reward: RewardFn = reward_fn
+        if self.config.reward_service.enabled:
+            from tandemrl.inference.reward_service import RemoteReward
+
+            train_reward = self._reward_service = RemoteReward(self.config.reward_service)
+        workflow = workflow_cls(train_reward, self.gconfig, self.tokenizer, **kwargs)
         eval_gconfig = self.gconfig.new(greedy=True, n_samples=1)
         return workflow, RLVRWorkflow(reward_fn, eval_gconfig, self.tokenizer, stat_scope=EVAL_STATS)
 
@@ -423,6 +431,8 @@ class RLTrainer:
         self.logger.close()
         self.rollout.destroy()
         self.client.destroy()
+        if self._reward_service is not None:
+            self._reward_service.close()
         for engine in self._extra_engines:
             engine.destroy()
         self.actor.destroy()
