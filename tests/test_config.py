@@ -10,6 +10,7 @@ import yaml
 
 from tandemrl.configs import (
     ConfigError,
+    DistillConfig,
     GRPOConfig,
     OptimizerConfig,
     PPOActorConfig,
@@ -309,6 +310,7 @@ YAML_SCHEMAS = {
     EXAMPLES / "arith_grpo.yaml": GRPOConfig,
     EXAMPLES / "gsm8k_remax.yaml": GRPOConfig,
     EXAMPLES / "gsm8k_ppo.yaml": PPOConfig,
+    EXAMPLES / "gsm8k_distill.yaml": DistillConfig,
     PRESETS / "grpo_gsm8k.yaml": GRPOConfig,
     PRESETS / "sft_gsm8k.yaml": SFTConfig,
 }
