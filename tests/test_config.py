@@ -10,6 +10,7 @@ import yaml
 
 from tandemrl.configs import (
     ConfigError,
+    DistillConfig,
     GRPOConfig,
     OptimizerConfig,
     PPOActorConfig,
@@ -312,6 +313,7 @@ YAML_SCHEMAS = {
     EXAMPLES / "gsm8k_remax.yaml": GRPOConfig,
     EXAMPLES / "gsm8k_ppo.yaml": PPOConfig,
     EXAMPLES / "gsm8k_agent.yaml": AgentGRPOConfig,
+    EXAMPLES / "gsm8k_distill.yaml": DistillConfig,
     PRESETS / "grpo_gsm8k.yaml": GRPOConfig,
     PRESETS / "sft_gsm8k.yaml": SFTConfig,
 }

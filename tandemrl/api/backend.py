@@ -29,6 +29,15 @@ class InferenceBackend(Protocol):
 
     def parse_generate(self, payload: dict[str, Any]) -> GenerateChunk: ...
 
+    def build_prompt_logprobs(self, token_ids: list[int], rid: str) -> HttpRequest:
+        """Score ``token_ids`` without sampling: the logprob of each token after the first given
+        its prefix, at temperature 1 (a teacher's logprobs of a student's sample)."""
+        ...
+
+    def parse_prompt_logprobs(self, payload: dict[str, Any], token_ids: list[int]) -> list[float]:
+        """``len(token_ids) - 1`` logprobs: entry ``i`` is ``log p(token_ids[i + 1] | token_ids[: i + 1])``."""
+        ...
+
     def build_pause(self) -> HttpRequest:
         """Stop generating; in-flight requests return their partial output as "abort"."""
         ...

@@ -1,6 +1,7 @@
 """Structured configs (dataclasses) and their YAML/CLI loader."""
 
 from tandemrl.configs.data import DatasetConfig
+from tandemrl.configs.distill import DistillActorConfig, DistillConfig
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from tandemrl.configs.experiment import BaseExperimentConfig, GRPOConfig, PPOConfig, SFTConfig
 from tandemrl.configs.ppo import PPOActorConfig, PPOCriticConfig
@@ -20,6 +21,8 @@ __all__ = [
     "BaseExperimentConfig",
     "ClusterConfig",
     "DatasetConfig",
+    "DistillActorConfig",
+    "DistillConfig",
     "EvaluatorConfig",
     "HeldoutEvalConfig",
     "GRPOConfig",

@@ -34,6 +34,7 @@ from omegaconf.errors import (
 
 from tandemrl.configs.checks import InputsChecked, check_only, configs_seen, first_problem
 from tandemrl.configs.data import DatasetConfig
+from tandemrl.configs.distill import DistillActorConfig, DistillConfig
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from tandemrl.configs.experiment import GRPOConfig, PPOConfig, SFTConfig
 from tandemrl.configs.moved import retired_key
@@ -70,10 +71,12 @@ PRESET_DIR = Path(__file__).resolve().parent / "presets"
 PRESET_PREFIX = "preset:"
 
 # Root schemas and reusable components, as registered in hydra's ConfigStore.
-ROOT_CONFIGS: dict[str, type] = {"sft": SFTConfig, "grpo": GRPOConfig, "ppo": PPOConfig}
+ROOT_CONFIGS: dict[str, type] = {"sft": SFTConfig, "grpo": GRPOConfig, "ppo": PPOConfig, "distill": DistillConfig}
 COMPONENT_CONFIGS: dict[tuple[str, str], type] = {
     ("model", "train_engine"): TrainEngineConfig,
     ("actor", "ppo_actor"): PPOActorConfig,
+    ("actor", "distill_actor"): DistillActorConfig,
+    ("teacher", "remote"): InferenceEngineConfig,
     ("critic", "ppo_critic"): PPOCriticConfig,
     ("ref", "train_engine"): TrainEngineConfig,
     ("engine", "train_engine"): TrainEngineConfig,

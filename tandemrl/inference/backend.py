@@ -103,6 +103,17 @@ def check_budget(req: ModelRequest, output_so_far: list[int], remaining: int, ba
     return list(req.input_ids) + list(output_so_far)
 
 
+def check_scoring_ids(token_ids: list[int], backend: str) -> list[int]:
+    """Token ids to score with ``build_prompt_logprobs``: at least two (the first has no logprob), all ints."""
+    ids = list(token_ids)
+    if len(ids) < 2:
+        raise ValueError(f"{backend}: build_prompt_logprobs needs at least 2 token ids, got {len(ids)}")
+    for v in ids:
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{backend}: build_prompt_logprobs got a bad token id {v!r}")
+    return ids
+
+
 def min_tokens_left(req: ModelRequest, output_so_far: list[int], remaining: int) -> int:
     """Tokens still owed to ``min_new_tokens``, capped by the budget of this call."""
     return max(0, min(req.gconfig.min_new_tokens - len(output_so_far), remaining))

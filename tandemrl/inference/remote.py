@@ -29,8 +29,10 @@ import math
 import os
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 from tandemrl.api.backend import InferenceBackend
 from tandemrl.api.inference import HttpRequest, ModelRequest, ModelResponse, ParamSpec, StopReason, WeightUpdateMeta
@@ -282,15 +284,9 @@ class RemoteInfEngine:
             await self._wait_until_generating()
             version = self.get_version()
             call = self.backend.build_generate(req, tokens, remaining, version)
-            try:
-                with self._busy.running():
-                    payload = await self.http.send(
-                        addr, call, retries=self.config.request_retries, backoff=self.config.request_backoff
-                    )
-            except InferenceServerError as e:
-                if not e.retryable:
-                    raise
-                pool.mark_dead(addr, f"{call.method} {call.path}: {e.detail}")
+            with self._busy.running():
+                sent, payload = await self._send_or_mark_dead(addr, call)
+            if not sent:
                 addr = pool.choose(req.rid)
                 logger.warning("request %s: failing over to %s with %d tokens so far", req.rid, addr, len(tokens))
                 interrupted = False
@@ -314,6 +310,32 @@ class RemoteInfEngine:
             latency=time.perf_counter() - start,
             ttft=ttft,
         )
+
+    async def aprompt_logprobs(self, token_ids: list[int], rid: str | None = None) -> list[float]:
+        """The servers' logprob of each of ``token_ids[1:]`` given its prefix (temperature 1), nothing sampled.
+
+        What a teacher model's server gives on-policy distillation
+        (``tandemrl.workflows.distill``). Sticky per ``rid`` like generation; a server that still
+        fails after ``request_retries`` is marked dead and the call goes to another one.
+        """
+        call = self.backend.build_prompt_logprobs(list(token_ids), rid or uuid.uuid4().hex)
+        while True:
+            sent, payload = await self._send_or_mark_dead(self.pool.choose(rid), call)
+            if sent:
+                return self.backend.parse_prompt_logprobs(payload, list(token_ids))
+
+    async def _send_or_mark_dead(self, addr: str, call: HttpRequest) -> tuple[bool, Any]:
+        """``(True, reply)``; or ``(False, None)`` once ``addr`` failed transiently past its retries and
+        was marked dead (the caller fails over). Other failures raise."""
+        try:
+            return True, await self.http.send(
+                addr, call, retries=self.config.request_retries, backoff=self.config.request_backoff
+            )
+        except InferenceServerError as e:
+            if not e.retryable:
+                raise
+            self.pool.mark_dead(addr, f"{call.method} {call.path}: {e.detail}")
+            return False, None
 
     # ------------------------------------------------------------------ control
     async def _broadcast(self, req: HttpRequest) -> None:

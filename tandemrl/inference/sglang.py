@@ -29,6 +29,7 @@ from tandemrl.inference.backend import (
     check_buckets,
     check_budget,
     check_collective,
+    check_scoring_ids,
     cli_flags,
     int_list,
     min_tokens_left,
@@ -104,6 +105,36 @@ class SGLangBackend(TimeoutsMixin):
         if meta.get("weight_version") is not None:
             spans = [VersionSpan(parse_version_label(meta["weight_version"]), 0, len(tokens))]
         return GenerateChunk(tokens, logprobs, _FINISH[kind], spans)
+
+    def build_prompt_logprobs(self, token_ids: list[int], rid: str) -> HttpRequest:
+        """``/generate`` returning input-token logprobs from position 0 (``logprob_start_len``), one greedy token."""
+        ids = check_scoring_ids(token_ids, self.name)
+        params = {"max_new_tokens": 1, "temperature": 0.0}
+        body = {
+            "rid": rid,
+            "input_ids": ids,
+            "sampling_params": params,
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "stream": False,
+        }
+        return HttpRequest("POST", "/generate", body, self.request_timeout)
+
+    def parse_prompt_logprobs(self, payload: dict[str, Any], token_ids: list[int]) -> list[float]:
+        """``meta_info.input_token_logprobs``: ``[logprob, token_id, text]`` per input token, the first logprob null."""
+        if isinstance(payload, list) and len(payload) == 1:
+            payload = payload[0]
+        server_error(payload, self.name)
+        meta = require(payload, "meta_info", self.name, "")
+        triples = require_list(meta, "input_token_logprobs", self.name, "meta_info")
+        if len(triples) != len(token_ids):
+            raise BadServerPayload(
+                f"{self.name}: 'meta_info.input_token_logprobs' has {len(triples)} entries for {len(token_ids)} tokens"
+            )
+        tokens, logprobs = _split_triples(triples[1:], "input_token_logprobs", first=1)
+        if tokens != list(token_ids[1:]):
+            raise BadServerPayload(f"{self.name}: 'meta_info.input_token_logprobs' scored other tokens than sent")
+        return logprobs
 
     # ---- control ---------------------------------------------------------------------------
 
@@ -221,18 +252,18 @@ class SGLangBackend(TimeoutsMixin):
         return {}
 
 
-def _split_triples(triples: list[Any]) -> tuple[list[int], list[float]]:
-    """``[[logprob, token_id, text], ...]`` -> (token ids, logprobs)."""
+def _split_triples(
+    triples: list[Any], field: str = "output_token_logprobs", first: int = 0
+) -> tuple[list[int], list[float]]:
+    """``[[logprob, token_id, text], ...]`` -> (token ids, logprobs); errors name ``meta_info.<field>[first + i]``."""
     tokens: list[int] = []
     logprobs: list[float] = []
-    for i, t in enumerate(triples):
+    for i, t in enumerate(triples, start=first):
         if not isinstance(t, list | tuple) or len(t) < 2:
-            raise BadServerPayload(
-                f"sglang: 'meta_info.output_token_logprobs[{i}]' must be [logprob, token_id, text], got {t!r}"
-            )
+            raise BadServerPayload(f"sglang: 'meta_info.{field}[{i}]' must be [logprob, token_id, text], got {t!r}")
         lp, tok = t[0], t[1]
         if lp is None or not isinstance(tok, int) or isinstance(tok, bool):
-            raise BadServerPayload(f"sglang: 'meta_info.output_token_logprobs[{i}]' has a bad entry {t!r}")
+            raise BadServerPayload(f"sglang: 'meta_info.{field}[{i}]' has a bad entry {t!r}")
         tokens.append(tok)
         logprobs.append(float(lp))
     return tokens, logprobs

@@ -34,6 +34,7 @@ from tandemrl.inference.backend import (
     check_buckets,
     check_budget,
     check_collective,
+    check_scoring_ids,
     cli_flags,
     int_list,
     min_tokens_left,
@@ -132,6 +133,30 @@ class VLLMBackend(TimeoutsMixin):
         logprobs = _logprobs(choice.get("logprobs"), tokens, where)
         spans = _spans(choice.get("weight_versions"), where)
         return GenerateChunk(tokens, logprobs, _FINISH[reason], spans)
+
+    def build_prompt_logprobs(self, token_ids: list[int], rid: str) -> HttpRequest:
+        """The generate route with ``prompt_logprobs: 0`` (each prompt token's own logprob) and one
+        greedy token that nobody reads. vLLM computes prompt logprobs from the raw logits, so they
+        are at temperature 1 whatever the sampling parameters say."""
+        ids = check_scoring_ids(token_ids, self.name)
+        params = {"n": 1, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0, "detokenize": False}
+        body = {"request_id": rid, "token_ids": ids, "sampling_params": params, "stream": False}
+        return HttpRequest("POST", "/inference/v1/generate", body, self.request_timeout)
+
+    def parse_prompt_logprobs(self, payload: dict[str, Any], token_ids: list[int]) -> list[float]:
+        server_error(payload, self.name)
+        entries = require_list(payload, "prompt_logprobs", self.name, "")
+        if len(entries) != len(token_ids):
+            raise BadServerPayload(
+                f"{self.name}: 'prompt_logprobs' has {len(entries)} entries for {len(token_ids)} prompt tokens"
+            )
+        out: list[float] = []
+        for i in range(1, len(token_ids)):
+            where = f"prompt_logprobs[{i}]"
+            # JSON object keys are strings: the token id as text.
+            entry = require(entries[i], str(token_ids[i]), self.name, where)
+            out.append(float(require(entry, "logprob", self.name, f"{where}.{token_ids[i]}")))
+        return out
 
     # ---- control ---------------------------------------------------------------------------
 

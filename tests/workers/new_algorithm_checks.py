@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -82,7 +83,8 @@ def dp_share(engine: TrainEngine, batch: RolloutBatch) -> RolloutBatch:
     return {k: v[r * n : (r + 1) * n] for k, v in batch.items()}  # type: ignore[return-value]
 
 
-def run_backend(model: str, allocation: str, extra: dict, batch: RolloutBatch) -> dict:
+def build_engine(model: str, allocation: str, extra: dict, steps: int = STEPS) -> TrainEngine:
+    """The registry's engine for ``allocation``'s training component (fp32, lr 1e-3), initialized."""
     component = AllocationMode.from_str(allocation).train
     assert component is not None, allocation
     cfg = TrainEngineConfig(
@@ -90,7 +92,12 @@ def run_backend(model: str, allocation: str, extra: dict, batch: RolloutBatch) -
     )
     engine = make_engine(component.backend, cfg)
     engine.create_process_group(component.strategy)
-    engine.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=STEPS, train_batch_size=1))
+    engine.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=steps, train_batch_size=1))
+    return engine
+
+
+def run_backend(model: str, allocation: str, extra: dict, batch: RolloutBatch) -> dict:
+    engine = build_engine(model, allocation, extra)
     algo = GroupMeanReinforce(GroupMeanReinforceConfig(), engine)
     before = weights(engine)
     losses = [algo.train_step(dp_share(engine, batch))["loss"] for _ in range(STEPS)]
@@ -100,12 +107,19 @@ def run_backend(model: str, allocation: str, extra: dict, batch: RolloutBatch) -
     return {"engine": type(engine).__name__, "losses": losses, "max_weight_change": change, "n_weights": len(before)}
 
 
+def on_every_backend(run: Callable[[str, dict], dict], out_file: str) -> None:
+    """``run(allocation, engine extra)`` for each of BACKENDS in order; rank 0 saves ``{name: result}`` to ``out_file``."""
+    results = {name: run(alloc, extra) for name, (alloc, extra) in BACKENDS.items()}
+    if dist.get_rank() == 0:
+        torch.save(results, out_file)
+
+
 def main(args: argparse.Namespace) -> None:
     init_default_process_group()
     batch = make_rollout_batch(args.model)  # 8 rows, groups of 2, rewards with in-group differences
-    results = {name: run_backend(args.model, alloc, extra, batch) for name, (alloc, extra) in BACKENDS.items()}
-    if dist.get_rank() == 0:
-        torch.save(results, os.path.join(args.out, "new_algorithm.pt"))
+    on_every_backend(
+        lambda alloc, extra: run_backend(args.model, alloc, extra, batch), os.path.join(args.out, "new_algorithm.pt")
+    )
 
 
 if __name__ == "__main__":
