@@ -1,12 +1,13 @@
 """On-policy distillation on GSM8K: the student samples through its vLLM servers, a teacher model
 on its own vLLM servers scores every sampled token, and the student descends the reverse KL.
 
-The teacher's servers are listed in ``teacher.server_addrs`` (host:port). Start one, then the run:
+The launcher starts the teacher's servers (``vllm[teacher]`` in ``allocation_mode``, model from
+``aux_servers.teacher.path``) beside the student's:
 
-    python -m tandemrl.launchers.serve --backend vllm --model TEACHER_DIR --host 127.0.0.1 --port 8101 \
-        --log /tmp/teacher.log --ready /tmp/teacher.addr &
     python -m tandemrl.launchers.local examples/gsm8k_distill.py --config examples/gsm8k_distill.yaml \
-        train_dataset.path=../shared/data/gsm8k teacher.server_addrs=[127.0.0.1:8101]
+        train_dataset.path=../shared/data/gsm8k
+
+A teacher already running elsewhere is used instead when ``teacher.server_addrs=[host:port]`` is set.
 
 Each step: rollout (each group scored by the teacher as it finishes, overlapping training when async),
 proximal logp when needed, DistillActor.compute_advantages (teacher - student per token, plus
@@ -16,6 +17,7 @@ proximal logp when needed, DistillActor.compute_advantages (teacher - student pe
 from __future__ import annotations
 
 from tandemrl.algorithms.distill import DistillActor
+from tandemrl.api.aux_servers import aux_server_addresses
 from tandemrl.configs.distill import DistillConfig
 from tandemrl.rewards.gsm8k import gsm8k_reward_fn
 from tandemrl.trainers.entry import load_config_or_exit
@@ -28,8 +30,8 @@ def main(argv: list[str]) -> None:
     config, _ = load_config_or_exit(argv, DistillConfig)
     trainer = RLTrainer(config, name="distill")
     actor = DistillActor(config.actor, trainer.actor)  # the algorithm on the backend's engine
-    # Hook: once the launcher starts named auxiliary servers, pass lookup=<their accessor> here.
-    teacher = connect_teacher(config.teacher, trainer.alloc.gen_backend)
+    # teacher.server_addrs if set, else the launcher's vllm[teacher] servers.
+    teacher = connect_teacher(config.teacher, trainer.alloc.gen_backend, lookup=aux_server_addresses)
     workflow, eval_workflow = trainer.rlvr_workflows(gsm8k_reward_fn)
     trainer.run(TeacherScoredWorkflow(workflow, teacher), ppo_train_step(actor, ref=trainer.reference()), eval_workflow)
     trainer.close()  # stops rollout first: episodes still in flight may be asking the teacher

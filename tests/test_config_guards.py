@@ -64,6 +64,15 @@ def _error(*overrides: str) -> str:
             ("gconfig.n_samples=1",),
             ("Config key 'actor.group_size' in ", "must be > 1 when actor.adv_norm.mean_level or std_level is 'group'"),
         ),
+        (
+            (
+                "gconfig.n_samples=1",
+                "actor.adv_norm.mean_level=batch",
+                "actor.adv_norm.std_level=batch",
+                "actor.dynamic_sampling=true",
+            ),
+            ("'actor.dynamic_sampling' on the command line", "needs group_size > 1"),
+        ),
         # batches that do not divide: ranks, groups, minibatches, rows, micro-batches
         (("allocation_mode=vllm:d1+fsdp:d3",), ("'train_dataset.batch_size' in ", "must be a multiple of 3")),
         (("actor.group_size=3",), ("'actor.group_size' on the command line", "must divide each rank's batch of 32")),

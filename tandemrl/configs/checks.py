@@ -95,6 +95,11 @@ def _groups_fit(config: Any, dp: int) -> Problem | None:
                 f"must be > 1 when {key}.adv_norm.mean_level or std_level is 'group' (statistics over a group "
                 "of one sample: its advantage is 0 or its std undefined); set it to gconfig.n_samples",
             )
+        if isinstance(cfg, PPOActorConfig) and cfg.dynamic_sampling and cfg.group_size == 1:
+            return (
+                f"{key}.dynamic_sampling",
+                "needs group_size > 1: a group of one sample always has uniform rewards and would never be accepted",
+            )
         if per_rank % cfg.group_size:
             return (
                 f"{key}.group_size",

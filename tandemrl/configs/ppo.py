@@ -56,7 +56,7 @@ class PPOActorConfig:
                   (the paper's constant normalizer; token-mean is the other unbiased choice)
     DAPO          GRPO's adv_norm; eps_clip: 0.2, eps_clip_higher: 0.28; loss_agg_mode: token-mean;
                   overlong_buffer: e.g. 256, overlong_penalty_factor: 1.0, max_new_tokens: <gen len>;
-                  dynamic sampling: should_accept_fn=tandemrl.algorithms.filters.reject_uniform_rewards
+                  dynamic_sampling: true (should_accept_fn=reject_uniform_rewards)
     RLOO          adv_norm: {mean_level: group, std_level: none, leave_one_out: true, unit: sequence}
     REINFORCE++   adv_norm: {mean_level: batch, std_level: batch, unit: token};
                   kl_ctl > 0 with a reference model (KL as per-token reward, kl_estimator: k2)
@@ -78,6 +78,13 @@ class PPOActorConfig:
         default_factory=TrainEngineConfig, metadata={"help": "The policy model and how it is trained."}
     )
     group_size: int = field(default=1, metadata={"help": "Samples per prompt (GRPO group).", "min": 1})
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={
+            "help": "DAPO dynamic sampling: drop groups whose rewards are all equal (they train nothing) and "
+            "roll out more prompts until the batch is full. Needs group_size > 1."
+        },
+    )
     ppo_n_minibatches: int = field(default=1, metadata={"help": "Minibatches per PPO epoch.", "min": 1})
     ppo_n_epochs: int = field(default=1, metadata={"help": "Passes over each batch.", "min": 1})
     eps_clip: float = field(default=0.2, metadata={"help": "Lower (and default upper) ratio clip."})

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from tandemrl.algorithms.filters import reject_uniform_rewards
 from tandemrl.algorithms.ppo import PPOActor, PPOBatch, PPOCritic
 from tandemrl.algorithms.reinforce import ReinforceActor
 from tandemrl.api.allocation import AllocationMode
@@ -327,6 +328,8 @@ class RLTrainer:
         """
         config, actor, rollout, summary = self.config, self.actor, self.rollout, self.summary
         group = config.actor.group_size
+        if should_accept_fn is None and getattr(config.actor, "dynamic_sampling", False):
+            should_accept_fn = reject_uniform_rewards
         world = actor.data_parallel_world_size
         first_step = self._maybe_resume()
         if first_step == 0:
