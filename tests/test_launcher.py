@@ -61,6 +61,9 @@ def test_grpo_gsm8k_sync_and_async(tiny_model_dir: str, gsm8k_dir: str, tmp_path
     # Held-out accuracy before the first step (version 0) and after the last (version 3), both trials.
     assert proc.stdout.count("held-out greedy accuracy on test[:6] (gsm8k): ") == 2, proc.stdout[-3000:]
     assert proc.stdout.count(" questions, exact McNemar p=") == 2, proc.stdout[-3000:]
+    # Quiet by default (tandemrl.utils.quiet): no library progress bars or known-harmless warnings.
+    for noise in ("set_vital", "Loading weights", "examples/s]", "Generating train split"):
+        assert noise not in proc.stdout + proc.stderr, noise
     for trial, bound in (("trial0_async_trainingfalse", 0), ("trial0_async_trainingtrue", 1)):
         reports = [
             json.loads((tmp_path / "logs" / "gsm8k-grpo" / trial / f"heldout_{t}.json").read_text())

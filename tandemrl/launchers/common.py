@@ -27,6 +27,7 @@ from tandemrl.launchers.check import check_script
 from tandemrl.launchers.launch_config import LaunchError, LaunchSpec, read_launch_spec
 from tandemrl.utils.cli import first_line, signals_interrupt
 from tandemrl.utils.lifeline import exit_status
+from tandemrl.utils.quiet import quiet_process
 
 
 @dataclass
@@ -309,6 +310,7 @@ def pump(stream: IO[bytes], prefix: str, log_path: Path) -> threading.Thread:
 
 def cli(main: Callable[[list[str]], int]) -> None:
     """Run ``main(argv)``; bad input is one ``error:`` line on stderr and exit code 2."""
+    quiet_process()  # before any child starts: servers and trainer ranks inherit the settings
     try:
         code = main(sys.argv[1:])
     except (ValueError, FileNotFoundError) as err:

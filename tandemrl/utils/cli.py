@@ -9,6 +9,8 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import NoReturn
 
+from tandemrl.utils.quiet import quiet_process
+
 # Errors a user causes with a config value, a path or a data file. Their messages are
 # written to name the offending field or file on one line.
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, KeyError)
@@ -70,6 +72,7 @@ def run_main(main: Callable[[list[str]], None], argv: list[str] | None = None) -
     Any error is also recorded in torchrun's per-rank error file (see :func:`record_error`).
     ``TANDEMRL_TRACEBACK=1`` re-raises instead, for debugging.
     """
+    quiet_process()
     try:
         main(sys.argv[1:] if argv is None else argv)
     except USER_ERRORS as err:

@@ -1,0 +1,47 @@
+"""Quiet by default: no library progress bars or known-harmless warnings in our processes.
+
+``quiet_process()`` runs first in every launcher and training script. It sets environment
+variables (so child processes, servers and torchrun ranks inherit them) and warning filters for
+output a user cannot act on: ``datasets`` Generating/Map progress bars, transformers' "Loading
+weights" bar, torchdata's ``set_vital`` deprecation warning. Our own progress bar, one-line stats
+and summaries stay. ``TANDEMRL_VERBOSE=1`` (``scripts/main.sh --verbose``) leaves everything on.
+A variable the user set already is never overridden.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+import re
+import warnings
+
+VERBOSE_ENV = "TANDEMRL_VERBOSE"
+QUIET_ENV: dict[str, str] = {
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",  # datasets: Generating split / Map / Filter bars
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # transformers' weight-loading bar follows the hub's switch
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+}
+# (message prefix, category) of warnings known to be harmless here.
+HARMLESS_WARNINGS: tuple[tuple[str, str], ...] = (("'set_vital' is deprecated", "UserWarning"),)
+
+
+def verbose() -> bool:
+    return os.environ.get(VERBOSE_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def _pythonwarnings() -> str:
+    ours = [f"ignore:{msg}:{cat}" for msg, cat in HARMLESS_WARNINGS]
+    theirs = [w for w in os.environ.get("PYTHONWARNINGS", "").split(",") if w]
+    return ",".join([*theirs, *(w for w in ours if w not in theirs)])
+
+
+def quiet_process() -> None:
+    """Silence library noise in this process and its children, unless ``TANDEMRL_VERBOSE`` is set."""
+    if verbose():
+        return
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    os.environ["PYTHONWARNINGS"] = _pythonwarnings()
+    for msg, cat in HARMLESS_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(msg), category=getattr(builtins, cat, Warning))

@@ -1,0 +1,50 @@
+"""Quiet by default: library progress bars and harmless warnings are off in our processes and their children."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tandemrl.utils import quiet
+
+CHILD = """
+import warnings, datasets, os
+warnings.warn("'set_vital' is deprecated, please do not call", UserWarning)
+warnings.warn("something a user should see", UserWarning)
+from datasets.utils.logging import is_progress_bar_enabled
+print("bars", "on" if is_progress_bar_enabled() else "off", os.environ.get("TRANSFORMERS_VERBOSITY"))
+"""
+
+
+def _child_after_quiet(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """A process that calls quiet_process(), then starts a child that imports datasets and warns twice."""
+    code = (
+        f"from tandemrl.utils.quiet import quiet_process; quiet_process(); import subprocess, sys; "
+        f"sys.exit(subprocess.run([sys.executable, '-c', {CHILD!r}]).returncode)"
+    )
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_children_inherit_quiet_unless_verbose(verbose: bool) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in (*quiet.QUIET_ENV, "PYTHONWARNINGS", quiet.VERBOSE_ENV)}
+    if verbose:
+        env[quiet.VERBOSE_ENV] = "1"
+    proc = _child_after_quiet(env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # A warning nobody listed always shows; the known-harmless one only in verbose mode.
+    assert "something a user should see" in proc.stderr
+    assert ("set_vital" in proc.stderr) == verbose, proc.stderr
+    assert proc.stdout.split() == (["bars", "on", "None"] if verbose else ["bars", "off", "error"]), proc.stdout
+
+
+def test_a_users_own_settings_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(quiet.VERBOSE_ENV, raising=False)
+    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "info")
+    monkeypatch.setenv("PYTHONWARNINGS", "error::DeprecationWarning")
+    quiet.quiet_process()
+    assert os.environ["TRANSFORMERS_VERBOSITY"] == "info"
+    assert os.environ["PYTHONWARNINGS"].startswith("error::DeprecationWarning,ignore:'set_vital' is deprecated")
