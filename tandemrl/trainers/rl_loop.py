@@ -362,25 +362,7 @@ class RLTrainer:
                 train_step(batch, global_step)
             with stats_tracker.record_timing("update_weights"):
                 rollout.push_weights(global_step + 1)
-            with stats_tracker.record_timing("save"):
-                self.saver.save(actor, epoch, step, global_step, tokenizer=self.tokenizer, last=last)
-            if eval_workflow is not None and self.valid_dl is not None:
-                with stats_tracker.record_timing("eval"):
-                    self.evaluator.evaluate(
-                        lambda gs=global_step + 1: self.evaluate(eval_workflow, gs), epoch, step, global_step
-                    )
-            with stats_tracker.record_timing("recover"):
-                self.recover.dump(
-                    self._recoverable_engines(),
-                    actor,
-                    self.train_dl,
-                    step,
-                    global_step,
-                    self.saver,
-                    self.evaluator,
-                    rollout=rollout,
-                    last=last,
-                )
+            self._save_eval_recover(eval_workflow, epoch, step, global_step, last)
             stats_tracker.scalar(**{"timeperf/step": time.perf_counter() - step_start})
             self._commit(epoch, step, global_step)
             if config.stats_logger.prompt_ids:
@@ -397,6 +379,30 @@ class RLTrainer:
             self.heldout.score(self.client, "after", actor.get_version())
         self._print_summary()
         return summary
+
+    def _save_eval_recover(
+        self, eval_workflow: RolloutWorkflow | None, epoch: int, step: int, global_step: int, last: bool
+    ) -> None:
+        """After a step's weight push: HF save, evaluation and recoverable checkpoint, each when due (or last)."""
+        with stats_tracker.record_timing("save"):
+            self.saver.save(self.actor, epoch, step, global_step, tokenizer=self.tokenizer, last=last)
+        if eval_workflow is not None and self.valid_dl is not None:
+            with stats_tracker.record_timing("eval"):
+                self.evaluator.evaluate(
+                    lambda gs=global_step + 1: self.evaluate(eval_workflow, gs), epoch, step, global_step
+                )
+        with stats_tracker.record_timing("recover"):
+            self.recover.dump(
+                self._recoverable_engines(),
+                self.actor,
+                self.train_dl,
+                step,
+                global_step,
+                self.saver,
+                self.evaluator,
+                rollout=self.rollout,
+                last=last,
+            )
 
     def _commit(self, epoch: int, step: int, global_step: int) -> None:
         # Rollout trackers first (reduced over DP ranks), then everything the trainer recorded.
