@@ -41,6 +41,7 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKER = REPO_ROOT / "scripts" / "gpu_check_worker.py"
 PARITY_TABLE = REPO_ROOT / "tests" / "test_backend_parity.py"
+PARITY_DATA = REPO_ROOT / "tests" / "workers" / "ppo_checks.py"  # its VOCAB: the parity rows' random token range
 DEFAULT_GSM8K = REPO_ROOT.parent / "shared" / "data" / "gsm8k"
 ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:?\s*)?((?:[A-Za-z_][\w.]*)?(?:Error|Exception)\b.*)$")
 
@@ -133,18 +134,31 @@ def tiny_model(arg: str | None) -> str:
 # ------------------------------------------------------------------------------------------------- the plan
 
 
-def parity_table() -> tuple[list[dict[str, Any]], float, tuple[str, ...]]:
-    """CASES, RTOL and KEYS of tests/test_backend_parity.py, read as literals (the table stays in one place)."""
+def module_literals(path: Path, names: tuple[str, ...]) -> dict[str, Any]:
+    """Top-level constants of a python file, read as literals (never imported)."""
     found: dict[str, Any] = {}
-    for node in ast.parse(PARITY_TABLE.read_text()).body:
+    for node in ast.parse(path.read_text()).body:
         target = (
             node.target
             if isinstance(node, ast.AnnAssign)
             else (node.targets[0] if isinstance(node, ast.Assign) else None)
         )
-        if isinstance(target, ast.Name) and target.id in ("CASES", "RTOL", "KEYS") and node.value is not None:
+        if isinstance(target, ast.Name) and target.id in names and node.value is not None:
             found[target.id] = ast.literal_eval(node.value)
+    return found
+
+
+def parity_table() -> tuple[list[dict[str, Any]], float, tuple[str, ...]]:
+    """CASES, RTOL and KEYS of tests/test_backend_parity.py (the table stays in one place)."""
+    found = module_literals(PARITY_TABLE, ("CASES", "RTOL", "KEYS"))
     return found["CASES"], float(found["RTOL"]), tuple(found["KEYS"])
+
+
+def parity_vocab_skip(model: str) -> str:
+    """Why the parity rows cannot run on ``model`` (their random token ids exceed its vocabulary), or ""."""
+    need = int(module_literals(PARITY_DATA, ("VOCAB",))["VOCAB"])
+    have = int(json.loads(Path(model, "config.json").read_text()).get("vocab_size", 0))
+    return f"needs a tiny model with vocab_size >= {need}, {model} has {have}" if have < need else ""
 
 
 def parity_checks(n_dev: int) -> list[Check]:
@@ -381,8 +395,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="gpu_check-"))
     out.mkdir(parents=True, exist_ok=True)
     print("\n".join(header(cuda, n_dev)), flush=True)
-    checks = selected(plan(cuda, n_dev), args.only)
     model = tiny_model(args.model)
+    checks = selected(plan(cuda, n_dev), args.only)
+    vocab_skip = parity_vocab_skip(model)
+    for c in checks:
+        if c.name.startswith("parity_") and not c.skip and vocab_skip:
+            c.skip = vocab_skip
     print(f"# tiny model: {model}; logs and results: {out}", flush=True)
     mfu = [c for c in checks if c.launch == "mfu"]
     deadline = time.monotonic() + (args.time_budget if args.time_budget is not None else float("inf"))

@@ -72,3 +72,18 @@ def test_lines_name_the_detected_backend(dry_run: subprocess.CompletedProcess[st
     assert last < first
     assert "world 2" in lines["parity_megatron-p2"][1]
     assert "# device: cpu" in dry_run.stdout
+
+
+def test_parity_rows_skip_on_a_model_whose_vocab_is_too_small(tmp_path) -> None:
+    """The parity rows draw token ids up to ppo_checks.VOCAB: a smaller model (e.g. the tiny Qwen2 built
+    without GSM8K) gets a skip line naming the vocab, not an IndexError from the embedding per row."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(REPO_ROOT / "scripts"))
+    (tmp_path / "config.json").write_text('{"vocab_size": 512}')
+    reason = gpu_check.parity_vocab_skip(str(tmp_path))
+    assert "vocab_size >= 1024" in reason and "has 512" in reason, reason
+    (tmp_path / "config.json").write_text('{"vocab_size": 1024}')
+    assert gpu_check.parity_vocab_skip(str(tmp_path)) == ""
