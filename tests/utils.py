@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -13,10 +12,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
-    """A TCP port that was free a moment ago (the OS picks it; never a fixed number)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago (never a fixed number; outside the kernel's
+    ephemeral range, see tandemrl/api/net.py)."""
+    from tandemrl.api.net import free_port as _free_port
+
+    return _free_port("127.0.0.1")
 
 
 def _tail(text: str, n: int = 4000) -> str:
