@@ -32,7 +32,7 @@ from tandemrl.algorithms.rewards import (
 from tandemrl.algorithms.truncation import Truncation, policy_logprobs, replay_of
 from tandemrl.algorithms.value_loss import value_loss
 from tandemrl.api.engine import TrainEngine
-from tandemrl.api.types import RolloutBatch, TensorDict
+from tandemrl.api.types import ROUTED_EXPERTS, RolloutBatch, TensorDict
 from tandemrl.configs.ppo import PPOActorConfig, PPOCriticConfig
 from tandemrl.models.functional import next_token_labels
 from tandemrl.utils import stats_tracker
@@ -144,7 +144,14 @@ class PPOActor:
         require_fields(batch, ("input_ids", "attention_mask"), "compute_logp")
         temp, replay = self.config.temperature, self.replay
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-        return self.engine.forward(inputs, post_hook=lambda logits, mb: next_token_logp(logits, mb, temp, replay))
+        # MoE routing replay (docs/moe.md): replay the batch's routing, or record it in this forward.
+        routing = getattr(self.engine, "router_replay", False)
+        if routing and ROUTED_EXPERTS in batch:
+            inputs[ROUTED_EXPERTS] = batch[ROUTED_EXPERTS]  # type: ignore[typeddict-item]
+        logp = self.engine.forward(inputs, post_hook=lambda logits, mb: next_token_logp(logits, mb, temp, replay))
+        if routing:
+            batch[ROUTED_EXPERTS] = inputs[ROUTED_EXPERTS]  # type: ignore[typeddict-unknown-key]
+        return logp
 
     def proximal_logp(self, batch: RolloutBatch) -> torch.Tensor | None:
         """``batch["prox_logp"]`` for the update: the trainer's policy before it, next-token aligned like ``compute_logp``.
@@ -388,6 +395,10 @@ class PPOActor:
         if cfg.kl_ctl > 0 and cfg.use_kl_loss:
             require_fields(batch, ("ref_logp",), "ppo_update", " (use_kl_loss needs reference logprobs)")
             data["ref_logp"] = batch["ref_logp"]
+        if getattr(self.engine, "router_replay", False):
+            if ROUTED_EXPERTS not in batch:  # no recompute ran: one forward at these (pre-update) weights records it
+                self.compute_logp(batch)
+            data[ROUTED_EXPERTS] = batch[ROUTED_EXPERTS]  # type: ignore[typeddict-item]
         mode = cfg.loss_agg_mode
 
         def weight(mb: TensorDict) -> int:

@@ -265,7 +265,8 @@ def _truncation_replayed(config: Any) -> Problem | None:
 
 
 def _lora_fits(config: Any) -> Problem | None:
-    """LoRA is implemented on the FSDP2 engine only, and a critic's value head is no adapter target."""
+    """LoRA is implemented on the FSDP2 engine only, and a critic's value head is no adapter target;
+    MoE routing replay on the Megatron engine only."""
     from dataclasses import fields, is_dataclass
 
     from tandemrl.api.allocation import AllocationMode
@@ -276,6 +277,12 @@ def _lora_fits(config: Any) -> Problem | None:
         cfg, key = getattr(config, f.name), f.name
         if isinstance(getattr(cfg, "engine", None), TrainEngineConfig):  # actor.engine, critic.engine
             cfg, key = cfg.engine, f"{key}.engine"
+        if isinstance(cfg, TrainEngineConfig) and cfg.megatron.router_replay and backend != "megatron":
+            return (
+                f"{key}.megatron.router_replay",
+                f"is true: MoE routing replay is Megatron-only, but allocation_mode '{config.allocation_mode}' "
+                f"trains with {backend}",
+            )
         if not isinstance(cfg, TrainEngineConfig) or cfg.lora.rank <= 0:
             continue
         if cfg.is_critic:

@@ -1,0 +1,158 @@
+"""torchrun worker for the MoE routing replay test (tests/test_router_replay.py), one gloo rank, fp32.
+
+The tiny Qwen3-MoE on ``megatron:d1`` with ``megatron.router_replay``: a forward at the behaviour weights
+records ``routed_experts``; every later forward replays it, while hooks on megatron's routers capture the
+routing each forward actually used (its ``routing_map``). Then ``STEPS`` policy-gradient-like updates on
+the sampled tokens (replayed routing) that move only the routers (``--router-only 1``, the default: in this
+tiny random model the experts' outputs are small, so whole-model updates move the logprobs mostly by
+themselves and hide the routing's share), after which the same tokens' logprobs are measured with the
+recorded routing replayed and with free routing, against the behaviour logprobs. Writes ``replay.pt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+import torch
+from fsdp_checks import make_batch
+
+from tandemrl.api.allocation import AllocationMode
+from tandemrl.api.types import ROUTED_EXPERTS, FinetuneSpec
+from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
+from tandemrl.engines.base import init_default_process_group
+from tandemrl.engines.megatron.engine import MegatronEngine
+from tandemrl.engines.megatron.routing import routing_map_to_indices
+from tandemrl.engines.teardown import destroy_process_groups
+from tandemrl.models.functional import gather_logprobs, next_token_labels
+
+STEPS = 4
+LR = 1e-3  # router-only updates at this lr change the top-k of ~30% of (token, layer) pairs within STEPS
+
+
+def build(model: str, lr: float = LR) -> MegatronEngine:
+    cfg = TrainEngineConfig(
+        path=model,
+        mixed_precision=None,
+        mb_spec=MicroBatchSpec(n_mbs=2),
+        optimizer=OptimizerConfig(lr=lr, gradient_clipping=1.0),
+    )
+    cfg.megatron.router_replay = True
+    e = MegatronEngine(cfg)
+    e.create_process_group(AllocationMode.from_str("megatron:d1").train.strategy)
+    e.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=STEPS, train_batch_size=1))
+    return e
+
+
+class RoutingProbe:
+    """Forward hooks on the engine's routers: the [T, k] experts each layer used, per forward, in call order."""
+
+    def __init__(self, e: MegatronEngine):
+        self.k = e.model_config.num_experts_per_tok
+        self.calls: list[tuple[int, torch.Tensor]] = []
+        for layer, router in e._routers.routers.items():
+            router.register_forward_hook(self._hook(layer))
+
+    def _hook(self, layer: int) -> Any:
+        def hook(module: torch.nn.Module, args: Any, output: tuple[torch.Tensor, torch.Tensor]) -> None:
+            self.calls.append((layer, routing_map_to_indices(output[1].detach().cpu(), self.k)))
+
+        return hook
+
+    def take(self) -> list[tuple[int, torch.Tensor]]:
+        out, self.calls = self.calls, []
+        return out
+
+
+def freeze_all_but_routers(e: MegatronEngine) -> int:
+    """Zero the gradient of every parameter but the routers' (Adam then leaves them as they are): the
+    updates change which experts tokens go to, not what the experts compute. Returns the router parameter count."""
+    router_params = {id(r.weight) for r in e._routers.routers.values()}
+    for param in e.module.parameters():
+        if id(param) not in router_params:
+            param.register_hook(torch.zeros_like)
+    return len(router_params)
+
+
+def logp_of(logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    return gather_logprobs(logits, next_token_labels(mb["input_ids"], mb["cu_seqlens"]))
+
+
+def pg_loss(logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A REINFORCE-like loss on the sampled tokens with fixed per-token advantages (moves every weight)."""
+    mask = mb["action_mask"].float()
+    return -(logp_of(logits, mb) * mb["advantages"] * mask).sum() / mask.sum().clamp(min=1)
+
+
+def packed_routing(batch: dict[str, torch.Tensor], routed: torch.Tensor, plan: Any) -> list[torch.Tensor]:
+    """The recorded [B, L, n_layers, k] routing packed like the engine's micro-batches: [T, n_layers, k] each."""
+    mask = batch["attention_mask"].bool()
+    return [routed[g][mask[g]] for g in plan.groups if g]
+
+
+def main() -> None:
+    init_default_process_group()
+    e = build(ARGS.model, ARGS.lr)
+    probe = RoutingProbe(e)
+    if ARGS.router_only:
+        freeze_all_but_routers(e)
+    batch = make_batch(ARGS.seed, n=8, max_len=48)
+    action = torch.zeros_like(batch["loss_mask"])
+    action[:, :-1] = batch["loss_mask"][:, 1:]  # logp[:, t] scores token t + 1: the sampled tokens' positions
+    adv = torch.randn(batch["input_ids"].shape, generator=torch.Generator().manual_seed(ARGS.seed))
+    out: dict[str, Any] = {}
+
+    behav = e.forward(batch, post_hook=logp_of)  # free routing at the behaviour weights: records it
+    routed = batch[ROUTED_EXPERTS].clone()
+    out["record_used"], out["routed"] = probe.take(), routed
+    plan = e._split(batch)
+    out["packed"] = packed_routing(batch, routed, plan)
+    again = e.forward(batch, post_hook=logp_of)  # same weights, replayed
+    out["replay_same_weights"] = (again - behav).abs().max().item()
+    out["replay_used_before"] = probe.take()
+
+    train = {**batch, "action_mask": action, "advantages": adv}
+    for step in range(STEPS):
+        e.train_batch(train, pg_loss, lambda mb: int(mb["action_mask"].sum()))
+        e.step_lr_scheduler()
+        if step == 0:
+            out["replay_used_train"] = probe.take()
+    probe.take()
+    replayed = e.forward(batch, post_hook=logp_of)
+    out["replay_used_after"] = probe.take()
+    free_batch = {k: v for k, v in batch.items() if k != ROUTED_EXPERTS}
+    free = e.forward(free_batch, post_hook=logp_of)  # free routing at the updated weights (recorded anew)
+    out["free_routed"] = free_batch[ROUTED_EXPERTS]
+    sel = action.bool()
+    out["gap_replay"] = (replayed - behav)[sel].abs().mean().item()
+    out["gap_free"] = (free - behav)[sel].abs().mean().item()
+    out["mask"] = batch["attention_mask"]
+    out["moe_layers"] = sorted(e._routers.routers)
+    try:
+        e.train_batch({k: v for k, v in train.items() if k != ROUTED_EXPERTS}, pg_loss, lambda mb: 1)
+        out["train_without_routing"] = "no error"
+    except ValueError as err:
+        out["train_without_routing"] = str(err)
+    e.destroy()
+    try:
+        build(ARGS.dense)
+        out["dense_error"] = "no error"
+    except ValueError as err:
+        out["dense_error"] = str(err)
+    torch.save(out, os.path.join(ARGS.out, "replay.pt"))
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True, help="tiny MoE model dir")
+    p.add_argument("--dense", required=True, help="a dense model dir (router_replay must refuse it)")
+    p.add_argument("--seed", type=int, default=400)
+    p.add_argument("--lr", type=float, default=LR)
+    p.add_argument("--router-only", type=int, default=1)
+    p.add_argument("--out", required=True)
+    ARGS = p.parse_args()
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    main()
+    destroy_process_groups()
