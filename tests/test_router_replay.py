@@ -134,3 +134,18 @@ def test_replay_shrinks_the_logprob_gap_after_updates(replay_run: dict) -> None:
     )
     assert changed > 0, "the updates must change some routing for the comparison to mean anything"
     assert run["gap_replay"] < run["gap_free"]
+
+
+@pytest.mark.slow
+def test_ppo_actor_records_before_the_update_and_replays(replay_run: dict) -> None:
+    """PPOActor.ppo_update on a batch without routed_experts: one forward at the pre-update weights records
+    them (equal to the engine-level recording at the same weights), and both minibatches' training forwards,
+    the second after an optimizer step, route exactly as recorded."""
+    run = replay_run
+    mask = run["mask"].bool()
+    assert torch.equal(run["ppo_routed"][mask], run["routed"][mask])
+    assert len(run["ppo_train_used"]) == 2
+    for used, expected in zip(run["ppo_train_used"], run["ppo_train_expected"], strict=True):
+        packed = torch.cat(expected)
+        want = {layer: canonical(packed[:, layer]).tolist() for layer in run["moe_layers"]}
+        assert {k: v.tolist() for k, v in _per_layer(used).items()} == want

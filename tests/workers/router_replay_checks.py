@@ -91,6 +91,45 @@ def packed_routing(batch: dict[str, torch.Tensor], routed: torch.Tensor, plan: A
     return [routed[g][mask[g]] for g in plan.groups if g]
 
 
+def ppo_section(model: str, batch: dict[str, torch.Tensor], behav: torch.Tensor) -> dict[str, Any]:
+    """PPOActor on a fresh engine (the behaviour weights again): ``ppo_update`` on a rollout batch without
+    ``routed_experts`` records them once before its first step, and both minibatches' training forwards
+    (the second after an optimizer step) replay them."""
+    from tandemrl.algorithms.ppo import PPOActor, split_minibatches
+    from tandemrl.configs.ppo import PPOActorConfig
+
+    e = build(model)
+    probe = RoutingProbe(e)
+    actor = PPOActor(PPOActorConfig(engine=e.config, group_size=4, ppo_n_minibatches=2, offpolicy_correction="none"), e)
+    loss_mask = batch["loss_mask"]
+    rollout = {
+        "input_ids": batch["input_ids"],
+        "attention_mask": batch["attention_mask"],
+        "loss_mask": loss_mask,
+        "logprobs": torch.zeros_like(behav).float(),
+        "versions": torch.where(loss_mask.bool(), 0, -1),
+        "rewards": torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0]),
+    }
+    rollout["logprobs"][:, 1:] = torch.where(loss_mask[:, 1:].bool(), behav[:, :-1], 0.0)
+    rollout = actor.compute_advantages(rollout)
+    assert ROUTED_EXPERTS not in rollout
+    actor.ppo_update(rollout)
+    routed = rollout[ROUTED_EXPERTS]
+    calls = probe.take()
+    n_record = len(e._split(batch).mbs) * len(e._routers.routers)
+    out: dict[str, Any] = {"ppo_routed": routed, "ppo_train_used": [], "ppo_train_expected": []}
+    used = calls[n_record:]  # the recording forward's router calls come first
+    for rows in split_minibatches({"attention_mask": batch["attention_mask"], "idx": torch.arange(8)}, 2, 4):
+        sub = {k: v[rows["idx"]] for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+        plan = e._split(sub)
+        n = len(plan.mbs) * len(e._routers.routers)
+        out["ppo_train_used"].append(used[:n])
+        out["ppo_train_expected"].append(packed_routing(sub, routed[rows["idx"]], plan))
+        used = used[n:]
+    e.destroy()
+    return out
+
+
 def main() -> None:
     init_default_process_group()
     e = build(ARGS.model, ARGS.lr)
@@ -135,6 +174,7 @@ def main() -> None:
     except ValueError as err:
         out["train_without_routing"] = str(err)
     e.destroy()
+    out.update(ppo_section(ARGS.model, {k: batch[k] for k in ("input_ids", "attention_mask", "loss_mask")}, behav))
     try:
         build(ARGS.dense)
         out["dense_error"] = "no error"
