@@ -80,10 +80,15 @@ def test_config_check_names_router_replay_on_another_backend() -> None:
 
 
 # ------------------------------------------------------------------------------------ the R3 test
-@pytest.fixture(scope="module")
-def replay_run(tiny_moe_dir: str, tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
+@pytest.fixture(scope="module", params=[("megatron:d1", 1), ("megatron:d2e2", 2)], ids=["d1", "d2e2"])
+def replay_run(
+    request: pytest.FixtureRequest, tiny_moe_dir: str, tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory
+) -> dict:
+    """One gloo rank, and two with the experts split over them (expert parallel; both ranks see the same batch)."""
+    alloc, nproc = request.param
     out = tmp_path_factory.mktemp("router_replay")
-    run_torchrun(WORKER, 1, ["--model", tiny_moe_dir, "--dense", tiny_model_dir, "--out", out], timeout=900)
+    args = ["--model", tiny_moe_dir, "--dense", tiny_model_dir, "--alloc", alloc, "--out", out]
+    run_torchrun(WORKER, nproc, args, env={"TANDEMRL_DIST_TIMEOUT": "120"}, timeout=900)
     return torch.load(out / "replay.pt", weights_only=False)
 
 
@@ -119,6 +124,8 @@ def test_replay_reproduces_recorded_routing(replay_run: dict) -> None:
     assert run["replay_same_weights"] == 0.0
     assert "no 'routed_experts'" in run["train_without_routing"]
     assert "is not an MoE model" in run["dense_error"] and "\n" not in run["dense_error"]
+    if "tp_error" in run:  # the 2-rank run: tensor parallel (sequence-parallel routers) is refused
+        assert "supported with tp=1 and pp=1" in run["tp_error"] and "\n" not in run["tp_error"]
 
 
 @pytest.mark.slow

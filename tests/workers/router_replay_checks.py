@@ -1,4 +1,5 @@
-"""torchrun worker for the MoE routing replay test (tests/test_router_replay.py), one gloo rank, fp32.
+"""torchrun worker for the MoE routing replay test (tests/test_router_replay.py): fp32, ``--alloc``
+``megatron:d1`` on one gloo rank or ``megatron:d2e2`` (experts split over 2 ranks) on two; rank 0 reports.
 
 The tiny Qwen3-MoE on ``megatron:d1`` with ``megatron.router_replay``: a forward at the behaviour weights
 records ``routed_experts``; every later forward replays it, while hooks on megatron's routers capture the
@@ -16,6 +17,7 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from fsdp_checks import make_batch
 
 from tandemrl.api.allocation import AllocationMode
@@ -31,7 +33,8 @@ STEPS = 4
 LR = 1e-3  # router-only updates at this lr change the top-k of ~30% of (token, layer) pairs within STEPS
 
 
-def build(model: str, lr: float = LR) -> MegatronEngine:
+def build(model: str, lr: float = LR, alloc: str = "") -> MegatronEngine:
+    """An fp32 engine on ``--alloc``; every DP rank gets the whole batch (the same data on each)."""
     cfg = TrainEngineConfig(
         path=model,
         mixed_precision=None,
@@ -40,7 +43,7 @@ def build(model: str, lr: float = LR) -> MegatronEngine:
     )
     cfg.megatron.router_replay = True
     e = MegatronEngine(cfg)
-    e.create_process_group(AllocationMode.from_str("megatron:d1").train.strategy)
+    e.create_process_group(AllocationMode.from_str(alloc or ARGS.alloc).train.strategy)
     e.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=STEPS, train_batch_size=1))
     return e
 
@@ -176,11 +179,18 @@ def main() -> None:
     e.destroy()
     out.update(ppo_section(ARGS.model, {k: batch[k] for k in ("input_ids", "attention_mask", "loss_mask")}, behav))
     try:
-        build(ARGS.dense)
+        build(ARGS.dense, alloc=f"megatron:d{dist.get_world_size()}")  # a dense model has no expert split
         out["dense_error"] = "no error"
     except ValueError as err:
         out["dense_error"] = str(err)
-    torch.save(out, os.path.join(ARGS.out, "replay.pt"))
+    if dist.get_world_size() == 2:
+        try:
+            build(ARGS.model, alloc="megatron:t2")
+            out["tp_error"] = "no error"
+        except ValueError as err:
+            out["tp_error"] = str(err)
+    if dist.get_rank() == 0:
+        torch.save(out, os.path.join(ARGS.out, "replay.pt"))
 
 
 if __name__ == "__main__":
@@ -188,6 +198,7 @@ if __name__ == "__main__":
     p.add_argument("--model", required=True, help="tiny MoE model dir")
     p.add_argument("--dense", required=True, help="a dense model dir (router_replay must refuse it)")
     p.add_argument("--seed", type=int, default=400)
+    p.add_argument("--alloc", default="megatron:d1", help="e.g. megatron:d2e2 under 2 torchrun ranks")
     p.add_argument("--lr", type=float, default=LR)
     p.add_argument("--router-only", type=int, default=1)
     p.add_argument("--out", required=True)

@@ -303,7 +303,7 @@ class MegatronEngine(BaseTrainEngine):
     @property
     def router_replay(self) -> bool:
         """True when training forwards replay the batch's ``routed_experts`` (``megatron.router_replay``)."""
-        return self._routers is not None
+        return self.config.megatron.router_replay
 
     @torch.no_grad()
     def forward(
