@@ -152,6 +152,7 @@ def test_ppo_actor_records_before_the_update_and_replays(replay_run: dict) -> No
     mask = run["mask"].bool()
     assert torch.equal(run["ppo_routed"][mask], run["routed"][mask])
     assert len(run["ppo_train_used"]) == 2
+    assert run["reinforce_recorded"], "ReinforceActor records the routing before its step too"
     for used, expected in zip(run["ppo_train_used"], run["ppo_train_expected"], strict=True):
         packed = torch.cat(expected)
         want = {layer: canonical(packed[:, layer]).tolist() for layer in run["moe_layers"]}

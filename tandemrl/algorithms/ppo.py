@@ -62,6 +62,16 @@ def require_fields(batch: TensorDict | RolloutBatch, names: tuple[str, ...], whe
             raise KeyError(f"{where}: batch has no '{name}'{hint} (fields: {sorted(batch)})")
 
 
+def record_routing(engine: TrainEngine, batch: TensorDict | RolloutBatch) -> None:
+    """MoE routing replay (docs/moe.md): with the engine's ``router_replay`` on and no ``routed_experts`` in
+    ``batch`` yet, one forward at the current (pre-update) weights records them into ``batch``."""
+    if not getattr(engine, "router_replay", False) or ROUTED_EXPERTS in batch:
+        return
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    engine.forward(inputs, post_hook=lambda logits, mb: logits[:, :1].detach())  # the routing is the output
+    batch[ROUTED_EXPERTS] = inputs[ROUTED_EXPERTS]  # type: ignore[literal-required]
+
+
 def action_mask_of(batch: TensorDict | RolloutBatch) -> torch.Tensor:
     """Next-token aligned mask of positions whose next token is generated (``loss_mask`` shifted left)."""
     return shift_left(batch["loss_mask"].bool() & batch["attention_mask"].bool(), fill=False)
@@ -396,8 +406,7 @@ class PPOActor:
             require_fields(batch, ("ref_logp",), "ppo_update", " (use_kl_loss needs reference logprobs)")
             data["ref_logp"] = batch["ref_logp"]
         if getattr(self.engine, "router_replay", False):
-            if ROUTED_EXPERTS not in batch:  # no recompute ran: one forward at these (pre-update) weights records it
-                self.compute_logp(batch)
+            record_routing(self.engine, batch)  # unless the proximal recompute recorded them already
             data[ROUTED_EXPERTS] = batch[ROUTED_EXPERTS]  # type: ignore[typeddict-item]
         mode = cfg.loss_agg_mode
 

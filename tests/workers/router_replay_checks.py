@@ -129,6 +129,12 @@ def ppo_section(model: str, batch: dict[str, torch.Tensor], behav: torch.Tensor)
         out["ppo_train_used"].append(used[:n])
         out["ppo_train_expected"].append(packed_routing(sub, routed[rows["idx"]], plan))
         used = used[n:]
+    # ReinforceActor (one step) records them the same way before its step
+    from tandemrl.algorithms.reinforce import ReinforceActor
+
+    fresh = {k: v for k, v in rollout.items() if k in ("input_ids", "attention_mask", "loss_mask", "rewards")}
+    ReinforceActor(e).train_reinforce(fresh)
+    out["reinforce_recorded"] = ROUTED_EXPERTS in fresh
     e.destroy()
     return out
 

@@ -187,6 +187,8 @@ class MegatronEngine(BaseTrainEngine):
             return
         if not is_moe(self.model_config):
             raise ValueError(f"megatron.router_replay: {self.config.path} is not an MoE model (nothing to replay)")
+        if self.config.is_critic:
+            raise ValueError("megatron.router_replay: replays an actor's sampled routing; a critic routes freely")
         s = self.parallel_strategy
         if s.tp != 1 or s.pp != 1:
             raise ValueError(
