@@ -32,7 +32,7 @@ from tandemrl.algorithms.rewards import (
 from tandemrl.algorithms.truncation import Truncation, policy_logprobs, replay_of
 from tandemrl.algorithms.value_loss import value_loss
 from tandemrl.api.engine import TrainEngine
-from tandemrl.api.types import RolloutBatch, TensorDict
+from tandemrl.api.types import ROUTED_EXPERTS, RolloutBatch, TensorDict
 from tandemrl.configs.ppo import PPOActorConfig, PPOCriticConfig
 from tandemrl.models.functional import next_token_labels
 from tandemrl.utils import stats_tracker
@@ -60,6 +60,16 @@ def require_fields(batch: TensorDict | RolloutBatch, names: tuple[str, ...], whe
     for name in names:
         if name not in batch:
             raise KeyError(f"{where}: batch has no '{name}'{hint} (fields: {sorted(batch)})")
+
+
+def record_routing(engine: TrainEngine, batch: TensorDict | RolloutBatch) -> None:
+    """MoE routing replay (docs/moe.md): with the engine's ``router_replay`` on and no ``routed_experts`` in
+    ``batch`` yet, one forward at the current (pre-update) weights records them into ``batch``."""
+    if not getattr(engine, "router_replay", False) or ROUTED_EXPERTS in batch:
+        return
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    engine.forward(inputs, post_hook=lambda logits, mb: logits[:, :1].detach())  # the routing is the output
+    batch[ROUTED_EXPERTS] = inputs[ROUTED_EXPERTS]  # type: ignore[literal-required]
 
 
 def action_mask_of(batch: TensorDict | RolloutBatch) -> torch.Tensor:
@@ -144,7 +154,14 @@ class PPOActor:
         require_fields(batch, ("input_ids", "attention_mask"), "compute_logp")
         temp, replay = self.config.temperature, self.replay
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-        return self.engine.forward(inputs, post_hook=lambda logits, mb: next_token_logp(logits, mb, temp, replay))
+        # MoE routing replay (docs/moe.md): replay the batch's routing, or record it in this forward.
+        routing = getattr(self.engine, "router_replay", False)
+        if routing and ROUTED_EXPERTS in batch:
+            inputs[ROUTED_EXPERTS] = batch[ROUTED_EXPERTS]  # type: ignore[typeddict-item]
+        logp = self.engine.forward(inputs, post_hook=lambda logits, mb: next_token_logp(logits, mb, temp, replay))
+        if routing:
+            batch[ROUTED_EXPERTS] = inputs[ROUTED_EXPERTS]  # type: ignore[typeddict-unknown-key]
+        return logp
 
     def proximal_logp(self, batch: RolloutBatch) -> torch.Tensor | None:
         """``batch["prox_logp"]`` for the update: the trainer's policy before it, next-token aligned like ``compute_logp``.
@@ -388,6 +405,9 @@ class PPOActor:
         if cfg.kl_ctl > 0 and cfg.use_kl_loss:
             require_fields(batch, ("ref_logp",), "ppo_update", " (use_kl_loss needs reference logprobs)")
             data["ref_logp"] = batch["ref_logp"]
+        if getattr(self.engine, "router_replay", False):
+            record_routing(self.engine, batch)  # unless the proximal recompute recorded them already
+            data[ROUTED_EXPERTS] = batch[ROUTED_EXPERTS]  # type: ignore[typeddict-item]
         mode = cfg.loss_agg_mode
 
         def weight(mb: TensorDict) -> int:

@@ -6,9 +6,9 @@ import torch
 
 from tandemrl.algorithms.layout import shift_left
 from tandemrl.algorithms.policy_loss import reinforce_loss
-from tandemrl.algorithms.ppo import action_mask_of, require_fields
+from tandemrl.algorithms.ppo import action_mask_of, record_routing, require_fields
 from tandemrl.api.engine import TrainEngine
-from tandemrl.api.types import RolloutBatch, TensorDict
+from tandemrl.api.types import ROUTED_EXPERTS, RolloutBatch, TensorDict
 from tandemrl.models.functional import gather_logprobs, next_token_labels
 from tandemrl.utils import stats_tracker
 
@@ -60,6 +60,9 @@ class ReinforceActor:
             "action_mask": action,
             "advantages": adv,
         }
+        if getattr(self.engine, "router_replay", False):  # MoE routing replay (docs/moe.md)
+            record_routing(self.engine, batch)
+            data[ROUTED_EXPERTS] = batch[ROUTED_EXPERTS]  # type: ignore[typeddict-item]
         self.engine.train()
         with stats_tracker.scope("reinforce"):
             return self.engine.train_batch(data, loss_fn=_loss, loss_weight_fn=_weight)

@@ -11,6 +11,10 @@ import torch
 # packed micro-batches are 1-D over tokens with `cu_seqlens` (see tandemrl/engines/packing.py).
 TensorDict = dict[str, torch.Tensor]
 
+# MoE routing replay: [B, L, n_layers, k] int64, the experts each layer routed token t to at the behaviour
+# weights (-1 at dense layers and padding); written and read by engines with router replay on (docs/moe.md).
+ROUTED_EXPERTS = "routed_experts"
+
 
 class RolloutBatch(TypedDict):
     """A padded [B, L] training batch as the rollout workflows produce it.

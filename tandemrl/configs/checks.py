@@ -264,19 +264,44 @@ def _truncation_replayed(config: Any) -> Problem | None:
     )
 
 
-def _lora_fits(config: Any) -> Problem | None:
-    """LoRA is implemented on the FSDP2 engine only, and a critic's value head is no adapter target."""
+def _engine_configs(config: Any) -> list[tuple[str, Any]]:
+    """(key, TrainEngineConfig) of every engine a run builds: ``model``, ``actor.engine``, ``critic.engine``..."""
     from dataclasses import fields, is_dataclass
 
-    from tandemrl.api.allocation import AllocationMode
     from tandemrl.configs.engine import TrainEngineConfig
 
-    backend = AllocationMode.from_str(config.allocation_mode).train.backend
+    out = []
     for f in fields(config) if is_dataclass(config) else ():
         cfg, key = getattr(config, f.name), f.name
         if isinstance(getattr(cfg, "engine", None), TrainEngineConfig):  # actor.engine, critic.engine
             cfg, key = cfg.engine, f"{key}.engine"
-        if not isinstance(cfg, TrainEngineConfig) or cfg.lora.rank <= 0:
+        if isinstance(cfg, TrainEngineConfig):
+            out.append((key, cfg))
+    return out
+
+
+def _router_replay_fits(config: Any) -> Problem | None:
+    """MoE routing replay is implemented on the Megatron engine only (docs/moe.md)."""
+    from tandemrl.api.allocation import AllocationMode
+
+    backend = AllocationMode.from_str(config.allocation_mode).train.backend
+    for key, cfg in _engine_configs(config):
+        if cfg.megatron.router_replay and backend != "megatron":
+            return (
+                f"{key}.megatron.router_replay",
+                f"is true: MoE routing replay is Megatron-only, but allocation_mode '{config.allocation_mode}' "
+                f"trains with {backend}",
+            )
+    return None
+
+
+def _lora_fits(config: Any) -> Problem | None:
+    """LoRA is implemented on the FSDP2 engine only, and a critic's value head is no adapter target."""
+    from tandemrl.api.allocation import AllocationMode
+
+    backend = AllocationMode.from_str(config.allocation_mode).train.backend
+    for key, cfg in _engine_configs(config):
+        if cfg.lora.rank <= 0:
             continue
         if cfg.is_critic:
             return f"{key}.lora.rank", f"is {cfg.lora.rank}: LoRA trains actors and SFT models, not a critic"
@@ -317,5 +342,6 @@ def first_problem(config: Any) -> Problem | None:
         or _stale_is_corrected(config)
         or _truncation_replayed(config)
         or _lora_fits(config)
+        or _router_replay_fits(config)
         or _services_fit(config)
     )

@@ -87,6 +87,14 @@ class MegatronEngineConfig:
         default=True,
         metadata={"help": "Shard optimizer states (and fp32 main weights) over data-parallel ranks (ZeRO-1 style)."},
     )
+    router_replay: bool = field(
+        default=False,
+        metadata={
+            "help": "MoE routing replay (R3, docs/moe.md): training forwards route each token to the experts "
+            "recorded at the behaviour weights (batch field routed_experts, recorded by a forward before the "
+            "update) instead of the current router's top-k. MoE models, tp=1 and pp=1 only."
+        },
+    )
 
 
 LORA_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

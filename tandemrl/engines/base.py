@@ -111,6 +111,10 @@ class BaseTrainEngine(TrainEngine):
     supports_prefix_sharing: ClassVar[bool] = True  # its _forward_logits runs the shared layout (hf_model)
 
     def __init__(self, config: TrainEngineConfig):
+        if config.megatron.router_replay and self.backend != "megatron":
+            raise ValueError(
+                f"megatron.router_replay: MoE routing replay is Megatron-only, this is the {self.backend} engine"
+            )
         self.config = config
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tandemrl.api.engine import LossFn
+from tandemrl.api.engine import LossFn, PostHook
 from tandemrl.api.inference import ParamSpec
-from tandemrl.api.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta, TensorDict
+from tandemrl.api.types import ROUTED_EXPERTS, FinetuneSpec, ParallelStrategy, SaveLoadMeta, TensorDict
 from tandemrl.configs.engine import TrainEngineConfig
 from tandemrl.engines.base import BaseTrainEngine, _filler_guard, init_default_process_group
 from tandemrl.engines.hf_model import load_model_config
@@ -77,6 +77,8 @@ class MegatronEngine(BaseTrainEngine):
         super().__init__(config)
         self.tf_config: Any = None
         self._lr_holder: torch.optim.Optimizer | None = None
+        self._routers: Any = None  # routing.RouterSwitch with megatron.router_replay
+        self._recorded: list[torch.Tensor] | None = None  # routings recorded by forward(), per micro-batch
 
     # ------------------------------------------------------------ groups/ids
     def create_process_group(self, parallel_strategy: ParallelStrategy | None = None) -> None:
@@ -154,6 +156,8 @@ class MegatronEngine(BaseTrainEngine):
         # The allocation's expert TP (1 unless the hybrid attn|ffn form says otherwise); megatron's
         # config would default it to the attention TP, disagreeing with the groups built above.
         self.tf_config.expert_tensor_parallel_size = s.etp
+        self._check_router_replay()
+        self.tf_config.moe_enable_routing_replay = cfg.megatron.router_replay
         torch.manual_seed(cfg.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
         build_config = self.model_config
@@ -165,10 +169,31 @@ class MegatronEngine(BaseTrainEngine):
             install_value_head(model, self.model_config, self.tf_config, cfg.seed)
         if not cfg.init_from_scratch:
             load_hf_weights(model, cfg.path, self.model_config, critic=cfg.is_critic, seed=cfg.seed)
+        if cfg.megatron.router_replay:
+            from tandemrl.engines.megatron.routing import RouterSwitch
+
+            hf = self.model_config
+            n_layers, k = hf.num_hidden_layers, hf.num_experts_per_tok
+            self._routers = RouterSwitch(model, n_layers, hf.num_experts, k)
         if cfg.optimizer is not None:
             model = self._wrap_and_build_optimizer(model, ft_spec)
         _LIVE_ENGINES += 1
         return model
+
+    def _check_router_replay(self) -> None:
+        from tandemrl.engines.megatron.model import is_moe
+
+        if not self.config.megatron.router_replay:
+            return
+        if not is_moe(self.model_config):
+            raise ValueError(f"megatron.router_replay: {self.config.path} is not an MoE model (nothing to replay)")
+        if self.config.is_critic:
+            raise ValueError("megatron.router_replay: replays an actor's sampled routing; a critic routes freely")
+        s = self.parallel_strategy
+        if s.tp != 1 or s.pp != 1:
+            raise ValueError(
+                f"megatron.router_replay: supported with tp=1 and pp=1 for now (data/expert parallel), got {s}"
+            )
 
     def _wrap_and_build_optimizer(self, model: torch.nn.Module, ft_spec: FinetuneSpec | None) -> torch.nn.Module:
         """Megatron DDP + (distributed) Adam with our AdamW settings; LR comes from our schedule each step."""
@@ -234,6 +259,9 @@ class MegatronEngine(BaseTrainEngine):
         if self._initialized:
             _LIVE_ENGINES -= 1
         self._lr_holder = None
+        if self._routers is not None:
+            self._routers.release()
+            self._routers = None
 
     # ---------------------------------------------------------------- compute
     def _model_inputs(self, mb: TensorDict) -> dict[str, Any]:
@@ -262,7 +290,49 @@ class MegatronEngine(BaseTrainEngine):
         return gather_vocab_logits(output, n)[0]
 
     def _forward_logits(self, mb: TensorDict) -> torch.Tensor:
-        return self._full_logits(self.model(**self._model_inputs(mb)))
+        if self._routers is None:
+            return self._full_logits(self.model(**self._model_inputs(mb)))
+        routed = mb.get(ROUTED_EXPERTS)
+        if routed is None and torch.is_grad_enabled():
+            raise ValueError(
+                f"megatron.router_replay: the training batch has no '{ROUTED_EXPERTS}' (record them at the "
+                "behaviour weights with forward() first; PPOActor does)"
+            )
+        with self._routers.micro_batch(routed, self._recorded):
+            output = self.model(**self._model_inputs(mb))
+        return self._full_logits(output)
+
+    @property
+    def router_replay(self) -> bool:
+        """True when training forwards replay the batch's ``routed_experts`` (``megatron.router_replay``)."""
+        return self.config.megatron.router_replay
+
+    @torch.no_grad()
+    def forward(
+        self,
+        batch: TensorDict,
+        output_seqlens: list[int] | None = None,
+        post_hook: PostHook | None = None,
+        aggregate_fn: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """The base's forward; with router replay on, a batch without ``routed_experts`` is routed freely
+        and the routing of this forward (these weights: the behaviour version when it runs before the
+        update) is stored in ``batch["routed_experts"]`` ([B, L, n_layers, k], -1 at dense layers and
+        padding); a batch with them replays them."""
+        if self._routers is None or ROUTED_EXPERTS in batch:
+            return super().forward(batch, output_seqlens, post_hook, aggregate_fn)
+        from tandemrl.engines.packing import unpack_to_padded
+
+        self._recorded = []
+        try:
+            out = super().forward(batch, output_seqlens, post_hook, aggregate_fn)
+            recorded = self._recorded
+        finally:
+            self._recorded = None
+        mask = batch["attention_mask"]
+        routed = unpack_to_padded(recorded, self._split(batch), mask, pad_value=-1)  # the same split again
+        batch[ROUTED_EXPERTS] = routed.to(mask.device)
+        return out
 
     def _run_schedule(
         self,
