@@ -215,8 +215,11 @@ def test_grpo_server_and_trainer_on_two_ray_nodes(
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     run_dir = tmp_path / "logs" / "gsm8k-grpo" / "trial0"
     where = _assert_on_nodes(run_dir, two_nodes, raylet_b)
-    assert "[launcher] placement over 2 nodes: vllm-server-0 on " in proc.stdout, proc.stdout[-3000:]
-    assert f"rank0 on {where['rank0']['node_id'][:12]}" in proc.stdout
+    server, rank = (
+        f"{where[m]['node_id'][:12]} ({where[m]['ip']}, {n})" for m, n in (("vllm-server-0", NODE_A), ("rank0", NODE_B))
+    )
+    line = f"[launcher] placement over 2 nodes: vllm-server-0 on {server}; rank0 on {rank}"
+    assert line in proc.stdout.splitlines(), proc.stdout[-3000:]
     stats = _scalars(tmp_path / "tensorboard" / "gsm8k-grpo" / "trial0")
     assert len(stats["actor/ppo_actor/update/loss"]) == 2 and len(stats["timeperf/update_weights"]) == 2, sorted(stats)
     assert (tmp_path / "checkpoints" / "gsm8k-grpo" / "trial0" / "epoch0epochstep1globalstep1").is_dir()
@@ -277,10 +280,9 @@ def test_killed_worker_raylet_fails_the_run_in_one_line(
     stdout = "".join(out)
     assert proc.returncode == 1, stdout[-4000:] + "".join(err)[-4000:]
     failures = [ln for ln in stdout.splitlines() if "failed:" in ln]
-    assert len(failures) == 1 and failures[0].startswith("[launcher] trial trial0 failed: rank0 lost: Ray node "), (
-        stdout[-4000:]
-    )
-    assert f"{NODE_B}) died" in failures[0], failures
+    node = _placement(run_dir)["rank0"]
+    lost = f"rank0 lost: Ray node {node['node_id']} ({node['ip']}, {NODE_B}) died"
+    assert failures == [f"[launcher] trial trial0 failed: {lost}"], stdout[-4000:]
     _, alive = psutil.wait_procs(processes, timeout=120)
     left = [_cmd(p) for p in alive if not _gone(p)]
     assert not left, left

@@ -60,7 +60,14 @@ from tandemrl.launchers.placement import (
     plan_colocated,
     visible_cpus,
 )
-from tandemrl.launchers.ray_nodes import RaySettings, check_offered, lost_node, node_label, read_settings
+from tandemrl.launchers.ray_nodes import (
+    RaySettings,
+    check_offered,
+    custom_resources,
+    is_dead,
+    node_label,
+    read_settings,
+)
 from tandemrl.utils.cli import first_line
 from tandemrl.utils.lifeline import lifeline_command
 
@@ -186,6 +193,12 @@ class RankHost:
             "cpus": visible_cpus(),
             "port": free_port(here["ip"]),
         }
+
+    def free_port(self) -> int:
+        """A port free on this node now (the rendezvous port, when this is rank 0's actor)."""
+        import ray
+
+        return free_port(ray.util.get_node_ip_address())
 
     def start(self, args: list[str], env: dict[str, str], cwd: str) -> int:
         child_env = {**os.environ, **env}
@@ -318,9 +331,8 @@ def _lost_member(m: _Member, err: BaseException) -> str:
     node_id = m.node.get("node_id")
     deadline = time.monotonic() + NODE_LOSS_WAIT
     while node_id:  # an actor dies with its node before the cluster has declared the node dead
-        node = lost_node(node_id, ray.nodes())
-        if node is not None:
-            return f"{m.name} lost: Ray node {node_label(node)} died"
+        if is_dead(node_id, ray.nodes()):
+            return f"{m.name} lost: Ray node {node_label(m.node)} died"
         if time.monotonic() > deadline:
             break
         time.sleep(POLL_INTERVAL)
@@ -382,8 +394,9 @@ def _start_servers(
             f"{PLACEMENT_TIMEOUT:.0f}s; cluster resources: {ray.cluster_resources()}"
         )
     addrs = ray.get(starts)
+    nodes = ray.nodes()
     for m, info in zip(trial.servers, ray.get([m.actor.node.remote() for m in trial.servers]), strict=True):
-        m.node = info
+        m.node = {**info, "resources": custom_resources(info["node_id"], nodes)}
     pending = {m.actor.wait_healthy.remote(spec.server_timeout): m for m in trial.servers}
     while pending:
         done, _ = ray.wait(list(pending), timeout=POLL_INTERVAL)
@@ -458,6 +471,9 @@ def _place_ranks(spec: LaunchSpec, run_dir: Path, trial: _Trial, env: dict[str, 
         for b in range(world)
     ]
     trial.infos = ray.get([a.node.remote() for a in actors], timeout=PLACEMENT_TIMEOUT)
+    nodes = ray.nodes()
+    for info in trial.infos:
+        info["resources"] = custom_resources(info["node_id"], nodes)
     trial.bundles = _rank_layout(trial.infos)
     trial.trainer_log = open(run_dir / "trainer.log", "ab")
     trial.ranks = [
@@ -477,6 +493,9 @@ def _start_ranks(trial: _Trial, env: dict[str, str], gpus: bool, args: list[str]
     """Run SCRIPT on every placed rank with torchrun's variables (and the plan's thread count)."""
     import ray
 
+    # The rendezvous port is probed now, not at placement: the servers' minute of start-up in between
+    # gave other processes time to take a port probed then (EADDRINUSE in rank 0's TCPStore).
+    trial.infos[trial.bundles[0]]["port"] = ray.get(trial.ranks[0].actor.free_port.remote(), timeout=PLACEMENT_TIMEOUT)
     rank_envs = []
     for b, renv in zip(trial.bundles, _rank_envs(trial.infos, gpus), strict=True):
         threads = plan.trainer_env[trial.infos[b]["node_id"]]["OMP_NUM_THREADS"] if plan else "1"
@@ -496,7 +515,7 @@ def _record_placement(trial: _Trial, run_dir: Path) -> None:
     (run_dir / PLACEMENT_FILE).write_text(json.dumps({m.name: m.node for m in members}, indent=1) + "\n")
     nodes = {m.node["node_id"] for m in members}
     if len(nodes) > 1:  # on one node the trainer line says it all
-        where_ = ", ".join(f"{m.name} on {m.node['node_id'][:12]} ({m.node['ip']})" for m in members)
+        where_ = "; ".join(f"{m.name} on {node_label({**m.node, 'node_id': m.node['node_id'][:12]})}" for m in members)
         print(f"[launcher] placement over {len(nodes)} nodes: {where_}", flush=True)
 
 

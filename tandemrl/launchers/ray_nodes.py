@@ -90,18 +90,20 @@ def check_offered(settings: RaySettings, nodes: list[dict[str, Any]]) -> None:
                 )
 
 
-def node_label(node: dict[str, Any]) -> str:
-    """``<node id> (<ip>[, custom resources])`` for messages: the resources say which node it was."""
-    custom = sorted(
-        r for r in node.get("Resources", {}) if r not in RESERVED and not r.startswith(("node:", "accelerator_type:"))
-    )
-    where = ", ".join([node.get("NodeManagerAddress", "?"), *custom])
-    return f"{node.get('NodeID', '?')} ({where})"
-
-
-def lost_node(node_id: str, nodes: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The ``ray.nodes()`` entry of ``node_id`` if the cluster has marked it dead."""
+def custom_resources(node_id: str, nodes: list[dict[str, Any]]) -> list[str]:
+    """The custom resources a live node offers (what ``ray start --resources`` named it by)."""
     for n in nodes:
-        if n.get("NodeID") == node_id and not n.get("Alive"):
-            return n
-    return None
+        if n.get("NodeID") == node_id:
+            skip = (*RESERVED, "node:", "accelerator_type:")
+            return sorted(r for r in n.get("Resources", {}) if not r.startswith(skip))
+    return []
+
+
+def node_label(info: dict[str, Any]) -> str:
+    """``<node id> (<ip>[, custom resources])`` of a member's recorded node: the resources say which node it was."""
+    return f"{info.get('node_id', '?')} ({', '.join([info.get('ip', '?'), *info.get('resources', [])])})"
+
+
+def is_dead(node_id: str, nodes: list[dict[str, Any]]) -> bool:
+    """Whether the cluster has marked ``node_id`` dead."""
+    return any(n.get("NodeID") == node_id and not n.get("Alive") for n in nodes)
