@@ -287,3 +287,43 @@ def test_killed_worker_raylet_fails_the_run_in_one_line(
     left = [_cmd(p) for p in alive if not _gone(p)]
     assert not left, left
     assert not [_cmd(p) for p in psutil.process_iter() if str(tmp_path) in _cmd(p) and not _gone(p)]
+
+
+def _settings(alloc: str, *overrides: str):
+    from tandemrl.launchers.launch_config import read_launch_spec
+    from tandemrl.launchers.ray_nodes import read_settings
+
+    args = [f"allocation_mode={alloc}", *overrides]
+    return read_settings(None, args, read_launch_spec(None, args))
+
+
+def test_node_resource_settings_are_checked_in_one_line() -> None:
+    """launcher.ray.*_resources: amounts by resource; bad values, reserved names, colocated servers refused."""
+    ok = _settings("vllm:d1+fsdp:d1", *PLACE, "launcher.ray.trainer_resources.gpu_node=0.5")
+    assert ok.server_resources == {NODE_A: 1.0} and ok.trainer_resources == {NODE_B: 1.0, "gpu_node": 0.5}
+    bad = {
+        "launcher.ray.trainer_resources.x=0": "config key 'launcher.ray.trainer_resources.x' must be a positive",
+        "launcher.ray.server_resources.GPU=1": "'GPU' is requested by the launcher itself",
+        "launcher.ray.server_resources=3": "must map Ray resource names to amounts",
+    }
+    for override, message in bad.items():
+        with pytest.raises(ValueError) as err:
+            _settings("vllm:d1+fsdp:d1", override)
+        assert message in str(err.value) and "\n" not in str(err.value), (override, str(err.value))
+    with pytest.raises(ValueError, match="server_resources' does not apply to colocated allocation_mode"):
+        _settings("vllm:d1|fsdp:d1", f"launcher.ray.server_resources.{NODE_A}=1")
+    assert _settings("vllm:d1|fsdp:d1", f"launcher.ray.trainer_resources.{NODE_B}=1").trainer_resources
+
+
+def test_a_resource_no_live_node_offers_fails_at_once() -> None:
+    from tandemrl.launchers.ray_nodes import RaySettings, check_offered
+
+    nodes = [
+        {"NodeID": "a", "Alive": True, "Resources": {"CPU": 2.0, NODE_A: 1.0, "node:10.0.0.1": 1.0}},
+        {"NodeID": "b", "Alive": False, "Resources": {}},
+    ]
+    check_offered(RaySettings({NODE_A: 1.0}, {}), nodes)
+    with pytest.raises(RuntimeError, match=f"trainer_resources: no live Ray node offers 1 of resource '{NODE_B}'"):
+        check_offered(RaySettings({NODE_A: 1.0}, {NODE_B: 1.0}), nodes)
+    with pytest.raises(RuntimeError, match=f"offers 2 of resource '{NODE_A}'.*offered: CPU, {NODE_A}"):
+        check_offered(RaySettings({NODE_A: 2.0}, {}), nodes)

@@ -15,20 +15,28 @@ cluster), with Ray doing the placement:
   torchrun would set (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
   MASTER_ADDR/MASTER_PORT of rank 0's node), which is all ``init_default_process_group``
   reads. Ranks on one node see that node's GPUs in local-rank order, so
-  ``cuda:LOCAL_RANK`` is their own GPU.
+  ``cuda:LOCAL_RANK`` is their own GPU. A rank runs under ``utils.lifeline``: it stops with its actor
+  (an actor dies with its node).
 * Servers: one actor per inference data-parallel replica owns the server subprocess,
   bound to its node's IP, and writes its request log (vLLM). Apart (``+``), it reserves tp*pp
   GPUs when the cluster has GPUs, else tp*pp CPUs. Colocated (``|``, ``launchers.placement``):
   it reserves nothing and runs in the placement group on the bundle of the trainer ranks it
   shares with, its server seeing their GPUs (with sleep mode) or binding their node's cores;
   the ranks start once the servers are healthy.
+* Which nodes: ``launcher.ray.server_resources`` / ``launcher.ray.trainer_resources`` (``ray_nodes``)
+  are custom resources each server actor / rank bundle requires, so servers and ranks go to the
+  nodes started with them. ``placement.json`` in the run directory records each actor's node id,
+  IP, custom resources and pid; the launcher prints where each runs when they span nodes.
 * The driver polls every actor, prints their output as ``[rank1] ...`` /
   ``[vllm-server-0] ...`` and writes ``trainer.log``; the first rank or server to fail
-  stops everything, with a one-line error.
+  stops everything, with a one-line error. An actor lost with its node gives
+  ``rank0 lost: Ray node <id> (<ip>, <its custom resources>) died``.
 
 Multi-node runs assume what torchrun/Slurm multi-node runs assume: the script, config,
 model and run directory on a shared filesystem and the same Python environment on every
-node. The tests run on a one-node CPU cluster; the GPU and multi-node paths are untested.
+node. The tests run on a one-node CPU cluster and on a two-node one (two ``ray start``
+raylets on one machine: server on one, trainer on the other, and the trainer's raylet
+killed mid-run); GPU nodes and separate machines are untested.
 Ray is imported only when this launcher runs (``import tandemrl`` stays Ray-free).
 """
 
