@@ -98,7 +98,8 @@ FORWARD_PREFIXES = (
 PLACEMENT_TIMEOUT = float(os.environ.get("TANDEMRL_RAY_PLACEMENT_TIMEOUT", "300"))
 POLL_INTERVAL = 0.5
 PLACEMENT_FILE = "placement.json"  # in the run directory: where every server and rank actor ran
-NODE_LOSS_WAIT = 60.0  # how long a dead actor's node may take to be declared dead before the error names it
+# How long a dead actor's node may take to be declared dead (GCS health checks) before the error names it.
+NODE_LOSS_WAIT = 120.0
 
 
 def forwarded_env() -> dict[str, str]:
