@@ -15,26 +15,35 @@ cluster), with Ray doing the placement:
   torchrun would set (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
   MASTER_ADDR/MASTER_PORT of rank 0's node), which is all ``init_default_process_group``
   reads. Ranks on one node see that node's GPUs in local-rank order, so
-  ``cuda:LOCAL_RANK`` is their own GPU.
+  ``cuda:LOCAL_RANK`` is their own GPU. A rank runs under ``utils.lifeline``: it stops with its actor
+  (an actor dies with its node).
 * Servers: one actor per inference data-parallel replica owns the server subprocess,
   bound to its node's IP, and writes its request log (vLLM). Apart (``+``), it reserves tp*pp
   GPUs when the cluster has GPUs, else tp*pp CPUs. Colocated (``|``, ``launchers.placement``):
   it reserves nothing and runs in the placement group on the bundle of the trainer ranks it
   shares with, its server seeing their GPUs (with sleep mode) or binding their node's cores;
   the ranks start once the servers are healthy.
+* Which nodes: ``launcher.ray.server_resources`` / ``launcher.ray.trainer_resources`` (``ray_nodes``)
+  are custom resources each server actor / rank bundle requires, so servers and ranks go to the
+  nodes started with them. ``placement.json`` in the run directory records each actor's node id,
+  IP, custom resources and pid; the launcher prints where each runs when they span nodes.
 * The driver polls every actor, prints their output as ``[rank1] ...`` /
   ``[vllm-server-0] ...`` and writes ``trainer.log``; the first rank or server to fail
-  stops everything, with a one-line error.
+  stops everything, with a one-line error. An actor lost with its node gives
+  ``rank0 lost: Ray node <id> (<ip>, <its custom resources>) died``.
 
 Multi-node runs assume what torchrun/Slurm multi-node runs assume: the script, config,
 model and run directory on a shared filesystem and the same Python environment on every
-node. The tests run on a one-node CPU cluster; the GPU and multi-node paths are untested.
+node. The tests run on a one-node CPU cluster and on a two-node one (two ``ray start``
+raylets on one machine: server on one, trainer on the other, and the trainer's raylet
+killed mid-run); GPU nodes and separate machines are untested.
 Ray is imported only when this launcher runs (``import tandemrl`` stays Ray-free).
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import os
 import signal
 import subprocess
@@ -50,7 +59,7 @@ from tandemrl.inference.remote import SERVER_ADDRS_ENV
 from tandemrl.inference.server_auth import TOKEN_ENV, new_token
 from tandemrl.launchers import common, dry_run
 from tandemrl.launchers.common import LaunchError, TrialResult, guarded_trial, kill_group, write_prefixed
-from tandemrl.launchers.launch_config import LaunchSpec
+from tandemrl.launchers.launch_config import LaunchSpec, script_config
 from tandemrl.launchers.placement import (
     ColocatedPlan,
     RankSlot,
@@ -59,7 +68,16 @@ from tandemrl.launchers.placement import (
     plan_colocated,
     visible_cpus,
 )
+from tandemrl.launchers.ray_nodes import (
+    RaySettings,
+    check_offered,
+    custom_resources,
+    is_dead,
+    node_label,
+    read_settings,
+)
 from tandemrl.utils.cli import first_line
+from tandemrl.utils.lifeline import lifeline_command
 
 # Driver variables every actor gets (a remote node's actor starts from its raylet's env).
 FORWARD_PREFIXES = (
@@ -79,10 +97,25 @@ FORWARD_PREFIXES = (
 )
 PLACEMENT_TIMEOUT = float(os.environ.get("TANDEMRL_RAY_PLACEMENT_TIMEOUT", "300"))
 POLL_INTERVAL = 0.5
+PLACEMENT_FILE = "placement.json"  # in the run directory: where every server and rank actor ran
+# How long a dead actor's node may take to be declared dead (GCS health checks) before the error names it.
+NODE_LOSS_WAIT = 120.0
 
 
 def forwarded_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith(FORWARD_PREFIXES)}
+
+
+def where() -> dict[str, Any]:
+    """The calling actor's node id and IP, its pid and its parent's (the node's raylet)."""
+    import ray
+
+    return {
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "ip": ray.util.get_node_ip_address(),
+        "pid": os.getpid(),
+        "ppid": os.getppid(),
+    }
 
 
 class ServerHost:
@@ -124,6 +157,10 @@ class ServerHost:
     def wait_healthy(self, timeout: float) -> float:
         return self._server.wait_healthy(timeout=timeout)
 
+    def node(self) -> dict[str, Any]:
+        """Where this server landed (``where``) and its server process's pid."""
+        return {**where(), "server_pid": self._server.proc.pid if self._server is not None else None}
+
     def poll(self) -> tuple[list[bytes], int | None, float]:
         """New log lines since the last poll, the exit code once the server is gone, and now."""
         if self._server is None:
@@ -158,25 +195,30 @@ class RankHost:
         """Where this rank landed: node id and IP, its GPU ids, the node's cores, a free port for rendezvous."""
         import ray
 
-        ip = ray.util.get_node_ip_address()
+        here = where()
         return {
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "ip": ip,
+            **here,
             "gpus": [str(g) for g in ray.get_gpu_ids()],
             "cpus": visible_cpus(),
-            "port": free_port(ip),
+            "port": free_port(here["ip"]),
         }
+
+    def free_port(self) -> int:
+        """A port free on this node now (the rendezvous port, when this is rank 0's actor)."""
+        import ray
+
+        return free_port(ray.util.get_node_ip_address())
 
     def start(self, args: list[str], env: dict[str, str], cwd: str) -> int:
         child_env = {**os.environ, **env}
         self._proc = subprocess.Popen(
-            [sys.executable, *args],
+            lifeline_command([sys.executable, *args]),  # the rank's group stops if this actor dies with its node
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=child_env,
             cwd=cwd,
-            start_new_session=True,  # stop() signals the rank with anything it forked
+            start_new_session=True,  # stop() signals the lifeline, the rank and anything it forked
         )
         self._reader = threading.Thread(target=self._read, args=(self._proc,), daemon=True)
         self._reader.start()
@@ -220,6 +262,7 @@ class _Member:
     log: Any = None  # trainer.log for ranks; a server's actor writes its own log file
     rc: int | None = None
     ended: float = 0.0
+    node: dict[str, Any] = field(default_factory=dict)  # where(): node id, IP, actor pid
 
 
 @dataclass
@@ -231,6 +274,7 @@ class _Trial:
     placement_group: Any = None
     strategy: str = ""  # the placement group's
     infos: list[dict[str, Any]] = field(default_factory=list)  # RankHost.node() per bundle
+    settings: RaySettings = field(default_factory=RaySettings)  # launcher.ray.*
     bundles: list[int] = field(default_factory=list)  # bundle index of each rank
     trainer_log: Any = None  # every rank's lines, like the local launcher's trainer.log
 
@@ -274,15 +318,34 @@ def _has_gpus() -> bool:
 
 
 def _drain(members: list[_Member]) -> None:
-    """Print the members' new output; record exit codes."""
+    """Print the members' new output; record exit codes. A member whose actor is gone raises its one line."""
     import ray
 
-    results = ray.get([m.actor.poll.remote() for m in members], timeout=120)
-    for m, (lines, rc, ended) in zip(members, results, strict=True):
+    refs = [m.actor.poll.remote() for m in members]
+    for m, ref in zip(members, refs, strict=True):
+        try:
+            lines, rc, ended = ray.get(ref, timeout=120)
+        except ray.exceptions.RayActorError as err:
+            raise RuntimeError(_lost_member(m, err)) from None
         for line in lines:
             write_prefixed(line, m.name, m.log)
         if rc is not None and m.rc is None:
             m.rc, m.ended = rc, ended
+
+
+def _lost_member(m: _Member, err: BaseException) -> str:
+    """One line for a member whose actor died: its node's loss when the cluster reports it, else Ray's reason."""
+    import ray
+
+    node_id = m.node.get("node_id")
+    deadline = time.monotonic() + NODE_LOSS_WAIT
+    while node_id:  # an actor dies with its node before the cluster has declared the node dead
+        if is_dead(node_id, ray.nodes()):
+            return f"{m.name} lost: Ray node {node_label(m.node)} died"
+        if time.monotonic() > deadline:
+            break
+        time.sleep(POLL_INTERVAL)
+    return f"{m.name} lost: its Ray actor died: {first_line(_unwrap(err))}"
 
 
 def _server_actors(
@@ -290,7 +353,7 @@ def _server_actors(
 ) -> list[tuple[dict[str, Any], dict[str, str]]]:
     """Each server actor's Ray options and environment.
 
-    Apart: its own tp*pp GPUs (or CPU slots). Colocated: no resources of its own, on the bundle of
+    Apart: its own tp*pp GPUs (or CPU slots) and ``launcher.ray.server_resources``. Colocated: no resources of its own, on the bundle of
     the first trainer rank it shares with, with the placement plan's device/core variables.
     """
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -299,7 +362,11 @@ def _server_actors(
     assert gen is not None
     if plan is None:
         per_server = gen.strategy.tp * gen.strategy.pp
-        opts = {"num_gpus": per_server, "num_cpus": 1} if gpus else {"num_gpus": 0, "num_cpus": per_server}
+        opts: dict[str, Any] = (
+            {"num_gpus": per_server, "num_cpus": 1} if gpus else {"num_gpus": 0, "num_cpus": per_server}
+        )
+        if trial.settings.server_resources:
+            opts["resources"] = dict(trial.settings.server_resources)
         return [(opts, {"OMP_NUM_THREADS": "1", **env})] * gen.strategy.dp
     actors = []
     for share in plan.servers:
@@ -336,6 +403,9 @@ def _start_servers(
             f"{PLACEMENT_TIMEOUT:.0f}s; cluster resources: {ray.cluster_resources()}"
         )
     addrs = ray.get(starts)
+    nodes = ray.nodes()
+    for m, info in zip(trial.servers, ray.get([m.actor.node.remote() for m in trial.servers]), strict=True):
+        m.node = {**info, "resources": custom_resources(info["node_id"], nodes)}
     pending = {m.actor.wait_healthy.remote(spec.server_timeout): m for m in trial.servers}
     while pending:
         done, _ = ray.wait(list(pending), timeout=POLL_INTERVAL)
@@ -385,9 +455,11 @@ def _place_ranks(spec: LaunchSpec, run_dir: Path, trial: _Trial, env: dict[str, 
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     world = spec.allocation.train_world_size
-    bundle = {"CPU": 1, "GPU": 1} if gpus else {"CPU": 1}
+    wanted = trial.settings.trainer_resources  # launcher.ray.trainer_resources: which nodes may hold ranks
+    bundle = {"CPU": 1, "GPU": 1, **wanted} if gpus else {"CPU": 1, **wanted}
     unit = "GPU" if gpus else "CPU"
-    biggest = max((n["Resources"].get(unit, 0) for n in ray.nodes() if n.get("Alive")), default=0)
+    hosts = [n for n in ray.nodes() if n.get("Alive") and all(n["Resources"].get(r, 0) >= a for r, a in wanted.items())]
+    biggest = max((n["Resources"].get(unit, 0) for n in hosts), default=0)
     trial.strategy = "STRICT_PACK" if biggest >= world else "PACK"
     trial.placement_group = placement_group([bundle] * world, strategy=trial.strategy)
     try:
@@ -408,9 +480,14 @@ def _place_ranks(spec: LaunchSpec, run_dir: Path, trial: _Trial, env: dict[str, 
         for b in range(world)
     ]
     trial.infos = ray.get([a.node.remote() for a in actors], timeout=PLACEMENT_TIMEOUT)
+    nodes = ray.nodes()
+    for info in trial.infos:
+        info["resources"] = custom_resources(info["node_id"], nodes)
     trial.bundles = _rank_layout(trial.infos)
     trial.trainer_log = open(run_dir / "trainer.log", "ab")
-    trial.ranks = [_Member(f"rank{r}", actors[b], trial.trainer_log) for r, b in enumerate(trial.bundles)]
+    trial.ranks = [
+        _Member(f"rank{r}", actors[b], trial.trainer_log, node=trial.infos[b]) for r, b in enumerate(trial.bundles)
+    ]
 
 
 def _colocated_plan(spec: LaunchSpec, trial: _Trial) -> ColocatedPlan | None:
@@ -425,6 +502,9 @@ def _start_ranks(trial: _Trial, env: dict[str, str], gpus: bool, args: list[str]
     """Run SCRIPT on every placed rank with torchrun's variables (and the plan's thread count)."""
     import ray
 
+    # The rendezvous port is probed now, not at placement: the servers' minute of start-up in between
+    # gave other processes time to take a port probed then (EADDRINUSE in rank 0's TCPStore).
+    trial.infos[trial.bundles[0]]["port"] = ray.get(trial.ranks[0].actor.free_port.remote(), timeout=PLACEMENT_TIMEOUT)
     rank_envs = []
     for b, renv in zip(trial.bundles, _rank_envs(trial.infos, gpus), strict=True):
         threads = plan.trainer_env[trial.infos[b]["node_id"]]["OMP_NUM_THREADS"] if plan else "1"
@@ -436,6 +516,16 @@ def _start_ranks(trial: _Trial, env: dict[str, str], gpus: bool, args: list[str]
         f"({trial.strategy}), master {master['MASTER_ADDR']}:{master['MASTER_PORT']}: {' '.join(args)}",
         flush=True,
     )
+
+
+def _record_placement(trial: _Trial, run_dir: Path) -> None:
+    """Write ``placement.json`` (each server's and rank's node id, IP and actor pid) and print where each runs."""
+    members = trial.servers + trial.ranks
+    (run_dir / PLACEMENT_FILE).write_text(json.dumps({m.name: m.node for m in members}, indent=1) + "\n")
+    nodes = {m.node["node_id"] for m in members}
+    if len(nodes) > 1:  # on one node the trainer line says it all
+        where_ = "; ".join(f"{m.name} on {node_label({**m.node, 'node_id': m.node['node_id'][:12]})}" for m in members)
+        print(f"[launcher] placement over {len(nodes)} nodes: {where_}", flush=True)
 
 
 def _supervise(trial: _Trial, run_dir: Path) -> tuple[int, str]:
@@ -459,9 +549,10 @@ def run_trial(script: str, config_path: str | None, overrides: list[str], spec: 
     """Place the ranks, start the servers, then the ranks' scripts; supervise; tear all down whatever happens."""
     import ray
 
-    trial = _Trial()
+    trial = _Trial(settings=read_settings(config_path, overrides, spec))
 
     def body(run_dir: Path) -> tuple[int, str]:
+        check_offered(trial.settings, ray.nodes())
         gpus = _has_gpus()
         env = forwarded_env()  # OMP_NUM_THREADS only if the user set it: ranks get theirs in _start_ranks
         env.pop(TOKEN_ENV, None)
@@ -473,10 +564,12 @@ def run_trial(script: str, config_path: str | None, overrides: list[str], spec: 
         if addrs:
             env[SERVER_ADDRS_ENV] = ",".join(addrs)
             print(f"[launcher] {spec.allocation.gen_backend} servers healthy at {env[SERVER_ADDRS_ENV]}", flush=True)
-        # Absolute paths: a rank runs in the driver's cwd, which may be another node's mount.
-        config = os.path.abspath(config_path) if config_path and os.path.isfile(config_path) else config_path
-        args = [os.path.abspath(script)] + (["--config", config] if config else []) + overrides
+        # The script's config lacks the launcher section; absolute paths: a rank runs in the driver's cwd,
+        # which may be another node's mount.
+        config, kept = script_config(config_path, overrides, str(run_dir.resolve() / "config.yaml"))
+        args = [os.path.abspath(script)] + (["--config", config] if config else []) + kept
         _start_ranks(trial, env, gpus, args, plan)
+        _record_placement(trial, run_dir)
         return _supervise(trial, run_dir)
 
     def body_unwrapped(run_dir: Path) -> tuple[int, str]:
@@ -528,7 +621,8 @@ def main(argv: list[str]) -> int:
     args = common.parse_args(argv, "tandemrl.launchers.ray", flags=("--multirun", dry_run.FLAG))
     specs = common.plan_trials(args)
     common.refuse_aux_servers(specs, "ray")
-    for _, spec in specs:
+    for combo, spec in specs:
+        read_settings(args.config_path, combo, spec)  # launcher.ray.*: a bad value fails before anything starts
         if is_colocated(spec.allocation):
             check_colocated_fits(spec.allocation)  # before any actor starts
     if dry_run.FLAG in args.flags:
