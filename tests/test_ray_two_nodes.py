@@ -2,8 +2,9 @@
 
 The fixture starts a head (`ray start --head`) and a worker node (`ray start --address`) on this
 machine, with their own temp dirs, ports and a custom resource naming the node, and a random token of
-their own (token auth, never ~/.ray). Ray gives both the machine's IP, not 127.0.0.1: a multi-node
-cluster rewrites a loopback node or GCS address to the host's address. The launcher places
+their own (token auth, never ~/.ray). All traffic stays on loopback: the head runs as 127.0.0.2 and
+the worker node as 127.0.0.3 (`--node-ip-address`). Not 127.0.0.1: for a multi-node cluster Ray rewrites
+"localhost"/127.0.0.1 to the machine's outward address, while other loopback addresses are kept. The launcher places
 the vLLM server with `launcher.ray.server_resources` and the trainer rank with
 `launcher.ray.trainer_resources`. Teardown stops exactly the process trees the fixture started.
 """
@@ -31,6 +32,7 @@ from utils import REPO_ROOT, free_port
 RAY = "tandemrl.launchers.ray"
 NODE_A = "tandemrl_test_node_a"  # the head: the vLLM server goes here
 NODE_B = "tandemrl_test_node_b"  # the worker node: the trainer rank goes here
+HEAD_IP, WORKER_IP = "127.0.0.2", "127.0.0.3"  # loopback addresses Ray keeps (see the module doc)
 PLACE = [f"launcher.ray.server_resources.{NODE_A}=1", f"launcher.ray.trainer_resources.{NODE_B}=1"]
 WAIT = 900.0  # generous bound on any condition the tests wait for (never asserted as a duration)
 
@@ -134,7 +136,7 @@ class TwoNodes:
         if self.worker is None or self.worker.proc.poll() is not None or _gone(self.worker.raylet()):
             if self.worker is not None:
                 self.worker.stop()
-            self.worker = _start_node([f"--address={self.address}"], self.env, NODE_B)
+            self.worker = _start_node([f"--address={self.address}", f"--node-ip-address={WORKER_IP}"], self.env, NODE_B)
         _wait_alive_nodes(self.env, 2)
         return self.worker
 
@@ -162,15 +164,22 @@ def _wait_alive_nodes(env: dict[str, str], n: int) -> None:
 
 @pytest.fixture(scope="module")
 def two_nodes() -> Iterator[TwoNodes]:
-    """Head + worker node on 127.0.0.1 with a token of their own (never ~/.ray); stops only what it started."""
+    """Head (127.0.0.2) + worker node (127.0.0.3) with a token of their own (never ~/.ray); stops only what it
+    started."""
     port = free_port()
     env = {k: v for k, v in ENV.items() if not k.startswith("RAY_")}
     env |= {
         "RAY_AUTH_MODE": "token",
         "RAY_AUTH_TOKEN": secrets.token_hex(32),
-        "RAY_ADDRESS": f"127.0.0.1:{port}",
+        "RAY_ADDRESS": f"{HEAD_IP}:{port}",
     }
-    head_args = ["--head", f"--port={port}", "--include-dashboard=false", f"--ray-client-server-port={free_port()}"]
+    head_args = [
+        "--head",
+        f"--node-ip-address={HEAD_IP}",
+        f"--port={port}",
+        "--include-dashboard=false",
+        f"--ray-client-server-port={free_port()}",
+    ]
     head = _start_node(head_args, {k: v for k, v in env.items() if k != "RAY_ADDRESS"}, NODE_A)
     cluster = TwoNodes(env["RAY_ADDRESS"], env, head)
     try:
@@ -192,6 +201,7 @@ def _assert_on_nodes(run_dir: Path, cluster: TwoNodes, raylet_b: int) -> dict[st
     assert sorted(where) == ["rank0", "vllm-server-0"], where
     server, rank = where["vllm-server-0"], where["rank0"]
     assert server["node_id"] != rank["node_id"], where
+    assert (server["ip"], rank["ip"]) == (HEAD_IP, WORKER_IP), where  # both nodes on loopback
     assert server["ppid"] == cluster.head.raylet().pid, (where, cluster.head.raylet().pid)
     assert rank["ppid"] == raylet_b, (where, raylet_b)
     return where
