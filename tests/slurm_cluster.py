@@ -23,6 +23,8 @@ from pathlib import Path
 import psutil
 from utils import free_port
 
+from tandemrl.utils.lifeline import lifeline_command
+
 PACKAGES = ["slurm-wlm", "munge"]
 TOOLS = ["slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol", "scancel", "sinfo", "munged", "mungekey"]
 
@@ -125,8 +127,11 @@ def write_conf(root: Path, node: str, cpus: int) -> Path:
 
 
 def _daemon(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """A daemon in the foreground, stopped with its process group if this test process dies."""
     with open(log, "ab") as out:
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            lifeline_command(cmd), env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
 
 def start_cluster() -> SlurmCluster:
@@ -160,7 +165,7 @@ def start_cluster() -> SlurmCluster:
 def _wait(ready: object, timeout: float, what: str, cluster: SlurmCluster) -> None:
     deadline = time.monotonic() + timeout
     while not ready():  # type: ignore[operator]
-        dead = [d.args[0] for d in cluster.daemons if d.poll() is not None]
+        dead = [d.args[d.args.index("--") + 1] for d in cluster.daemons if d.poll() is not None]
         if dead or time.monotonic() > deadline:
             raise RuntimeError(f"slurm test cluster: {what} (exited: {dead})\n{cluster.logs()}")
         time.sleep(1)
