@@ -370,3 +370,39 @@ def test_failed_job_step_is_one_line_with_its_log(slurm: SlurmCluster, tmp_path:
     ], proc.stdout[-3000:]
     assert "boom in the trainer" in (run_dir / "trainer.log").read_text()
     _assert_nothing_left(job_id, tmp_path)
+
+
+def test_interrupted_wait_cancels_the_job(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """SIGTERM to `--wait` while the trainer step runs: the launcher scancels the job, nothing of it is left."""
+    script = tmp_path / "sleep.py"
+    script.write_text("import os, time\nprint('up', os.getpid(), flush=True)\ntime.sleep(600)\n")
+    config = _config(tmp_path, {"allocation_mode": "fsdp:d1"})
+    launcher = subprocess.Popen(
+        SLURM + [str(script), "--config", str(config), *_on_cluster(slurm), "--wait"],
+        cwd=REPO_ROOT,
+        env={**ENV, "SLURM_CONF": str(slurm.conf)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        run_dir = tmp_path / "logs" / "slurm-test" / "trial0"
+        trainer_log = run_dir / "trainer.log"
+        _until(
+            lambda: "up " in (trainer_log.read_text() if trainer_log.exists() else "") or launcher.poll() is not None,
+            600,
+            "trainer rank up",
+        )
+        assert launcher.poll() is None, launcher.communicate()[0][-3000:]
+        job_id = _job_id(run_dir)
+        launcher.terminate()
+        out, _ = launcher.communicate(timeout=600)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 1, out[-3000:]
+    assert f"[launcher] cancelling job {job_id}" in out and "[launcher] trial trial0 failed: interrupted" in out, out
+    state = slurm.run("squeue", "-h", "-j", job_id, "-o", "%T").stdout.strip()
+    assert state == "", state  # ended (or already purged): never left running
+    _assert_nothing_left(job_id, tmp_path)
