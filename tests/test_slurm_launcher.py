@@ -138,6 +138,48 @@ def test_colocated_sbatch_script_puts_servers_on_trainer_nodes(tiny_model_dir: s
     assert "--nnodes=2 --nproc_per_node=8" in trainer and "cluster.n_nodes=2 cluster.n_gpus_per_node=8" in trainer
 
 
+def test_one_node_and_cpu_core_scripts(tiny_model_dir: str, tmp_path: Path) -> None:
+    """Server + trainer that fit one node share it in their own steps; device=cpu swaps GPUs for cores."""
+    body = {"allocation_mode": "vllm:d1+fsdp:d1", "actor": {"engine": {"path": tiny_model_dir}}}
+    run_dir = tmp_path / "logs" / "slurm-test" / "trial0"
+    proc = _slurm(["examples/gsm8k_grpo.py", "--config", str(_config(tmp_path, body)), "--dry-run"])
+    assert proc.returncode == 0 and "(1 nodes)" in proc.stdout, proc.stdout + proc.stderr
+    job = (run_dir / "job.sbatch").read_text()
+    assert "#SBATCH --nodes=1" in job and "#SBATCH --gpus-per-node=8" in job  # GPUs: Slurm gives each step its own
+    assert 'SERVER_NODES=("${NODES[@]:0:1}")' in job and 'TRAINER_NODES=("${NODES[@]:0:1}")' in job
+    assert '--nodelist="$node" --gpus-per-task=1 --exact' in job and "--gpus-per-task=1 --exact --kill" in job
+    cpu = ["launcher.slurm.device=cpu", "launcher.slurm.cpus_per_node=4"]
+    proc = _slurm(["examples/gsm8k_grpo.py", "--config", str(_config(tmp_path, body)), "--dry-run", *cpu])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job = (run_dir / "job.sbatch").read_text()
+    assert "#SBATCH --cpus-per-task=4" in job and "--gpus" not in job
+    assert '--nodelist="$node" --cpus-per-task=1 --exact' in job and "--cpus-per-task=1 --exact --kill" in job
+    # Colocated on cores: the server binds the node's cores (vLLM CPU), the ranks share its threads.
+    colocated = {
+        **body,
+        "allocation_mode": "vllm:d1|fsdp:d2",
+        "async_training": False,
+        "train_dataset": {"batch_size": 4},
+    }
+    proc = _slurm(["examples/gsm8k_grpo.py", "--config", str(_config(tmp_path, colocated)), "--dry-run", *cpu])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job = (run_dir / "job.sbatch").read_text()
+    assert "SERVER_DEVICES=(0,1,2,3)" in job and 'env VLLM_CPU_OMP_THREADS_BIND="${SERVER_DEVICES[$i]}"' in job
+    assert "--overlap --cpus-per-task=4" in job
+    assert 'OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"' in (run_dir / "trainer.sh").read_text()
+    proc = _slurm(["examples/gsm8k_grpo.py", "--config", str(_config(tmp_path, body)), "--dry-run", cpu[0]])
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "error: launcher.slurm.device=cpu needs launcher.slurm.cpus_per_node (cores per node, one a device)"
+    )
+    proc = _slurm(
+        ["examples/gsm8k_grpo.py", "--config", str(_config(tmp_path, body)), "--dry-run", "launcher.slurm.device=tpu"]
+    )
+    assert (
+        proc.returncode == 2
+        and proc.stderr.strip() == "error: launcher.slurm.device must be one of gpu, cpu, got 'tpu'"
+    )
+
+
 @pytest.mark.parametrize("mode", ["fsdp:d2", "vllm:d1|fsdp:d2"])
 def test_trainer_part_runs_under_torchrun_c10d(mode: str, tiny_model_dir: str, tmp_path: Path) -> None:
     """trainer.sh with a one-node job's SLURM_* env: 2 ranks rendezvous via c10d and all_reduce."""
