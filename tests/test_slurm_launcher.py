@@ -355,9 +355,14 @@ def test_grpo_two_async_steps_through_sbatch(
 def test_scancel_mid_run_leaves_no_process(
     slurm: SlurmCluster, tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path
 ) -> None:
-    """scancel once the server is up and the trainer runs: the job's steps and every process in them end."""
+    """Colocated, scancel after the first step: every process of the job ends.
+
+    The server and the trainer share the node's cores in `--overlap` steps (sync, the server asleep in
+    the trainer's turns); the job is cancelled while both run, after one whole step.
+    """
     args = _grpo_args("examples/gsm8k_grpo.py", tiny_model_dir, gsm8k_dir, tmp_path, steps=1000, new_tokens=32)
-    args += ["allocation_mode=vllm:d1+fsdp:d1", *_on_cluster(slurm), "--wait"]
+    args += ["allocation_mode=vllm:d1|fsdp:d1", "async_training=false", "rollout.max_head_offpolicyness=0"]
+    args += [*_on_cluster(slurm), "--wait"]
     env = {**ENV, "SLURM_CONF": str(slurm.conf)}
     launcher = subprocess.Popen(
         SLURM + args, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -376,6 +381,8 @@ def test_scancel_mid_run_leaves_no_process(
         _until(lambda: (run_dir / "servers" / "0.addr").exists() or launcher.poll() is not None, 900, "server up")
         _until(lambda: {"vllm-server-0", "trainer"} <= steps() or launcher.poll() is not None, 600, "both steps")
         _until(lambda: torchrun_up() or launcher.poll() is not None, 600, "trainer processes")
+        stats = run_dir / "stats.jsonl"  # one whole colocated step: generate, server asleep, train, push, wake
+        _until(lambda: (stats.exists() and stats.read_text().strip()) or launcher.poll() is not None, 600, "step 1")
         assert launcher.poll() is None, launcher.communicate()[0][-3000:]
         family = [" ".join(p.cmdline()) for p in _job_processes(job_id, tmp_path)]
         assert any("vllm.entrypoints" in c for c in family), family  # the server itself, not only serve.py

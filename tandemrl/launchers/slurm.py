@@ -5,8 +5,9 @@
 
 Tested on a real one-node Slurm (Debian's slurm-wlm 22.05, ``tests/test_slurm_launcher.py``) with
 CPU cores as the devices (``launcher.slurm.device=cpu``): GRPO through ``sbatch`` with the vLLM
-server and the trainer in their own job steps, ``scancel`` and a failing step. Multi-node jobs and
-GPU GRES (``device=gpu``, the default) are generated the same way but have not run here.
+server and the trainer in their own job steps (apart, and colocated until ``scancel``), and a
+failing step. Multi-node jobs and GPU GRES (``device=gpu``, the default) are generated the same way
+but have not run here.
 
 Devices (``launcher.slurm.device``): ``gpu`` (default) allocates ``--gpus-per-node`` and gives each
 step ``--gpus-per-task``; ``cpu`` makes one CPU core one ``allocation_mode`` device
