@@ -146,7 +146,7 @@ def test_one_node_and_cpu_core_scripts(tiny_model_dir: str, tmp_path: Path) -> N
     assert proc.returncode == 0 and "(1 nodes)" in proc.stdout, proc.stdout + proc.stderr
     job = (run_dir / "job.sbatch").read_text()
     assert "#SBATCH --nodes=1" in job and "#SBATCH --gpus-per-node=8" in job  # GPUs: Slurm gives each step its own
-    assert 'SERVER_NODES=("${NODES[@]:0:1}")' in job and 'TRAINER_NODES=("${NODES[@]:0:1}")' in job
+    assert 'TRAINER_NODES=("${NODES[@]:0:1}")' in job and 'SERVER_NODES=("${TRAINER_NODES[@]}")' in job
     assert '--nodelist="$node" --gpus-per-task=1 --exact' in job and "--gpus-per-task=1 --exact --kill" in job
     cpu = ["launcher.slurm.device=cpu", "launcher.slurm.cpus_per_node=4"]
     proc = _slurm(["examples/gsm8k_grpo.py", "--config", str(_config(tmp_path, body)), "--dry-run", *cpu])

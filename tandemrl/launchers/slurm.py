@@ -324,7 +324,8 @@ def _server_lines(spec: LaunchSpec, settings: SlurmSettings, layout: Layout) -> 
         step = f"--overlap {settings.per_task(settings.devices_per_node)}"
         cmd = f'env {layout.server_env_key}="${{SERVER_DEVICES[$i]}}" ' + " ".join(_q(a) for a in serve)
     else:  # their own nodes, or (packed) the trainer's node, in steps of their own devices
-        lines.append(f'SERVER_NODES=("${{NODES[@]:0:{max(layout.server_nodes, 1)}}}")')
+        nodes = "${TRAINER_NODES[@]}" if layout.packed else f"${{NODES[@]:0:{layout.server_nodes}}}"
+        lines.append(f'SERVER_NODES=("{nodes}")')
         step = f"{settings.per_task(layout.gpus_per_server)} --exact"
         cmd = " ".join(_q(a) for a in serve)
     log = f"$RUN_DIR/{gen.backend}-server-$i.log"
