@@ -142,6 +142,10 @@ def start_cluster() -> SlurmCluster:
     for sub in ("munge", "state", "spool", "log"):
         (root / sub).mkdir()
     node, cpus = socket.gethostname().split(".")[0], _node_cpus()  # `hostname -s`: slurmd finds itself by it
+    try:  # the job script binds its servers to the node's name
+        socket.gethostbyname(node)
+    except OSError as err:
+        raise RuntimeError(f"slurm test cluster: this machine's name {node!r} does not resolve ({err})") from None
     cluster = SlurmCluster(root, write_conf(root, node, cpus), node, cpus)
     key, sock = root / "munge" / "munge.key", root / "munge" / "munge.sock"
     subprocess.run(["mungekey", "-c", "-k", str(key)], check=True, capture_output=True, timeout=60)
