@@ -64,15 +64,16 @@ def skip_reason() -> str | None:
 
 
 def install() -> None:
-    """``apt-get install slurm-wlm munge`` once per machine (``apt-get update`` first only if that fails)."""
+    """``apt-get install slurm-wlm munge`` once per machine; ``apt-get update`` and a retry only if that fails (stale package lists)."""
     if all(shutil.which(t) for t in TOOLS):
         return
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     install_cmd = ["apt-get", "-o", "DPkg::Lock::Timeout=900", "install", "-y", "-q", "--no-install-recommends"]
-    proc = subprocess.run([*install_cmd, *PACKAGES], env=env, capture_output=True, text=True, timeout=1800)
+    quiet = {"env": env, "stdin": subprocess.DEVNULL, "capture_output": True, "text": True, "timeout": 1800}
+    proc = subprocess.run([*install_cmd, *PACKAGES], **quiet)
     if proc.returncode != 0:  # stale or missing package lists
-        subprocess.run(["apt-get", "-o", "DPkg::Lock::Timeout=900", "update", "-q"], env=env, timeout=1800)
-        proc = subprocess.run([*install_cmd, *PACKAGES], env=env, capture_output=True, text=True, timeout=1800)
+        subprocess.run(["apt-get", "-o", "DPkg::Lock::Timeout=900", "update", "-q"], **quiet)
+        proc = subprocess.run([*install_cmd, *PACKAGES], **quiet)
     missing = [t for t in TOOLS if not shutil.which(t)]
     if proc.returncode != 0 or missing:
         raise RuntimeError(f"apt-get install {' '.join(PACKAGES)} failed (missing {missing}):\n{proc.stderr[-3000:]}")
