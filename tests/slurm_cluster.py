@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-from utils import free_port
 
 from tandemrl.utils.lifeline import lifeline_command
 
@@ -88,14 +87,27 @@ def _node_cpus() -> int:
     return os.cpu_count() or 1
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback ports that were free a moment ago (all bound at once, so never the same twice)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def write_conf(root: Path, node: str, cpus: int) -> Path:
     """slurm.conf (and an empty cgroup.conf) for one node named ``node`` on 127.0.0.1."""
     conf = root / "slurm.conf"
+    ctld_port, slurmd_port = free_ports(2)
     lines = {
         "ClusterName": "tandemrl-test",
         "SlurmctldHost": f"{node}(127.0.0.1)",
-        "SlurmctldPort": free_port(),
-        "SlurmdPort": free_port(),
+        "SlurmctldPort": ctld_port,
+        "SlurmdPort": slurmd_port,
         "SlurmUser": "root",
         "SlurmdUser": "root",
         "AuthType": "auth/munge",
@@ -135,36 +147,51 @@ def _daemon(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
         )
 
 
-def start_cluster() -> SlurmCluster:
-    """Install if needed, then start munged, slurmctld and slurmd; returns once the node is idle."""
+def start_cluster(attempts: int = 3) -> SlurmCluster:
+    """Install if needed, then start munged, slurmctld and slurmd; returns once the node is idle.
+
+    A daemon whose port another process took between choosing and binding it (a busy machine) is
+    retried on fresh ports, ``attempts`` times in all.
+    """
     install()
-    root = Path(tempfile.mkdtemp(prefix="slurm-"))  # short: munge's socket path must fit 108 bytes
-    root.chmod(0o755)
-    for sub in ("munge", "state", "spool", "log"):
-        (root / sub).mkdir()
     node, cpus = socket.gethostname().split(".")[0], _node_cpus()  # `hostname -s`: slurmd finds itself by it
     try:  # the job script binds its servers to the node's name
         socket.gethostbyname(node)
     except OSError as err:
         raise RuntimeError(f"slurm test cluster: this machine's name {node!r} does not resolve ({err})") from None
-    cluster = SlurmCluster(root, write_conf(root, node, cpus), node, cpus)
+    for attempt in range(attempts):
+        root = Path(tempfile.mkdtemp(prefix="slurm-"))  # short: munge's socket path must fit 108 bytes
+        cluster = SlurmCluster(root, root / "slurm.conf", node, cpus)
+        try:
+            _start_daemons(cluster)
+            return cluster
+        except RuntimeError as err:
+            stop_cluster(cluster)
+            if "Address already in use" not in str(err) or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start_daemons(cluster: SlurmCluster) -> None:
+    root = cluster.root
+    root.chmod(0o755)
+    for sub in ("munge", "state", "spool", "log"):
+        (root / sub).mkdir()
+    write_conf(root, cluster.node, cluster.cpus)
     key, sock = root / "munge" / "munge.key", root / "munge" / "munge.sock"
     subprocess.run(["mungekey", "-c", "-k", str(key)], check=True, capture_output=True, timeout=60)
     env = cluster.env
-    try:
-        munge = ["munged", "-F", "-f", f"--socket={sock}", f"--key-file={key}", f"--pid-file={root / 'munged.pid'}"]
-        munge += [f"--log-file={root / 'log' / 'munged.log'}", f"--seed-file={root / 'munge' / 'seed'}"]
-        cluster.daemons.append(_daemon(munge, env, root / "log" / "munged.out.log"))
-        _wait(lambda: sock.exists(), 60, "munged did not create its socket", cluster)
-        cluster.daemons.append(_daemon(["slurmctld", "-D"], env, root / "log" / "slurmctld.out.log"))
-        cluster.daemons.append(_daemon(["slurmd", "-D"], env, root / "log" / "slurmd.out.log"))
-        _wait(
-            lambda: cluster.run("sinfo", "-h", "-N", "-o", "%t").stdout.strip() == "idle", 180, "no idle node", cluster
-        )
-    except BaseException:
-        stop_cluster(cluster)
-        raise
-    return cluster
+    munge = ["munged", "-F", "-f", f"--socket={sock}", f"--key-file={key}", f"--pid-file={root / 'munged.pid'}"]
+    munge += [f"--log-file={root / 'log' / 'munged.log'}", f"--seed-file={root / 'munge' / 'seed'}"]
+    cluster.daemons.append(_daemon(munge, env, root / "log" / "munged.out.log"))
+    _wait(lambda: sock.exists(), 60, "munged did not create its socket", cluster)
+    cluster.daemons.append(_daemon(["slurmctld", "-D"], env, root / "log" / "slurmctld.out.log"))
+    cluster.daemons.append(_daemon(["slurmd", "-D"], env, root / "log" / "slurmd.out.log"))
+
+    def idle() -> bool:
+        return cluster.run("sinfo", "-h", "-N", "-o", "%t").stdout.strip() == "idle"
+
+    _wait(idle, 180, "no idle node", cluster)
 
 
 def _wait(ready: object, timeout: float, what: str, cluster: SlurmCluster) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from slurm_cluster import SlurmCluster, skip_reason, start_cluster, stop_cluster
+from slurm_cluster import SlurmCluster, free_ports, skip_reason, start_cluster, stop_cluster
 from test_launcher import ENV, _grpo_args, _two_async_grpo_steps
 from utils import REPO_ROOT, free_port
 
@@ -278,11 +278,12 @@ def slurm() -> Iterator[SlurmCluster]:
 
 def _on_cluster(cluster: SlurmCluster) -> list[str]:
     """Overrides that put one allocation_mode device on one core of the test node, on free ports."""
+    server_port, rdzv_port = free_ports(2)  # distinct
     return [
         "launcher.slurm.device=cpu",
         f"launcher.slurm.cpus_per_node={cluster.cpus}",
-        f"launcher.slurm.server_port={free_port()}",
-        f"launcher.slurm.rdzv_port={free_port()}",
+        f"launcher.slurm.server_port={server_port}",
+        f"launcher.slurm.rdzv_port={rdzv_port}",
     ]
 
 
