@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+from utils import free_port
 
 from tandemrl.utils.lifeline import lifeline_command
 
@@ -88,15 +89,13 @@ def _node_cpus() -> int:
 
 
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct loopback ports that were free a moment ago (all bound at once, so never the same twice)."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """``n`` distinct loopback ports that were free a moment ago (``utils.free_port``, never the same twice)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 def write_conf(root: Path, node: str, cpus: int) -> Path:
