@@ -1,21 +1,28 @@
-"""Slurm launcher: write an sbatch script for one trial and submit it.
+"""Slurm launcher: write an sbatch script for one trial and submit it (``--wait``: and wait for it).
 
-    python -m tandemrl.launchers.slurm SCRIPT --config YAML [key=value ...] [--dry-run]
-        [--partition P] [--gpus-per-node N] [--time HH:MM:SS] [--account A]
+    python -m tandemrl.launchers.slurm SCRIPT --config YAML [key=value ...] [--dry-run] [--wait]
+        [--partition P] [--gpus-per-node N] [--cpus-per-node N] [--time HH:MM:SS] [--account A]
 
-NOT EXERCISED AGAINST A REAL SLURM: tandemrl's tests run where there is no Slurm. They
-check the generated script's content and run its trainer part (``trainer.sh``) locally
-under torchrun with the SLURM_* variables of a one-node job; the ``srun``/``sbatch``/
-``scontrol`` lines themselves have never run on a cluster.
+Tested on a real one-node Slurm (Debian's slurm-wlm 22.05, ``tests/test_slurm_launcher.py``) with
+CPU cores as the devices (``launcher.slurm.device=cpu``): GRPO through ``sbatch`` with the vLLM
+server and the trainer in their own job steps (apart, and colocated until ``scancel``), and a
+failing step. Multi-node jobs and GPU GRES (``device=gpu``, the default) are generated the same way
+but have not run here.
 
-Layout (from ``allocation_mode`` and ``gpus_per_node``): inference servers on the first
+Devices (``launcher.slurm.device``): ``gpu`` (default) allocates ``--gpus-per-node`` and gives each
+step ``--gpus-per-task``; ``cpu`` makes one CPU core one ``allocation_mode`` device
+(``--cpus-per-task`` everywhere, ``cpus_per_node`` cores per node), for CPU-only clusters.
+
+Layout (from ``allocation_mode`` and the devices per node): inference servers on the first
 nodes of the job, each server's tp*pp GPUs on one node, then the trainer nodes, with
-min(train world, gpus_per_node) ranks per node. The job script starts every server with
+min(train world, gpus_per_node) ranks per node; when the servers and the trainer fit one node
+together, they share it (one node, each in its own job step). The job script starts every server with
 ``srun`` (``python -m tandemrl.launchers.serve``), waits until each has written its
 address into the run directory (which must be on a filesystem shared by the nodes),
 exports ``TANDEMRL_LLM_SERVER_ADDRS``, runs ``srun trainer.sh`` on the trainer nodes —
 ``torchrun --nnodes T --rdzv_backend c10d --rdzv_endpoint <first trainer node>:port`` —
-and stops the servers when the trainer ends.
+and stops the servers when the trainer ends. A step that fails is written to
+``RUN_DIR/job-<id>.failed`` (step, exit code, log), which ``--wait`` reports on one line.
 
 Colocated (``|`` in ``allocation_mode``, ``launchers.placement``): no server nodes. Each server
 runs on the trainer node of the ranks whose GPUs it shares, in an ``srun --overlap`` step that
@@ -24,12 +31,15 @@ plan's sleep-mode flags; the trainer step also runs with ``--overlap`` and sees 
 node (rank ``LOCAL_RANK`` uses ``cuda:LOCAL_RANK``), so the two agree on device numbers.
 
 Settings, first found wins: the CLI flags, then ``launcher.slurm.<key>`` in the config or
-overrides (``partition``, ``gpus_per_node``, ``time``, ``account``, ``server_port``,
-``rdzv_port``, ``sbatch_args``: extra ``#SBATCH`` arguments), then ``cluster.n_gpus_per_node``.
+overrides (``device``, ``partition``, ``gpus_per_node``, ``cpus_per_node``, ``time``, ``account``,
+``server_port``, ``rdzv_port``, ``sbatch_args``: extra ``#SBATCH`` arguments), then
+``cluster.n_gpus_per_node`` (GPUs only).
 The trainer sees the config without the ``launcher`` section (the script's schema does
 not know it) plus ``cluster.n_nodes``/``cluster.n_gpus_per_node`` of the job. Sweeps
 (``--multirun``) are not supported here: submit one job per value. ``--dry-run`` writes the job
 files and prints the batch arithmetic and resolved config (``dry_run``), but does not submit.
+``--wait`` follows the job until it ends (``slurm_job``): exit 0 if it completed, else one line
+naming the failed step and its log; Ctrl-C/SIGTERM cancels the job.
 """
 
 from __future__ import annotations
@@ -38,8 +48,6 @@ import json
 import math
 import os
 import shlex
-import shutil
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,27 +55,37 @@ from typing import Any
 
 from tandemrl.inference.remote import SERVER_ADDRS_ENV
 from tandemrl.inference.server_auth import TOKEN_ENV
-from tandemrl.launchers import common, dry_run
-from tandemrl.launchers.common import LaunchError
+from tandemrl.launchers import common, dry_run, slurm_job
 from tandemrl.launchers.launch_config import LaunchSpec, _get, _load, script_config
 from tandemrl.launchers.placement import RankSlot, is_colocated, plan_colocated
 
-OPTIONS = ("--partition", "--gpus-per-node", "--time", "--account")
+OPTIONS = ("--partition", "--gpus-per-node", "--cpus-per-node", "--time", "--account")
+WAIT = "--wait"
 # Launcher environment the job script re-exports (sbatch also copies the submitter's env).
-FORWARD_PREFIXES = ("TANDEMRL_", "WANDB_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "PYTHONPATH")
+FORWARD_PREFIXES = ("TANDEMRL_", "WANDB_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "PYTHONPATH", "NCCL_", "GLOO_")
+DEVICES = ("gpu", "cpu")
 
 
 @dataclass
 class SlurmSettings:
     """Job resources and ports for one trial."""
 
-    gpus_per_node: int
+    devices_per_node: int  # GPUs per node; with device "cpu", cores per node
+    device: str = "gpu"  # what one allocation_mode device is: a GPU (GRES), or one CPU core
     partition: str | None = None
     time: str | None = None
     account: str | None = None
     server_port: int = 8000  # first server port on a node; the next server there gets +1
     rdzv_port: int = 29500
     sbatch_args: list[str] = field(default_factory=list)
+
+    @property
+    def per_node_key(self) -> str:
+        return f"{self.device}s_per_node"
+
+    def per_task(self, n: int | str) -> str:
+        """The srun option giving a step's task ``n`` devices."""
+        return f"--{self.device}s-per-task={n}"
 
 
 @dataclass
@@ -81,8 +99,11 @@ class Layout:
     trainer_nodes: int
     procs_per_node: int
     colocated: bool = False
-    server_gpus: list[str] = field(default_factory=list)  # colocated: each server's CUDA_VISIBLE_DEVICES
+    server_devices: list[str] = field(default_factory=list)  # colocated: each server's devices (server_env_key)
+    server_env_key: str = "CUDA_VISIBLE_DEVICES"  # colocated on CPU cores: VLLM_CPU_OMP_THREADS_BIND
     server_flags: dict[str, Any] = field(default_factory=dict)  # colocated: sleep mode and memory share
+    trainer_threads: int = 1  # a trainer rank's OMP_NUM_THREADS unless the user set one
+    packed: bool = False  # apart ('+') and everything fits one node: servers and trainer share it, own steps
 
     @property
     def nodes(self) -> int:
@@ -104,15 +125,27 @@ def read_settings(config_path: str | None, overrides: list[str], options: dict[s
         except (TypeError, ValueError):
             raise ValueError(f"{name} must be an integer, got {value!r}") from None
 
-    gpus = pick("gpus_per_node", "--gpus-per-node")
-    gpus = as_int(gpus if gpus is not None else _get(cfg, "cluster.n_gpus_per_node", 8), "gpus_per_node")
-    if gpus < 1:
-        raise ValueError(f"gpus_per_node must be >= 1 for the slurm launcher, got {gpus}")
+    device = str(pick("device") or "gpu")
+    if device not in DEVICES:
+        raise ValueError(f"launcher.slurm.device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "gpu":
+        count = pick("gpus_per_node", "--gpus-per-node")
+        count = count if count is not None else _get(cfg, "cluster.n_gpus_per_node", 8)
+    else:
+        count = pick("cpus_per_node", "--cpus-per-node")
+        if count is None:
+            raise ValueError(
+                "launcher.slurm.device=cpu needs launcher.slurm.cpus_per_node (cores per node, one a device)"
+            )
+    per_node = as_int(count, f"{device}s_per_node")
+    if per_node < 1:
+        raise ValueError(f"{device}s_per_node must be >= 1 for the slurm launcher, got {per_node}")
     extra = _get(cfg, "launcher.slurm.sbatch_args", [])
     if isinstance(extra, str) or not all(isinstance(a, str) for a in extra):
         raise ValueError(f"launcher.slurm.sbatch_args must be a list of strings, got {extra!r}")
     return SlurmSettings(
-        gpus_per_node=gpus,
+        devices_per_node=per_node,
+        device=device,
         partition=_opt_str(pick("partition", "--partition")),
         time=_opt_str(pick("time", "--time")),
         account=_opt_str(pick("account", "--account")),
@@ -126,47 +159,60 @@ def _opt_str(value: Any) -> str | None:
     return None if value in (None, "") else str(value)
 
 
-def plan_layout(spec: LaunchSpec, gpus_per_node: int) -> Layout:
+def plan_layout(spec: LaunchSpec, settings: SlurmSettings) -> Layout:
     """Node counts for ``spec``'s allocation; one-line errors for shapes that do not fit."""
-    alloc = spec.allocation
+    alloc, per_node_devices, key = spec.allocation, settings.devices_per_node, settings.per_node_key
     gen, world = alloc.gen, alloc.train_world_size
     per_server = gen.strategy.tp * gen.strategy.pp if gen else 0
     n_servers = gen.strategy.dp if gen else 0
-    if per_server > gpus_per_node:
-        raise ValueError(f"one {gen.backend} server needs tp*pp={per_server} GPUs but gpus_per_node is {gpus_per_node}")
-    if world > gpus_per_node and world % gpus_per_node:
-        raise ValueError(f"train world size {world} is not a multiple of gpus_per_node {gpus_per_node}")
-    per_node = gpus_per_node // per_server if per_server else 0
+    if per_server > per_node_devices:
+        raise ValueError(f"one {gen.backend} server needs tp*pp={per_server} devices but {key} is {per_node_devices}")
+    if world > per_node_devices and world % per_node_devices:
+        raise ValueError(f"train world size {world} is not a multiple of {key} {per_node_devices}")
     if is_colocated(alloc):
-        return _colocated_layout(spec, gpus_per_node)
+        return _colocated_layout(spec, settings)
+    if n_servers and n_servers * per_server + world <= per_node_devices:  # one node, every process in its own step
+        return Layout(0, n_servers, per_server, n_servers, 1, world, packed=True)
+    per_node = per_node_devices // per_server if per_server else 0
     return Layout(
         server_nodes=math.ceil(n_servers / per_node) if n_servers else 0,
         servers_per_node=per_node,
         gpus_per_server=per_server,
         n_servers=n_servers,
-        trainer_nodes=math.ceil(world / gpus_per_node),
-        procs_per_node=min(world, gpus_per_node),
+        trainer_nodes=math.ceil(world / per_node_devices),
+        procs_per_node=min(world, per_node_devices),
     )
 
 
-def _colocated_layout(spec: LaunchSpec, gpus_per_node: int) -> Layout:
-    """Servers on the trainer nodes, each sharing tp*pp ranks' GPUs (``plan_colocated``)."""
+def _colocated_layout(spec: LaunchSpec, settings: SlurmSettings) -> Layout:
+    """Servers on the trainer nodes, each sharing tp*pp ranks' devices (``plan_colocated``).
+
+    On GPUs a server gets its ranks' GPUs (CUDA_VISIBLE_DEVICES); on CPU cores (device "cpu") the
+    one-machine plan: the servers bind the node's cores between them, the ranks share its threads.
+    """
     alloc = spec.allocation
     assert alloc.gen is not None
     world, per_server = alloc.train_world_size, alloc.gen.strategy.tp * alloc.gen.strategy.pp
-    per_node = min(world, gpus_per_node)
-    # Rank r: node r // per_node, local GPU r % per_node (the trainer step sees the node's GPUs in order).
-    plan = plan_colocated(alloc, [RankSlot(str(r // per_node), [str(r % per_node)]) for r in range(world)])
+    per_node = min(world, settings.devices_per_node)
+    cores = list(range(settings.devices_per_node)) if settings.device == "cpu" else []
+    # Rank r: node r // per_node, local device r % per_node (the trainer step sees the node's devices in order).
+    plan = plan_colocated(
+        alloc, [RankSlot(str(r // per_node), [] if cores else [str(r % per_node)], cores) for r in range(world)]
+    )
+    key = "VLLM_CPU_OMP_THREADS_BIND" if cores else "CUDA_VISIBLE_DEVICES"
+    threads = int(next(iter(plan.trainer_env.values())).get("OMP_NUM_THREADS", "1"))
     return Layout(
         server_nodes=0,
         servers_per_node=per_node // per_server,
         gpus_per_server=per_server,
         n_servers=alloc.gen.strategy.dp,
-        trainer_nodes=math.ceil(world / gpus_per_node),
+        trainer_nodes=math.ceil(world / settings.devices_per_node),
         procs_per_node=per_node,
         colocated=True,
-        server_gpus=[share.env["CUDA_VISIBLE_DEVICES"] for share in plan.servers],
+        server_devices=[share.env[key] for share in plan.servers],
+        server_env_key=key,
         server_flags=plan.server_flags,
+        trainer_threads=threads,
     )
 
 
@@ -182,13 +228,15 @@ def trainer_args(script: str, config: str | None, overrides: list[str], layout: 
     return args + [f"cluster.n_nodes={layout.nodes}", f"cluster.n_gpus_per_node={gpus}"]
 
 
-def trainer_script(args: list[str], layout: Layout, settings: SlurmSettings) -> str:
+def trainer_script(args: list[str], layout: Layout, settings: SlurmSettings, run_dir: Path) -> str:
     """One trainer node's part; srun runs it once per trainer node (c10d joins them).
 
-    Needs SLURM_JOB_ID and TANDEMRL_RDZV_HOST (the first trainer node) in the environment.
+    Needs SLURM_JOB_ID and TANDEMRL_RDZV_HOST (the first trainer node) in the environment. Each rank's
+    error goes to torchrun's error file under the run dir, which ``--wait`` reports.
     """
     torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={layout.trainer_nodes}"]
     torchrun += [f"--nproc_per_node={layout.procs_per_node}", "--rdzv_backend=c10d", "--max_restarts=0"]
+    torchrun += common.torchrun_log_args(run_dir)
     rdzv = f'--rdzv_endpoint="${{TANDEMRL_RDZV_HOST}}:{settings.rdzv_port}" --rdzv_id="${{SLURM_JOB_ID}}"'
     cmd = " ".join(_q(a) for a in torchrun) + f" {rdzv} " + " ".join(_q(a) for a in args)
     return (
@@ -196,7 +244,7 @@ def trainer_script(args: list[str], layout: Layout, settings: SlurmSettings) -> 
         "# One trainer node: torchrun joins the others through c10d on the first trainer node.\n"
         "set -euo pipefail\n"
         f"cd {_q(os.getcwd())}\n"
-        'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"\n'
+        f'export OMP_NUM_THREADS="${{OMP_NUM_THREADS:-{layout.trainer_threads}}}"\n'
         f"exec {cmd}\n"
     )
 
@@ -209,7 +257,8 @@ def job_script(spec: LaunchSpec, settings: SlurmSettings, layout: Layout, run_di
         f"#SBATCH --job-name={_q(spec.experiment_name + '_' + spec.trial_name)}",
         f"#SBATCH --nodes={layout.nodes}",
         "#SBATCH --ntasks-per-node=1",
-        f"#SBATCH --gpus-per-node={settings.gpus_per_node}",
+        # device "cpu": the job's one task per node holds the node's cores
+        f"#SBATCH --{'gpus-per-node' if settings.device == 'gpu' else 'cpus-per-task'}={settings.devices_per_node}",
         "#SBATCH --exclusive",
         f"#SBATCH --output={_q(run_dir / 'slurm-%j.out')}",
     ]
@@ -219,7 +268,7 @@ def job_script(spec: LaunchSpec, settings: SlurmSettings, layout: Layout, run_di
     env = {k: v for k, v in os.environ.items() if k.startswith(FORWARD_PREFIXES) and k != TOKEN_ENV}
     lines = [
         *header,
-        "# Generated by tandemrl.launchers.slurm (never run against a real Slurm in tandemrl's tests).",
+        "# Generated by tandemrl.launchers.slurm.",
         "set -euo pipefail",
         f"cd {_q(os.getcwd())}",
         *(f"export {k}={_q(v)}" for k, v in sorted(env.items())),
@@ -230,16 +279,24 @@ def job_script(spec: LaunchSpec, settings: SlurmSettings, layout: Layout, run_di
         "SERVER_STEPS=()",
         'stop_servers() { for p in "${SERVER_STEPS[@]}"; do kill "$p" 2>/dev/null || true; done; wait; }',
         "trap stop_servers EXIT",
+        f'FAILED="$RUN_DIR/{slurm_job.FAILED_FILE.format(job="$SLURM_JOB_ID")}"',
+        "# fail STEP WHAT LOG: the job's first failed step, for `--wait` (one tab-separated line), then exit 1",
+        "fail() {",
+        '  [ -e "$FAILED" ] || printf "%s\\t%s\\t%s\\n" "$1" "$2" "$3" > "$FAILED"',
+        '  echo "error: $1 step $2 (log: $3)" >&2',
+        "  exit 1",
+        "}",
     ]
     if gen is not None:
         lines += _server_lines(spec, settings, layout)
     trainer_nodes = '"$(IFS=,; echo "${TRAINER_NODES[*]}")"'
-    # Colocated: the trainer shares its node's GPUs and cores with the servers' steps.
-    share = f"{settings.gpus_per_node} --overlap" if layout.colocated else f"{layout.procs_per_node} --exact"
+    # Colocated: the trainer shares its node's devices with the servers' steps.
+    share = f"{settings.devices_per_node} --overlap" if layout.colocated else f"{layout.procs_per_node} --exact"
     lines += [
-        f"srun --nodes={layout.trainer_nodes} --ntasks-per-node=1 --nodelist={trainer_nodes} "
-        f"--gpus-per-task={share} --kill-on-bad-exit=1 \\",
-        '  bash "$RUN_DIR/trainer.sh" 2>&1 | tee -a "$RUN_DIR/trainer.log"',
+        f"srun --job-name=trainer --nodes={layout.trainer_nodes} --ntasks-per-node=1 --nodelist={trainer_nodes} "
+        f"{settings.per_task(share)} --kill-on-bad-exit=1 \\",
+        '  bash "$RUN_DIR/trainer.sh" 2>&1 | tee -a "$RUN_DIR/trainer.log" \\',
+        '  || fail trainer "exited with code $?" "$RUN_DIR/trainer.log"',
     ]
     return "\n".join(lines) + "\n"
 
@@ -259,33 +316,40 @@ def _server_lines(spec: LaunchSpec, settings: SlurmSettings, layout: Layout) -> 
             f'export {TOKEN_ENV}="$({_q(sys.executable)} -c "import secrets; print(secrets.token_urlsafe(32))")"'
         )
         request_log = f' --request-log "$RUN_DIR/{gen.backend}-server-$i-requests.jsonl"'
-    if layout.colocated:  # on the trainer nodes, sharing their ranks' GPUs (all the node's GPUs in the step)
-        lines += ['SERVER_NODES=("${TRAINER_NODES[@]}")', f"SERVER_GPUS=({' '.join(layout.server_gpus)})"]
-        step = f"--overlap --gpus-per-task={settings.gpus_per_node}"
-        cmd = 'env CUDA_VISIBLE_DEVICES="${SERVER_GPUS[$i]}" ' + " ".join(_q(a) for a in serve)
-    else:
-        lines.append(f'SERVER_NODES=("${{NODES[@]:0:{layout.server_nodes}}}")')
-        step = f"--gpus-per-task={layout.gpus_per_server} --exact"
+    if layout.colocated:  # on the trainer nodes, sharing their ranks' devices (all the node's devices in the step)
+        lines += [
+            'SERVER_NODES=("${TRAINER_NODES[@]}")',
+            f"SERVER_DEVICES=({' '.join(map(_q, layout.server_devices))})",
+        ]
+        step = f"--overlap {settings.per_task(settings.devices_per_node)}"
+        cmd = f'env {layout.server_env_key}="${{SERVER_DEVICES[$i]}}" ' + " ".join(_q(a) for a in serve)
+    else:  # their own nodes, or (packed) the trainer's node, in steps of their own devices
+        nodes = "${TRAINER_NODES[@]}" if layout.packed else f"${{NODES[@]:0:{layout.server_nodes}}}"
+        lines.append(f'SERVER_NODES=("{nodes}")')
+        step = f"{settings.per_task(layout.gpus_per_server)} --exact"
         cmd = " ".join(_q(a) for a in serve)
+    log = f"$RUN_DIR/{gen.backend}-server-$i.log"
     return lines + [
         'rm -rf "$RUN_DIR/servers" && mkdir -p "$RUN_DIR/servers"',
         f"for i in $(seq 0 {layout.n_servers - 1}); do",
         f'  node="${{SERVER_NODES[$((i / {layout.servers_per_node}))]}}"',
         f"  port=$(({settings.server_port} + i % {layout.servers_per_node}))",
-        f'  srun --nodes=1 --ntasks=1 --nodelist="$node" {step} \\',
+        f'  srun --job-name="{gen.backend}-server-$i" --nodes=1 --ntasks=1 --nodelist="$node" {step} \\',
         f"    {cmd} \\",
-        f'    --host "$node" --port "$port" --log "$RUN_DIR/{gen.backend}-server-$i.log" '
-        f'--ready "$RUN_DIR/servers/$i.addr"{request_log} &',
+        f'    --host "$node" --port "$port" --log "{log}" --ready "$RUN_DIR/servers/$i.addr"{request_log} &',
         "  SERVER_STEPS+=($!)",
         "done",
         f"deadline=$((SECONDS + {int(spec.server_timeout) + 60}))",
         f'until [ "$(ls "$RUN_DIR"/servers/*.addr 2>/dev/null | wc -l)" -ge {layout.n_servers} ]; do',
-        '  for p in "${SERVER_STEPS[@]}"; do',
-        '    kill -0 "$p" 2>/dev/null || { echo "error: a server step exited before it was healthy '
-        f'(logs: $RUN_DIR/{gen.backend}-server-*.log)" >&2; exit 1; }}',
+        '  for i in "${!SERVER_STEPS[@]}"; do',
+        '    if ! kill -0 "${SERVER_STEPS[$i]}" 2>/dev/null; then',
+        '      rc=0; wait "${SERVER_STEPS[$i]}" || rc=$?',
+        f'      fail "{gen.backend}-server-$i" "exited with code $rc before it was healthy" "{log}"',
+        "    fi",
         "  done",
-        '  [ "$SECONDS" -lt "$deadline" ] || { echo "error: servers not healthy in time" >&2; exit 1; }',
-        "  sleep 5",
+        '  [ "$SECONDS" -lt "$deadline" ] || fail servers '
+        f'"not healthy in {int(spec.server_timeout) + 60} s" "$RUN_DIR/{gen.backend}-server-0.log"',
+        "  sleep 2",
         "done",
         f'export {SERVER_ADDRS_ENV}="$(for i in $(seq 0 {layout.n_servers - 1}); do '
         'cat "$RUN_DIR/servers/$i.addr"; done | paste -sd, -)"',
@@ -297,12 +361,14 @@ def write_job(
     script: str, config_path: str | None, overrides: list[str], spec: LaunchSpec, settings: SlurmSettings
 ) -> Path:
     """Write ``job.sbatch`` and ``trainer.sh`` (and a launcher-free config) into the run dir."""
-    layout = plan_layout(spec, settings.gpus_per_node)  # a shape that does not fit writes nothing
+    layout = plan_layout(spec, settings)  # a shape that does not fit writes nothing
     run_dir = Path(spec.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     config = _trainer_config(config_path, run_dir)
     (run_dir / "trainer.sh").write_text(
-        trainer_script(trainer_args(script, config, overrides, layout, settings.gpus_per_node), layout, settings)
+        trainer_script(
+            trainer_args(script, config, overrides, layout, settings.devices_per_node), layout, settings, run_dir
+        )
     )
     job = run_dir / "job.sbatch"
     job.write_text(job_script(spec, settings, layout, run_dir))
@@ -314,19 +380,9 @@ def _trainer_config(config_path: str | None, run_dir: Path) -> str | None:
     return script_config(config_path, [], str(run_dir / "config.yaml"))[0]
 
 
-def submit(job: Path) -> str:
-    """``sbatch JOB``; returns sbatch's reply (``Submitted batch job N``)."""
-    sbatch = shutil.which("sbatch")
-    if sbatch is None:
-        raise LaunchError(f"sbatch not found on PATH: submit {job} on a Slurm login node, or use --dry-run")
-    proc = subprocess.run([sbatch, str(job)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise LaunchError(f"sbatch {job} failed ({proc.returncode}): {(proc.stderr or proc.stdout).strip()[:300]}")
-    return proc.stdout.strip()
-
-
 def main(argv: list[str]) -> int:
-    args = common.parse_args(argv, "tandemrl.launchers.slurm", flags=(dry_run.FLAG,), options=OPTIONS)
+    flags = (dry_run.FLAG, WAIT)
+    args = common.parse_args(argv, "tandemrl.launchers.slurm", flags=flags, options=OPTIONS)
     specs = common.plan_trials(args)
     common.refuse_aux_servers(specs, "slurm")
     if any(o in ("--multirun", "-m") for o in args.overrides):
@@ -334,10 +390,12 @@ def main(argv: list[str]) -> int:
     overrides, spec = specs[0]
     settings = read_settings(args.config_path, overrides, args.options)
     job = write_job(args.script, args.config_path, overrides, spec, settings)
-    print(f"[launcher] wrote {job} ({plan_layout(spec, settings.gpus_per_node).nodes} nodes)", flush=True)
+    print(f"[launcher] wrote {job} ({plan_layout(spec, settings).nodes} nodes)", flush=True)
     if dry_run.FLAG in args.flags:  # the job is written, not submitted
         return 0
-    print(f"[launcher] {submit(job)}", flush=True)
+    if WAIT in args.flags:
+        return common.run_trials(args, specs, lambda *_: slurm_job.run_job(job, spec, overrides))
+    print(f"[launcher] Submitted batch job {slurm_job.submit(job)}", flush=True)
     return 0
 
 
