@@ -1,4 +1,5 @@
-"""The Ray launcher on a real one-node Ray cluster: rendezvous, GRPO end to end (apart and colocated), teardown."""
+"""The Ray launcher on a real one-node Ray cluster: rendezvous, colocated GRPO end to end, teardown (apart GRPO on
+two nodes: tests/test_ray_two_nodes.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 from test_colocated import assert_no_generation_during_turns
-from test_launcher import ENV, _grpo_args, _run, _two_async_grpo_steps
+from test_launcher import ENV, _grpo_args, _run
 from utils import REPO_ROOT, free_port
 
 RAY = "tandemrl.launchers.ray"
@@ -144,17 +145,6 @@ def test_two_ranks_rendezvous_and_all_reduce(cluster: str, tmp_path: Path, reque
     assert "[rank0] sum 3.0" in proc.stdout and "[rank1] sum 3.0" in proc.stdout
     log = (tmp_path / "runs" / "logs" / "ray-test" / "trial0" / "trainer.log").read_text()
     assert log.count("sum 3.0") == 2
-
-
-@pytest.mark.slow
-def test_grpo_gsm8k_two_async_steps_on_ray(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
-    """The GRPO example through Ray: vLLM server actor + FSDP trainer actor, weights pushed twice."""
-    trainer_log = _two_async_grpo_steps(
-        ["allocation_mode=vllm:d1+fsdp:d1"], tiny_model_dir, gsm8k_dir, tmp_path, launcher=RAY
-    )
-    assert trainer_log.strip()
-    server_log = (tmp_path / "logs" / "gsm8k-grpo" / "trial0" / "vllm-server-0.log").read_text()
-    assert "vllm" in server_log.lower() and "127.0.0.1" in server_log
 
 
 @pytest.mark.slow
