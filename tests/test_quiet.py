@@ -48,3 +48,27 @@ def test_a_users_own_settings_win(monkeypatch: pytest.MonkeyPatch) -> None:
     quiet.quiet_process()
     assert os.environ["TRANSFORMERS_VERBOSITY"] == "info"
     assert os.environ["PYTHONWARNINGS"].startswith("error::DeprecationWarning,ignore:'set_vital' is deprecated")
+
+
+DS_CHILD = """
+import os
+os.environ.pop("DS_ACCELERATOR", None)
+from tandemrl.utils.quiet import quiet_process
+quiet_process()
+import deepspeed  # on a machine without CUDA its accelerator probe logs 'Setting accelerator to CPU'
+from deepspeed.utils import logger
+logger.warning("a DeepSpeed warning a user should see")
+"""
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_deepspeed_cpu_accelerator_notice_is_quiet_unless_verbose(verbose: bool) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("DS_ACCELERATOR", quiet.VERBOSE_ENV)}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # as on this CPU machine, also where a GPU is present
+    if verbose:
+        env[quiet.VERBOSE_ENV] = "1"
+    proc = subprocess.run([sys.executable, "-c", DS_CHILD], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout + proc.stderr
+    assert "a DeepSpeed warning a user should see" in out  # other DeepSpeed warnings still show
+    assert ("Setting accelerator to CPU" in out) == verbose, out[-2000:]

@@ -3,7 +3,9 @@
 ``quiet_process()`` runs first in every launcher and training script. It sets environment
 variables (so child processes, servers and torchrun ranks inherit them) and warning filters for
 output a user cannot act on: ``datasets`` Generating/Map progress bars, transformers' "Loading
-weights" bar, torchdata's ``set_vital`` deprecation warning. Our own progress bar, one-line stats
+weights" bar, torchdata's ``set_vital`` deprecation warning, DeepSpeed's "Setting accelerator to CPU"
+notice (logged whenever transformers imports DeepSpeed on a machine without CUDA, e.g. while saving an HF
+checkpoint; in-process, so each of our processes calls this). Our own progress bar, one-line stats
 and summaries stay. ``TANDEMRL_VERBOSE=1`` (``scripts/main.sh --verbose``) leaves everything on.
 A variable the user set already is never overridden.
 """
@@ -11,6 +13,7 @@ A variable the user set already is never overridden.
 from __future__ import annotations
 
 import builtins
+import logging
 import os
 import re
 import warnings
@@ -24,6 +27,17 @@ QUIET_ENV: dict[str, str] = {
 }
 # (message prefix, category) of warnings known to be harmless here.
 HARMLESS_WARNINGS: tuple[tuple[str, str], ...] = (("'set_vital' is deprecated", "UserWarning"),)
+# (logger name, message prefix) of log records known to be harmless here.
+HARMLESS_LOGS: tuple[tuple[str, str], ...] = (("DeepSpeed", "Setting accelerator to CPU."),)
+
+
+class _DropPrefix(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
 
 
 def verbose() -> bool:
@@ -45,3 +59,7 @@ def quiet_process() -> None:
     os.environ["PYTHONWARNINGS"] = _pythonwarnings()
     for msg, cat in HARMLESS_WARNINGS:
         warnings.filterwarnings("ignore", message=re.escape(msg), category=getattr(builtins, cat, Warning))
+    for name, prefix in HARMLESS_LOGS:  # the logger object persists: the library's later import keeps the filter
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _DropPrefix) and f.prefix == prefix for f in log.filters):
+            log.addFilter(_DropPrefix(prefix))
