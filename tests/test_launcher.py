@@ -97,7 +97,10 @@ def test_grpo_gsm8k_sync_and_async(tiny_model_dir: str, gsm8k_dir: str, tmp_path
         assert "eval-rollout/accuracy" in rows[3], sorted(rows[3])
         assert (log_dir / "curves.png").stat().st_size > 0 and str(log_dir / "curves.png") in proc.stdout
         ckpt = tmp_path / "checkpoints" / "gsm8k-grpo" / trial / "epoch0epochstep2globalstep2"
-        assert f"final model (HF format, loadable by transformers and vLLM): {ckpt}" in proc.stdout
+        final = f"final model (HF format, loadable by transformers and vLLM): {ckpt}"
+        assert final in proc.stdout
+        # The trial's last line names the final model: the curves' path comes before it.
+        assert proc.stdout.index(str(log_dir / "curves.png")) < proc.stdout.index(final), proc.stdout[-3000:]
     # The final model reloads in vLLM: a fresh server on the sync trial's checkpoint continues 3 prompts
     # greedily exactly as transformers does (fp32 on both sides).
     _served_greedy_equals_transformers(

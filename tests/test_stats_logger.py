@@ -96,8 +96,9 @@ def test_jsonl_and_curves_png(tmp_path: Path, capsys):
         if i == 2:
             stats["eval-rollout/accuracy"] = 0.5
         logger.commit(0, i, i, stats)
+    logger.draw_curves()  # the RL loop draws before its last line
+    logger.close()  # close after draw_curves, and a second close, draw nothing more
     logger.close()
-    logger.close()  # a second close draws nothing more
 
     from tandemrl.trainers.plots import _series, read_stats
 

@@ -433,6 +433,7 @@ class RLTrainer:
         heldout = self.heldout.report()
         if heldout is not None:
             print(f"{self.name} {heldout}", flush=True)
+        self.logger.draw_curves()  # its path printed before the run's last line, the final model's
         print(final_outputs_line(self.name, self.saver.last_path, self.recover), flush=True)
 
     def close(self) -> None:

@@ -126,11 +126,16 @@ class StatsLogger:
             print(f"curves (reward, accuracy, response length, KL/mismatch per step): {out}", flush=True)
         return out
 
-    def close(self) -> None:
-        """Draw the curves (``plot``), flush and release the backends; safe to call twice."""
+    def draw_curves(self) -> None:
+        """``plot`` once, when ``stats_logger.plot`` is on; no more stats.jsonl lines are written after it."""
         if self.config.plot and self._jsonl is not None:
             self.plot()
             self._jsonl = None
+
+    def close(self) -> None:
+        """Draw the curves (``draw_curves``, unless drawn already), flush and release the backends; safe to call
+        twice."""
+        self.draw_curves()
         if self._wandb_run is not None:
             self._wandb_run.finish()
             self._wandb_run = None
