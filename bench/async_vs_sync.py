@@ -68,4 +68,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from tandemrl.utils.machine import measured_on
+
+    with measured_on("async_vs_sync"):
+        main()

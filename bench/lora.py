@@ -90,7 +90,10 @@ if __name__ == "__main__":
     p.add_argument("--length", type=int, default=256, help="tokens per sequence")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=5)
+    from tandemrl.utils.machine import measured_on
+
     try:
-        main(p.parse_args())
+        with measured_on("lora"):
+            main(p.parse_args())
     finally:
         destroy_process_groups()

@@ -146,4 +146,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from tandemrl.utils.machine import measured_on
+
+    with measured_on("prefix_sharing"):
+        main()

@@ -195,4 +195,7 @@ def run(a: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    run(parse_args())
+    from tandemrl.utils.machine import measured_on
+
+    with measured_on("rollout_throughput"):
+        run(parse_args())

@@ -342,4 +342,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from tandemrl.utils.machine import measured_on
+
+    with measured_on("train_throughput"):
+        main()

@@ -469,4 +469,10 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if "--trl-worker" in sys.argv:  # runs in TRL's venv, where tandemrl is not installed
+        main(sys.argv[1:])
+    else:
+        from tandemrl.utils.machine import measured_on
+
+        with measured_on("vs_trl"):
+            main(sys.argv[1:])

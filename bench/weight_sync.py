@@ -188,4 +188,7 @@ def run(a: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    run(parse_args())
+    from tandemrl.utils.machine import measured_on
+
+    with measured_on("weight_sync"):
+        run(parse_args())
