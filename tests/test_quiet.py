@@ -72,3 +72,21 @@ def test_deepspeed_cpu_accelerator_notice_is_quiet_unless_verbose(verbose: bool)
     out = proc.stdout + proc.stderr
     assert "a DeepSpeed warning a user should see" in out  # other DeepSpeed warnings still show
     assert ("Setting accelerator to CPU" in out) == verbose, out[-2000:]
+
+
+LATE_CHILD = """
+import datasets, huggingface_hub  # imported before quiet_process, as a bench script's top-level imports do
+from tandemrl.utils.quiet import quiet_process
+quiet_process()
+print(datasets.is_progress_bar_enabled(), huggingface_hub.utils.are_progress_bars_disabled())
+"""
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_bars_of_libraries_imported_before_quiet_are_switched_off(verbose: bool) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in quiet.QUIET_ENV and k != quiet.VERBOSE_ENV}
+    if verbose:
+        env[quiet.VERBOSE_ENV] = "1"
+    proc = subprocess.run([sys.executable, "-c", LATE_CHILD], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == (["True", "False"] if verbose else ["False", "True"])

@@ -60,7 +60,13 @@ def machine_line(now: datetime.datetime | None = None) -> str:
 
 @contextlib.contextmanager
 def measured_on(name: str) -> Iterator[None]:
-    """Print `name` with `machine_line()` before and after the block (rank 0 only), even if it fails."""
+    """Print `name` with `machine_line()` before and after the block (rank 0 only), even if it fails.
+
+    The block runs quiet like our training scripts (`quiet_process`; `TANDEMRL_VERBOSE=1` keeps the noise).
+    """
+    from tandemrl.utils.quiet import quiet_process
+
+    quiet_process()
     show = os.environ.get("RANK", "0") == "0"
     if show:
         print(f"[{name}] start: {machine_line()}", flush=True)

@@ -63,3 +63,14 @@ def quiet_process() -> None:
         log = logging.getLogger(name)
         if not any(isinstance(f, _DropPrefix) and f.prefix == prefix for f in log.filters):
             log.addFilter(_DropPrefix(prefix))
+    _switch_off_loaded_bars()
+
+
+def _switch_off_loaded_bars() -> None:
+    """The variables above are read when a library is imported; one imported already is told directly."""
+    import sys
+
+    if "huggingface_hub" in sys.modules:  # transformers' weight-loading bar follows the hub's switch
+        sys.modules["huggingface_hub"].utils.disable_progress_bars()
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].disable_progress_bars()
