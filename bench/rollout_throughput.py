@@ -160,7 +160,9 @@ def run(a: argparse.Namespace) -> None:
             model = served_model(addr)
         vocab = int(AutoConfig.from_pretrained(model).vocab_size)
         prompts = make_prompts(a, vocab)
-        engine = RemoteVLLMEngine(InferenceEngineConfig(request_retries=0, setup_timeout=60.0))
+        # The rollout defaults (request_retries=3: the keep-alive session that generation uses in training;
+        # request_retries=0 would open a new connection per request).
+        engine = RemoteVLLMEngine(InferenceEngineConfig(setup_timeout=60.0))
         engine.initialize([addr])
         print(
             f"server {addr} model {model}\n{a.prompts} prompts x {a.prompt_len} tokens, {a.new_tokens} new tokens, "
