@@ -16,6 +16,7 @@ import builtins
 import logging
 import os
 import re
+import sys
 import warnings
 
 VERBOSE_ENV = "TANDEMRL_VERBOSE"
@@ -68,8 +69,6 @@ def quiet_process() -> None:
 
 def _switch_off_loaded_bars() -> None:
     """The variables above are read when a library is imported; one imported already is told directly."""
-    import sys
-
     if "huggingface_hub" in sys.modules:  # transformers' weight-loading bar follows the hub's switch
         sys.modules["huggingface_hub"].utils.disable_progress_bars()
     if "datasets" in sys.modules:
