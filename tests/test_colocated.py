@@ -137,6 +137,8 @@ def test_sleep_holds_generation_until_wake_up_on_real_vllm(vllm_server) -> None:
                 task = asyncio.ensure_future(engine.agenerate(req))
                 held = await asyncio.to_thread(gate.wait_held)
                 await asyncio.to_thread(gate.release_until, lambda: engine.sleep(1), held, n - 1)
+                # The engine stepped once more, when the pause reached its input queue, and then aborted.
+                assert gate.granted == 1, gate.granted
             assert vllm_server.call(is_sleeping)["is_sleeping"] is True
             assert not task.done()  # aborted; waits for wake_up to resubmit
             await asyncio.to_thread(engine.wake_up)

@@ -23,8 +23,13 @@ from tandemrl.inference.server_auth import TOKEN_ENV, auth_headers, new_token
 from tandemrl.inference.vllm import VLLMBackend
 
 # The test server: bf16 like production, context small enough for a fast start; the test-only
-# hook of vllm_gate lets a test hold a request between tokens (inactive unless a test arms it).
-VLLM_EXTRA: dict[str, Any] = {"max_model_len": 1024, "dtype": "bfloat16", "logits_processors": ["vllm_gate:HoldGate"]}
+# hooks of vllm_gate let a test hold a request between tokens (inactive unless a test arms it).
+VLLM_EXTRA: dict[str, Any] = {
+    "max_model_len": 1024,
+    "dtype": "bfloat16",
+    "scheduler_cls": "vllm_gate.GateScheduler",
+    "logits_processors": ["vllm_gate:ArrivalWitness"],
+}
 TESTS_DIR = Path(__file__).resolve().parent
 START_TIMEOUT_S = 900.0
 
