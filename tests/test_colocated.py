@@ -191,6 +191,11 @@ def assert_no_generation_during_turns(run: Path, steps: int) -> None:
 def test_colocated_grpo_never_generates_during_training(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
     steps = 2
     args = _grpo_args("examples/gsm8k_grpo.py", tiny_model_dir, gsm8k_dir, tmp_path, steps=steps, new_tokens=16)
-    proc = _run([*args, "allocation_mode=vllm:d1|fsdp:d2", "async_training=false"], timeout=1200)
+    # The user's server flags (launcher.server_args) reach the server's command line.
+    server_args = ["launcher.server_args.max_num_seqs=48"]
+    proc = _run([*args, "allocation_mode=vllm:d1|fsdp:d2", "async_training=false", *server_args], timeout=1200)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert_no_generation_during_turns(tmp_path / "logs" / "gsm8k-grpo" / "trial0", steps)
+    run = tmp_path / "logs" / "gsm8k-grpo" / "trial0"
+    assert_no_generation_during_turns(run, steps)
+    command = json.loads((run / "vllm-server-0.log").read_text().splitlines()[0].removeprefix("$ "))
+    assert command[command.index("--max-num-seqs") + 1] == "48", command

@@ -241,7 +241,7 @@ class SGLangBackend(TimeoutsMixin):
         normalized = {k.lstrip("-").replace("-", "_"): v for k, v in extra.items()}
         clash = sorted(k for k in normalized if k in _FIXED_FLAGS)
         if clash:
-            raise ValueError(f"{self.name}: server_command sets {clash} itself; remove them from 'extra'")
+            raise ValueError(f"{self.name} server flags {clash} are set by tandemrl itself")
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path]
         cmd += ["--host", host, "--port", str(port), "--tp-size", str(strategy.tp), "--dp-size", str(strategy.dp)]
         if strategy.pp > 1:

@@ -274,7 +274,7 @@ class VLLMBackend(TimeoutsMixin):
         """One OpenAI-compatible vLLM server; ``extra`` adds/overrides flags (``{"max_model_len": 512}``)."""
         clash = sorted(k for k in extra if k.lstrip("-").replace("-", "_") in _FIXED_FLAGS)
         if clash:
-            raise ValueError(f"{self.name}: server_command sets {clash} itself; remove them from 'extra'")
+            raise ValueError(f"{self.name} server flags {clash} are set by tandemrl itself")
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path]
         cmd += ["--host", host, "--port", str(port)]
         cmd += ["--tensor-parallel-size", str(strategy.tp), "--pipeline-parallel-size", str(strategy.pp)]

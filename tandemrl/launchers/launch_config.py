@@ -114,7 +114,7 @@ def read_launch_spec(config_path: str | None, overrides: list[str]) -> LaunchSpe
         corpus_path=_get(cfg, "train_dataset.path"),
         server_timeout=float(_get(cfg, "rollout.setup_timeout", 600.0)),
         weight_update_mode=update_mode,
-        server_extra=_lora_server_extra(cfg, alloc, update_mode),
+        server_extra=_server_extra(cfg, alloc, update_mode),
         aux_servers=_aux_servers(cfg, alloc),
     )
 
@@ -136,6 +136,35 @@ def _aux_servers(cfg: Any, alloc: AllocationMode) -> list[AuxServer]:
     if problem is not None:
         raise ValueError(f"config key '{problem[0]}' {problem[1]}")
     return [AuxServer(str(c.name), paths[str(c.name)], dict(table[c.name].get("server_args") or {})) for c in alloc.aux]
+
+
+def _server_extra(cfg: Any, alloc: AllocationMode, update_mode: str) -> dict[str, Any]:
+    """The generation servers' extra flags: ``launcher.server_args`` (the user's, in the backend's own
+    option names, over the placement's flags) plus the LoRA flags the run needs; one line names a bad key."""
+    from omegaconf import OmegaConf
+
+    key = f"{LAUNCHER_SECTION}.server_args"
+    section = _get(cfg, key, {})
+    table = OmegaConf.to_container(section, resolve=True) if OmegaConf.is_config(section) else section
+    if not isinstance(table, dict) or not all(isinstance(k, str) and k.strip("-_") for k in table):
+        raise ValueError(f"config key '{key}' must map server option names to values, e.g. {{max_num_seqs: 64}}")
+    args = {k.lstrip("-").replace("-", "_"): v for k, v in table.items()}
+    for name, value in args.items():
+        if isinstance(value, dict):
+            raise ValueError(f"config key '{key}.{name}' must be a value or a list, got a mapping")
+    if alloc.gen_backend is not None and args:
+        from tandemrl.api.types import ParallelStrategy
+        from tandemrl.inference.registry import get_backend
+
+        try:  # the flags the backend sets itself (model, host, port, parallel sizes) are refused here
+            get_backend(alloc.gen_backend).server_command("model", "127.0.0.1", 1, ParallelStrategy(), args)
+        except ValueError as err:
+            raise ValueError(f"config key '{key}': {err}") from None
+    lora = _lora_server_extra(cfg, alloc, update_mode)
+    for name, needed in lora.items():
+        if name in args and args[name] != needed:
+            raise ValueError(f"config key '{key}.{name}'={args[name]!r}: LoRA updates by disk need {name}={needed!r}")
+    return {**args, **lora}
 
 
 def _lora_server_extra(cfg: Any, alloc: AllocationMode, update_mode: str) -> dict[str, Any]:

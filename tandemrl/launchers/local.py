@@ -42,7 +42,7 @@ from tandemrl.launchers.common import (
     torchrun_log_args,
     trainer_failure,
 )
-from tandemrl.launchers.launch_config import LaunchSpec
+from tandemrl.launchers.launch_config import LaunchSpec, script_config
 from tandemrl.launchers.placement import Placement, plan_placement, visible_cpus, visible_gpus
 from tandemrl.launchers.server_watch import wait_trainer
 from tandemrl.utils.lifeline import lifeline_command
@@ -161,7 +161,9 @@ def run_trial(script: str, config_path: str | None, overrides: list[str], spec: 
             f"--nproc_per_node={alloc.train_world_size}",
             *torchrun_log_args(run_dir),
         ]
-        cmd += [script] + (["--config", config_path] if config_path else []) + overrides
+        # The script's config lacks the launcher section (launcher.server_args is the launcher's).
+        config, kept = script_config(config_path, overrides, str(run_dir / "config.yaml"))
+        cmd += [script] + (["--config", config] if config else []) + kept
         print(f"[launcher] trainer: {' '.join(cmd)}", flush=True)
         children.trainer = subprocess.Popen(
             lifeline_command(cmd),  # torchrun and its ranks stop if the launcher is killed

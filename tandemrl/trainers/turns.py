@@ -4,7 +4,7 @@ When an inference component shares its devices with the trainer (``vllm:d1|fsdp:
 runs synchronously and each ``train_step`` is the trainer's turn: every trainer rank first puts the
 servers to sleep through its client (generation paused; on GPU, sleep level 1 also frees the KV
 cache and offloads the weights, so training gets the memory), the ranks meet at a barrier, the
-step runs, the ranks meet again and the servers wake up. Weight pushes, evaluation and the next
+step runs, the ranks meet again, the servers wake up and the ranks meet once more. Weight pushes, evaluation and the next
 rollout happen in the servers' turn. On CPU, asleep means the server's threads wait, so the
 trainer's threads (the launcher gives them every core) have the machine to themselves.
 
@@ -67,6 +67,10 @@ class TurnTaker:
         # every pause ended before ``start`` and every wake-up starts after ``end``.
         start, end = _span_over_ranks(start, end)
         self.client.wake_up()
+        # Every rank's wake-up has returned before any rank goes on. Rank 0 goes on to push weights,
+        # which pauses the servers and runs a collective with every rank; a wake-up still in flight
+        # would queue on the server behind that update while its rank never joins the collective.
+        _barrier()
         self.turns += 1
         if self._log is not None and _rank() == 0:
             with open(self._log, "a") as f:

@@ -1,0 +1,46 @@
+"""``launcher.server_args``: the user's extra flags for the generation servers, read by every launcher."""
+
+from __future__ import annotations
+
+import pytest
+from utils import REPO_ROOT
+
+from tandemrl.launchers.launch_config import read_launch_spec, script_config
+
+GRPO = str(REPO_ROOT / "examples" / "gsm8k_grpo.yaml")
+
+
+def test_server_args_reach_the_launch_spec_in_the_backends_names() -> None:
+    spec = read_launch_spec(GRPO, ["launcher.server_args.max_num_seqs=64", "+launcher.server_args.enforce-eager=false"])
+    assert spec.server_extra == {"max_num_seqs": 64, "enforce_eager": False}
+    assert read_launch_spec(GRPO, []).server_extra == {}
+
+
+def test_server_args_merge_with_the_lora_flags_and_never_contradict_them() -> None:
+    lora = ["actor.engine.lora.rank=12", "weight_update_mode=disk"]
+    spec = read_launch_spec(GRPO, [*lora, "launcher.server_args.max_num_seqs=8", "launcher.server_args.max_loras=1"])
+    assert spec.server_extra == {"max_num_seqs": 8, "enable_lora": True, "max_lora_rank": 16, "max_loras": 1}
+    with pytest.raises(
+        ValueError, match=r"'launcher\.server_args\.max_lora_rank'=8: LoRA updates by disk need max_lora_rank=16"
+    ):
+        read_launch_spec(GRPO, [*lora, "launcher.server_args.max_lora_rank=8"])
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("launcher.server_args=5", r"config key 'launcher\.server_args' must map server option names to values"),
+        ("launcher.server_args.kv={a: 1}", r"config key 'launcher\.server_args\.kv' must be a value or a list"),
+        ("launcher.server_args.port=9", r"config key 'launcher\.server_args': vllm server flags \['port'\] are set by"),
+        ("+launcher.server_args.tensor-parallel-size=2", r"flags \['tensor_parallel_size'\] are set by tandemrl"),
+    ],
+)
+def test_bad_server_args_fail_in_one_line_naming_the_key(override: str, expected: str) -> None:
+    with pytest.raises(ValueError, match=expected) as err:
+        read_launch_spec(GRPO, [override])
+    assert "\n" not in str(err.value)
+
+
+def test_the_training_script_never_sees_server_args(tmp_path) -> None:
+    _config, kept = script_config(None, ["launcher.server_args.max_num_seqs=64", "seed=3"], str(tmp_path / "c.yaml"))
+    assert kept == ["seed=3"]
