@@ -336,7 +336,7 @@ def test_vllm_server_command_parses_with_vllm_cli(vllm_models: Any) -> None:
     assert b.server_env() == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
     with pytest.raises(ValueError) as exc:
         b.server_command("/m", "h", 1, ParallelStrategy(), {"tensor-parallel-size": 4})
-    assert_one_line_error(exc, "tensor-parallel-size", "extra")
+    assert_one_line_error(exc, "tensor-parallel-size", "set by tandemrl")
 
 
 # ======================================================================================
@@ -620,4 +620,4 @@ def test_sglang_server_command_not_run_against_real_server() -> None:
     assert b.server_env() == {}
     with pytest.raises(ValueError) as exc:
         b.server_command("/m", "h", 1, ParallelStrategy(), {"tp_size": 2})
-    assert_one_line_error(exc, "tp_size", "extra")
+    assert_one_line_error(exc, "tp_size", "set by tandemrl")
