@@ -88,6 +88,12 @@ def test_checkpointing_mixed_precision_nan_guard_and_prefix_sharing(tiny_model_d
     nan = res["nan"]
     assert nan["stats"]["update_successful"] == 0.0
     assert _max_diff(nan["after"], nan["before"]) == 0.0
+    assert any("optimizer step skipped: gradient norm nan is not finite" in w for w in res["warned"]), res["warned"]
+    # A batch with no trainable token is skipped with a warning and a count, the weights unchanged.
+    empty = res["empty"]
+    assert empty["stats"]["update_successful"] == 0.0 and empty["exported"]["skipped_empty"] == 1.0
+    assert _max_diff(empty["after"], nan["before"]) == 0.0
+    assert any("update skipped, no trainable token" in w for w in res["warned"]), res["warned"]
     # A GRPO update (G=4, completions of different lengths) with the group-shared prompt prefix
     # gives the unshared layout's logprobs, loss and gradients.
     assert_prefix_sharing_exact(res["prefix"])

@@ -219,3 +219,80 @@ def test_version_stats_lag_and_interrupted_generations() -> None:
     assert st["multi_version"].tolist() == [[False] * 4, [False, True, True, False], [False] * 4, [False] * 4]
     with pytest.raises(ValueError, match="'versions' has shape"):
         version_stats(versions[:, :3], mask, 4)
+
+
+# --------------------------------------------------------------------------- stale samples and overflow
+# One sequence of three tokens, A = 1; the server sampled it at older weights than the trainer's.
+BEHAV = [-3.0, -0.7, -0.1]
+TRAINER = [-0.5, -0.7, -2.0]
+
+
+def _stale_gradient(kind: str, prox_recomputed: bool) -> list[float]:
+    """d loss / d trainer logp for ``kind``; ``prox_recomputed``: the proximal logprobs were recomputed
+    (they equal the trainer's: a one-step update), else the update's own forward stands in for them."""
+    from tandemrl.algorithms.offpolicy import old_policy_logp
+
+    logp = torch.tensor(TRAINER, requires_grad=True)
+    behav = torch.tensor(BEHAV)
+    correction = Correction(kind)
+    prox = logp.detach().clone() if prox_recomputed else None
+    old = old_policy_logp(correction, behav, prox)
+    if prox is None and correction.active:
+        old = logp.detach()  # PPOActor._loss: forward_is_proximal
+    loss, _ = ppo_policy_loss(
+        logp, old, torch.ones(3), torch.ones(3).bool(), 0.2, behav_logp=behav, correction=correction
+    )
+    loss.backward()
+    return logp.grad.tolist()
+
+
+def test_stale_samples_gradient_per_correction() -> None:
+    """``none`` clips against the behaviour policy whether or not the proximal logprobs were recomputed
+    (r = exp(trainer - behav) = [12.18, 1, 0.1496]: token 0 clipped, token 2 weighs r / 3); ``tis``
+    has r = 1 and weights min(exp(trainer - behav), 2) = [2, 1, 0.1496]. Hand values, token-mean over 3."""
+    r2 = math.exp(-2.0 - -0.1)
+    for recomputed in (True, False):
+        assert _stale_gradient("none", recomputed) == pytest.approx([0.0, -1 / 3, -r2 / 3], abs=1e-6)
+        assert _stale_gradient("tis", recomputed) == pytest.approx([-2 / 3, -1 / 3, -r2 / 3], abs=1e-6)
+    assert r2 / 3 == pytest.approx(0.0499, abs=1e-4)
+
+
+def test_ratio_overflow_is_clamped_and_nonfinite_tokens_dropped() -> None:
+    """A log-ratio of 100 (exp overflows fp32 past 88.7) on a zero-advantage token and a -inf logprob
+    on another used to make the loss and every gradient NaN; now the first is clamped to +-20 and the
+    second dropped (weight 0, still in the token-mean's denominator of 4)."""
+    logp = torch.tensor([100.0, float("-inf"), -1.0, -2.0], requires_grad=True)
+    old = torch.tensor([0.0, -1.0, -1.0, -2.0])
+    adv = torch.tensor([0.0, 1.0, 1.0, -1.0])
+    mask = torch.ones(4).bool()
+    loss, st = ppo_policy_loss(logp, old, adv, mask, 0.2, correction=Correction("none"), behav_logp=old)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all(), (loss, logp.grad)
+    # Tokens 2 and 3 have r = 1: loss (-1 + 1) / 4 = 0, gradients -A / 4.
+    assert loss.item() == pytest.approx(0.0, abs=1e-6)
+    assert logp.grad.tolist() == pytest.approx([0.0, 0.0, -0.25, 0.25])
+    assert st["ratio_clamped"].tolist() == [True, False, False, False]
+    assert st["nonfinite"].tolist() == [False, True, False, False]
+    assert st["ratio"][0].item() == pytest.approx(math.exp(20.0), rel=1e-5)
+    # GSPO: the sequence's mean log-ratio over its finite tokens, clamped too.
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    loss, st = ppo_policy_loss(
+        logp.detach(), old, adv, mask, 0.2, ratio_level="sequence", cu_seqlens=cu, correction=Correction("none")
+    )
+    assert torch.isfinite(loss) and st["ratio_clamped"][[0, 2, 3]].all() and st["nonfinite"][1]
+
+
+def test_nonfinite_behaviour_ratios_drop_their_token() -> None:
+    """Both logprobs -inf (NaN ratio) or the server's -inf: dropped by every active kind, left out of the
+    sequence ratio; before, tis/seq_tis weights were NaN."""
+    prox = torch.tensor([float("-inf"), -1.0, math.log(2.0) - 1.0])
+    behav = torch.tensor([float("-inf"), float("-inf"), -1.0])
+    mask = torch.ones(3).bool()
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    for kind in ("tis", "mis", "seq_tis", "seq_mis", "geo_mask", "icepop", "cispo"):
+        w = correction_weights(prox, behav, mask, Correction(kind, cap=4.0), cu)
+        assert torch.isfinite(w["weight"]).all(), (kind, w["weight"])
+        assert w["weight"][:2].tolist() == [0.0, 0.0] and w["kept"][:2].tolist() == [False, False], kind
+        assert w["weight"][2].item() == pytest.approx(2.0), kind  # the sequence ratio is the third token's alone
+    stats = mismatch_token_stats(prox, behav, mask)
+    assert torch.isfinite(stats["abs_dlogp"]).all() and torch.isfinite(stats["kl_k3"]).all()

@@ -232,7 +232,7 @@ def _reference_update(model_dir: str, batch: dict, tag: str) -> dict[str, torch.
             j = (i // 2) * 2
             base = (r[j] * n_tok[j] + r[j + 1] * n_tok[j + 1]) / (n_tok[j] + n_tok[j + 1])
             adv.append(torch.full((n_tok[i],), float((r[i] - base) / (std + 1e-5))))
-    rows = _token_logps(model, batch, with_entropy=(tag == "clipped"))
+    rows = _token_logps(model, batch, with_entropy=(tag in ("clipped", "none_recomputed")))
     per_row = []
     for i, (lp, ent, _) in enumerate(rows):
         a = adv[i]
@@ -280,7 +280,7 @@ def initial_params(tiny_model_dir: str) -> dict[str, torch.Tensor]:
     return dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict())
 
 
-@pytest.mark.parametrize("tag", ["decoupled", "clipped", "tis_free"])
+@pytest.mark.parametrize("tag", ["decoupled", "clipped", "none_recomputed", "tis_free"])
 def test_two_rank_update_equals_single_process_reference(
     results: tuple[dict, Path], tiny_model_dir: str, initial_params: dict, tag: str
 ) -> None:
@@ -304,6 +304,9 @@ def test_two_rank_update_equals_single_process_reference(
         # Every token came from version 0, the engine's: no lag, no interrupted generation.
         assert stats["ppo_actor/offpolicy/version_lag/max"] == 0.0
         assert stats["ppo_actor/offpolicy/multi_version_tokens"] == 0.0
+    elif tag == "none_recomputed":  # recomputed logprobs do not enter the ratio: the same step as "clipped"
+        assert _max_diff(res[tag]["params"], res["clipped"]["params"]) < 1e-6
+        assert stats["ppo_actor/update/clip_ratio/avg"] > 0.0
     else:  # stale logprobs: both clips fire
         assert stats["ppo_actor/update/clip_ratio/avg"] > 0.0
         assert stats["ppo_actor/update/dual_clip_ratio/avg"] > 0.0
@@ -336,8 +339,11 @@ def test_recompute_skipped_exactly_when_on_policy_and_loss_unchanged(results: tu
     loss = "actor/ppo_actor/update/loss"
     assert auto[loss] == pytest.approx(always[loss], abs=1e-6, rel=1e-6) and auto[loss] != 0.0
     assert _max_diff(rec["auto"]["params"], rec["always"]["params"]) < 1e-6
-    # One stale row on rank 1 only: both ranks recompute (the forward is collective).
+    # One stale row on rank 1 only, a KL reward on: both ranks recompute (the forward is collective).
     assert stale["actor/recompute_skipped"] == 0.0 and stale["timeperf/actor/recompute_logp"] > 0.0
+    # The same batch with no correction and no KL reward: the ratio is against the behaviour policy.
+    stale_none = rec["stale_none"]["exported"]
+    assert stale_none["actor/recompute_skipped"] == 1.0 and "timeperf/actor/recompute_logp" not in stale_none
     # With a correction on and one optimizer step, the training forward serves as the proximal policy.
     stale_tis = rec["stale_tis"]["exported"]
     assert stale_tis["actor/recompute_skipped"] == 1.0 and "timeperf/actor/recompute_logp" not in stale_tis

@@ -96,11 +96,28 @@ def resolve_correction(
     return Correction("mis", behav_imp_weight_cap)
 
 
+def old_policy_logp(correction: Correction, behav_logp: torch.Tensor, prox_logp: torch.Tensor | None) -> torch.Tensor:
+    """The old policy of the PPO ratio ``exp(logp - old)``.
+
+    ``none``: the behaviour logprobs, whatever was recomputed: PPO's ratio and clip then act
+    against the policy that sampled the tokens (stale ones included), the only importance
+    weighting this kind has; the recomputed proximal logprobs would make every ratio of a
+    one-step update 1 and train stale samples as on-policy. Any other kind: ``prox_logp``
+    (the correction weighs the proximal/behaviour gap separately); ``None`` there means the
+    update's own forward is the proximal policy (a one-step update), and the behaviour
+    logprobs stand in only as a placeholder the loss replaces.
+    """
+    if not correction.active or prox_logp is None:
+        return behav_logp
+    return prox_logp
+
+
 def _log_ratio(
     prox_logp: torch.Tensor, behav_logp: torch.Tensor, m: torch.Tensor, c: Correction, cu_seqlens: torch.Tensor | None
 ) -> torch.Tensor:
     """log rho per token, or the sequence's log R / log G broadcast to its tokens (0 off ``m``)."""
-    lr = torch.where(m, prox_logp.detach().float() - behav_logp.detach().float(), 0.0)
+    lr = prox_logp.detach().float() - behav_logp.detach().float()
+    lr = torch.where(m & torch.isfinite(lr), lr, 0.0)
     if c.kind not in _SEQUENCE_KINDS:
         return lr
     total = per_sequence_sum(lr, cu_seqlens)
@@ -120,9 +137,13 @@ def correction_weights(
 
     Returns ``weight`` (0 off ``mask`` and on dropped tokens), ``kept`` (in ``mask`` and not
     dropped), ``truncated`` (the weight was cut to C) and ``log_ratio`` (the log of the ratio the
-    kind uses), all shaped like ``mask``.
+    kind uses), all shaped like ``mask``. A token whose log-ratio is not finite (a logprob of
+    ``-inf`` on either side, e.g. both -inf gives NaN) is dropped by every active kind, and left
+    out of its sequence's ratio.
     """
     m = mask.bool()
+    if correction.active:
+        m = m & torch.isfinite(prox_logp.detach().float() - behav_logp.detach().float())
     lr = _log_ratio(prox_logp, behav_logp, m, correction, cu_seqlens)
     no = torch.zeros_like(m)
     if not correction.active:
@@ -164,10 +185,11 @@ def cispo_objective(
 def mismatch_token_stats(
     trainer_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    """Per token on ``mask`` (0 elsewhere): ``abs_dlogp = |trainer - behaviour|`` and ``kl_k3``,
-    the k3 estimate of KL(behaviour || trainer) from the behaviour's own samples."""
-    m = mask.bool()
+    """Per token on ``mask`` (0 elsewhere, and where either logprob is infinite): ``abs_dlogp =
+    |trainer - behaviour|`` and ``kl_k3``, the k3 estimate of KL(behaviour || trainer) from the
+    behaviour's own samples."""
     t, b = trainer_logp.detach().float(), behav_logp.detach().float()
+    m = mask.bool() & torch.isfinite(t - b)
     return {
         "abs_dlogp": torch.where(m, (t - b).abs(), 0.0),
         "kl_k3": torch.where(m, kl_estimate(b, t, "k3"), 0.0),

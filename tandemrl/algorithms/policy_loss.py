@@ -9,6 +9,9 @@ from tandemrl.algorithms.layout import broadcast_to_tokens, per_sequence_sum
 from tandemrl.algorithms.offpolicy import Correction, cispo_objective, correction_weights, resolve_correction
 
 RATIO_LEVELS = ("token", "sequence")
+# |log r| is clamped to this before exp: r stays in [2.1e-9, 4.9e8], finite in fp32 (exp overflows
+# past ~88.7), so one runaway token cannot turn the loss and every gradient of the step into NaN.
+LOG_RATIO_BOUND = 20.0
 
 
 def _sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
@@ -17,6 +20,22 @@ def _sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, cu_seqlens:
     total = per_sequence_sum(torch.where(m, log_ratio, 0.0), cu_seqlens)
     count = per_sequence_sum(m.to(log_ratio.dtype), cu_seqlens).clamp(min=1)
     return broadcast_to_tokens(total / count, log_ratio, cu_seqlens)
+
+
+def guarded_log_ratio(
+    logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, ratio_level: str, cu_seqlens: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(log r, live, clamped)``: the PPO log-ratio clamped to ``+-LOG_RATIO_BOUND`` (0 off ``live``),
+    the masked tokens whose ``logp - old_logp`` is finite (a -inf logp, e.g. outside a replayed
+    truncation, is not), and the live tokens whose log-ratio was clamped. ``sequence``: each
+    sequence's mean over its live tokens, on every token."""
+    raw = logp.float() - old_logp.float()
+    live = mask & torch.isfinite(raw.detach())
+    log_ratio = torch.where(live, raw, 0.0)
+    if ratio_level == "sequence":
+        log_ratio = _sequence_log_ratio(log_ratio, live, cu_seqlens)
+    clamped = live & (log_ratio.detach().abs() > LOG_RATIO_BOUND)
+    return log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND), live, clamped
 
 
 def _ppo_surrogate(
@@ -67,11 +86,15 @@ def ppo_policy_loss(
       on ``rho = exp(old_logp - behav_logp)``. Without ``correction`` this is decoupled PPO:
       ``w = rho``, and tokens with ``rho > behav_imp_weight_cap`` get ``w = 0`` (``mis``).
       Dropped tokens stay in the denominators.
+    * overflow guard: ``log r`` is clamped to ``+-LOG_RATIO_BOUND`` (20) before ``exp`` (a clamped
+      token has no gradient through r: PPO clips it anyway unless A < 0 without a dual clip), and
+      a token whose ``logp - old_logp`` is not finite is dropped (weight 0).
 
     The loss is :func:`~tandemrl.algorithms.aggregation.aggregate_loss` of L over ``mask``.
     Stats (detached, same shape as ``logp``): ``ratio``, ``clip_mask`` (clipped term active),
     ``dual_clip_mask``, ``approx_kl`` (``old_logp - logp``), ``behav_imp_weight``, ``behav_kept``,
-    ``behav_truncated`` and ``mask``; their masked means are the usual fractions and averages.
+    ``behav_truncated``, ``ratio_clamped``, ``nonfinite`` (dropped) and ``mask``; their masked means
+    are the usual fractions and averages.
     """
     if ratio_level not in RATIO_LEVELS:
         raise ValueError(f"importance_sampling_level must be one of {RATIO_LEVELS}, got '{ratio_level}'")
@@ -85,22 +108,21 @@ def ppo_policy_loss(
     if cispo and c_clip is not None:
         raise ValueError("c_clip (dual clip) has no effect with offpolicy_correction 'cispo'; unset it")
     m = mask.bool()
-    adv = torch.where(m, advantages.float(), 0.0)
-    log_ratio = torch.where(m, logp.float() - old_logp.float(), 0.0)
-    if ratio_level == "sequence":
-        log_ratio = _sequence_log_ratio(log_ratio, m, cu_seqlens)
+    log_ratio, live, clamped = guarded_log_ratio(logp, old_logp, m, ratio_level, cu_seqlens)
+    nonfinite = m & ~live
+    adv = torch.where(live, advantages.float(), 0.0)
     ratio = torch.exp(log_ratio)
     hi = eps_clip if eps_clip_higher is None else eps_clip_higher
     if cispo:
-        pg, clip_mask = cispo_objective(torch.where(m, logp.float(), 0.0), ratio, adv, eps_clip, hi)
-        clip_mask, dual_mask = clip_mask & m, torch.zeros_like(m)
+        pg, clip_mask = cispo_objective(torch.where(live, logp.float(), 0.0), ratio, adv, eps_clip, hi)
+        clip_mask, dual_mask = clip_mask & live, torch.zeros_like(m)
     else:
-        pg, clip_mask, dual_mask = _ppo_surrogate(ratio, adv, m, eps_clip, hi, c_clip)
-    weight, kept, truncated = torch.ones_like(pg), m.clone(), torch.zeros_like(m)
+        pg, clip_mask, dual_mask = _ppo_surrogate(ratio, adv, live, eps_clip, hi, c_clip)
+    weight, kept, truncated = live.float(), live.clone(), torch.zeros_like(m)
     if behav_logp is not None:
-        cw = correction_weights(old_logp, behav_logp, m, correction, cu_seqlens)
+        cw = correction_weights(old_logp, behav_logp, live, correction, cu_seqlens)
         weight, kept, truncated = cw["weight"], cw["kept"], cw["truncated"]
-        pg = pg * weight
+    pg = torch.where(live, pg * weight, 0.0)
     loss = aggregate_loss(pg, m, agg_mode, cu_seqlens, agg_norm_len)
     stats = {
         "ratio": ratio.detach(),
@@ -110,6 +132,8 @@ def ppo_policy_loss(
         "behav_imp_weight": weight,
         "behav_kept": kept,
         "behav_truncated": truncated,
+        "ratio_clamped": clamped,
+        "nonfinite": nonfinite,
         "mask": m,
     }
     return loss, stats

@@ -19,7 +19,7 @@ from tandemrl.algorithms.advantages import gae, normalization_stats, normalize_a
 from tandemrl.algorithms.aggregation import aggregate_loss, aggregation_weight
 from tandemrl.algorithms.kl import kl_estimate, kl_penalty_rewards
 from tandemrl.algorithms.layout import shift_left
-from tandemrl.algorithms.offpolicy import mismatch_token_stats, resolve_correction, version_stats
+from tandemrl.algorithms.offpolicy import mismatch_token_stats, old_policy_logp, resolve_correction, version_stats
 from tandemrl.algorithms.policy_loss import entropy_bonus, ppo_policy_loss
 from tandemrl.algorithms.recompute import RECOMPUTE_MODES, needs_logp_recompute, server_logp
 from tandemrl.algorithms.rewards import (
@@ -183,10 +183,12 @@ class PPOActor:
         cfg = self.config
         local = needs_logp_recompute(cfg.recompute_logprob, versions, batch["loss_mask"], version)
         local = local or (self.correction.active and not self.one_step)
-        # One optimizer step with a correction on: the update's own forward runs at the proximal
-        # weights, so a recompute would repeat it exactly (unless a KL reward reads prox_logp).
+        # 'auto' skips it where nothing would read it: with no correction the ratio's old policy is
+        # the behaviour policy (old_policy_logp), and with a correction over one optimizer step the
+        # update's own forward runs at the proximal weights. A KL reward reads prox_logp either way.
         kl_reward = cfg.kl_ctl > 0 and not cfg.use_kl_loss
-        if cfg.recompute_logprob == "auto" and self.correction.active and self.one_step and not kl_reward:
+        unread = not self.correction.active or self.one_step
+        if cfg.recompute_logprob == "auto" and unread and not kl_reward:
             local = False
         recompute = bool(self._dp_sum(torch.tensor([float(local)])).item() > 0)
         stats_tracker.scalar(recompute_skipped=float(not recompute))
@@ -301,12 +303,11 @@ class PPOActor:
         mb: TensorDict,
         forward_is_proximal: bool = False,
         mismatch: bool = True,
-        old_is_trainer: bool = True,
     ) -> torch.Tensor:
         """PPO loss of one micro-batch. ``forward_is_proximal``: this step's weights are the proximal
         policy (one-step update without a recompute), so the detached ``logp`` is the old policy;
-        ``mismatch``: record the trainer-vs-server metrics, from ``old_logp`` when it is the trainer's
-        (``old_is_trainer``) else from this forward (each token once per update)."""
+        ``mismatch``: record the trainer-vs-server metrics, from ``prox_logp`` when it was recomputed
+        else from this forward (each token once per update)."""
         cfg = self.config
         cu = mb["cu_seqlens"]
         labels = next_token_labels(mb["input_ids"], cu)
@@ -344,7 +345,7 @@ class PPOActor:
                 behav_imp_weight=st["behav_imp_weight"],
                 behav_kept_ratio=st["behav_kept"].float(),
             )
-        trainer = old if old_is_trainer or forward_is_proximal else logp.detach()
+        trainer = mb["prox_logp"] if "prox_logp" in mb else logp.detach()
         _record_correction(st, mask, mb["behav_logp"], trainer if mismatch else None)
         if entropy is not None:
             loss = loss + entropy_bonus(entropy, mask, cfg.entropy_coeff, **agg)
@@ -379,9 +380,10 @@ class PPOActor:
     def ppo_update(self, batch: PPOBatch) -> list[dict[str, float]]:
         """``ppo_n_epochs`` passes over ``ppo_n_minibatches`` minibatches (whole groups); one step each.
 
-        The ratio's old policy is ``prox_logp`` when present (:meth:`proximal_logp`), else the
-        training forward's own logprobs when a mismatch correction is on and the update is one
-        step, else the behaviour logprobs. ``config.offpolicy_correction`` weights each token by
+        The ratio's old policy (:func:`~tandemrl.algorithms.offpolicy.old_policy_logp`) is the
+        behaviour logprobs when ``offpolicy_correction`` is ``none`` (PPO against the sampler,
+        stale or not), else ``prox_logp`` when present (:meth:`proximal_logp`), else the training
+        forward's own logprobs (a one-step update). ``config.offpolicy_correction`` weights each token by
         its trainer/server ratio (:mod:`~tandemrl.algorithms.offpolicy`). Returns the engine's
         stats of every step; per-token stats go to ``stats_tracker`` under ``ppo_actor/``, the
         mismatch metrics under ``ppo_actor/offpolicy/`` (staleness) and ``ppo_actor/update/offpolicy/``.
@@ -399,9 +401,11 @@ class PPOActor:
             "attention_mask": batch["attention_mask"],
             "action_mask": batch["action_mask"],
             "advantages": batch["advantages"],
-            "old_logp": batch["behav_logp"] if prox is None else prox,
+            "old_logp": old_policy_logp(self.correction, batch["behav_logp"], prox),
             "behav_logp": batch["behav_logp"],
         }
+        if prox is not None:
+            data["prox_logp"] = prox
         if cfg.kl_ctl > 0 and cfg.use_kl_loss:
             require_fields(batch, ("ref_logp",), "ppo_update", " (use_kl_loss needs reference logprobs)")
             data["ref_logp"] = batch["ref_logp"]
@@ -423,9 +427,7 @@ class PPOActor:
                     for i, mb in enumerate(split_minibatches(data, cfg.ppo_n_minibatches, cfg.group_size)):
                         # Each token's mismatch once: the first epoch (recomputed), else the first step.
                         first = epoch == 0 and (prox is not None or i == 0)
-                        loss_fn = functools.partial(
-                            self._loss, forward_is_proximal=free_prox, mismatch=first, old_is_trainer=prox is not None
-                        )
+                        loss_fn = functools.partial(self._loss, forward_is_proximal=free_prox, mismatch=first)
                         results.append(self.engine.train_batch(mb, loss_fn, weight))
         return results
 
@@ -478,12 +480,17 @@ class PPOCritic:
 def _record_correction(
     st: dict[str, torch.Tensor], mask: torch.Tensor, behav_logp: torch.Tensor, trainer_logp: torch.Tensor | None
 ) -> None:
-    """``offpolicy/``: fractions of tokens the correction dropped / truncated and, given the trainer's
-    proximal logp, mean/max |trainer - server| logp and KL(behaviour || trainer) (k3)."""
+    """``offpolicy/``: fractions of tokens the correction dropped / truncated, of log-ratios clamped
+    and of tokens dropped as not finite; given the trainer's proximal logp, mean/max
+    |trainer - server| logp and KL(behaviour || trainer) (k3)."""
     with stats_tracker.scope("offpolicy"):
         stats_tracker.denominator(n_tokens=mask)
         dropped = (mask & ~st["behav_kept"]).float()
         stats_tracker.stat("n_tokens", ReduceType.AVG, masked=dropped, truncated=st["behav_truncated"].float())
+        # The overflow guard of ppo_policy_loss: log-ratios clamped, tokens dropped as not finite.
+        stats_tracker.stat(
+            "n_tokens", ReduceType.AVG, ratio_clamped=st["ratio_clamped"].float(), nonfinite=st["nonfinite"].float()
+        )
         if trainer_logp is not None:
             mm = mismatch_token_stats(trainer_logp, behav_logp, mask)
             stats_tracker.stat("n_tokens", abs_dlogp=mm["abs_dlogp"])

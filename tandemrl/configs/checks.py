@@ -195,23 +195,6 @@ def _async_overlaps(config: Any) -> Problem | None:
     return None
 
 
-def _stale_is_corrected(config: Any) -> Problem | None:
-    """Stale samples need an off-policy correction or recomputed proximal logprobs."""
-    actor = getattr(config, "actor", None)
-    staleness = _staleness(config)
-    if not isinstance(actor, PPOActorConfig) or not staleness:
-        return None
-    correction = getattr(actor, "offpolicy_correction", "auto")
-    if correction == "none" and actor.recompute_logprob == "never":
-        return (
-            "actor.offpolicy_correction",
-            f"must not be 'none' when samples may lag the trainer (async_training=true, "
-            f"rollout.max_head_offpolicyness={staleness}) and actor.recompute_logprob is 'never': nothing would "
-            "correct for the older weights; choose a correction, or recompute_logprob 'auto'",
-        )
-    return None
-
-
 def _truncation(gconfig: GenerationHyperparameters) -> tuple[str, object] | None:
     """The first sampling field that keeps only part of the vocabulary, with its value."""
     if gconfig.greedy:
@@ -339,7 +322,6 @@ def first_problem(config: Any) -> Problem | None:
         or _micro_batches_fit(config)
         or _turns_fit(config)
         or _async_overlaps(config)
-        or _stale_is_corrected(config)
         or _truncation_replayed(config)
         or _lora_fits(config)
         or _router_replay_fits(config)

@@ -46,11 +46,16 @@ class NormConfig:
 class PPOActorConfig:
     """A policy trained with a PPO-style objective; algorithms are choices of these fields.
 
+    The defaults (``adv_norm`` over every token of the batch) are REINFORCE++/PPO-style
+    whitening, not GRPO: a GRPO config sets the GRPO row (``preset:grpo_gsm8k`` does).
+
     ============  ==============================================================================
     Algorithm     Fields (others at their defaults)
     ============  ==============================================================================
     GRPO          adv_norm: {mean_level: group, std_level: group, unit: sequence};
-                  group_size: n_samples; optional kl_ctl>0 + use_kl_loss + kl_estimator: k3
+                  group_size: n_samples; optional kl_ctl>0 + use_kl_loss + kl_estimator: k3;
+                  loss_agg_mode token-mean (the default, as DAPO); the paper's per-sequence
+                  mean is loss_agg_mode: seq-mean-token-mean
     Dr.GRPO       adv_norm: {mean_level: group, std_level: none, unit: sequence};
                   loss_agg_mode: seq-mean-token-sum, loss_agg_norm_len: <max_new_tokens>
                   (the paper's constant normalizer; token-mean is the other unbiased choice)
@@ -100,11 +105,11 @@ class PPOActorConfig:
     recompute_logprob: str = field(
         default="auto",
         metadata={
-            "help": "Proximal (pre-update) logprobs: 'auto' never recomputes them for a one-step update with a "
-            "correction on and no KL reward (its training forward is the proximal policy), else recomputes "
-            "with an extra forward when some generated token came from older weights than the trainer's or "
-            "the update takes several steps with a correction on; 'always' recomputes every step; 'never' "
-            "uses the server's (behaviour) logprobs.",
+            "help": "Proximal (pre-update) logprobs, read by a correction over several optimizer steps and by a "
+            "KL reward: 'auto' recomputes them (one extra forward) when the update takes several steps with a "
+            "correction on, or a KL reward is on and some generated token came from older weights than the "
+            "trainer's; 'always' every step; 'never' uses the server's (behaviour) logprobs. With "
+            "offpolicy_correction none the PPO ratio is always taken against the behaviour logprobs.",
             "choices": ["auto", "always", "never"],
         },
     )
@@ -128,7 +133,8 @@ class PPOActorConfig:
             "help": "Train/rollout mismatch correction on rho = exp(prox - behav) (docs/offpolicy.md): tis "
             "(weight min(rho, C)), mis (drop tokens with rho > C), seq_tis / seq_mis (the same on the sequence "
             "ratio, offpolicy_seq_ratio), geo_mask (drop sequences whose geometric-mean ratio is outside "
-            "[1/C_low, C]), icepop (drop tokens outside [1/C_low, C]), cispo (CISPO objective + tis), none. "
+            "[1/C_low, C]), icepop (drop tokens outside [1/C_low, C]), cispo (CISPO objective + tis), none (no "
+            "weight: the PPO ratio and clip act against the behaviour logprobs, stale samples included). "
             "'auto': use_decoupled_loss's weights when it is set, else tis.",
             "choices": ["auto", "none", "tis", "mis", "seq_tis", "seq_mis", "geo_mask", "icepop", "cispo"],
         },

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 import os
 from abc import abstractmethod
@@ -36,6 +37,8 @@ from tandemrl.engines.prefix_sharing import (
 )
 from tandemrl.models.varlen_attention import VARLEN_SDPA
 from tandemrl.utils import stats_tracker
+
+logger = logging.getLogger(__name__)
 
 
 def lr_lambda(cfg: OptimizerConfig, total_steps: int) -> Callable[[int], float]:
@@ -318,22 +321,27 @@ class BaseTrainEngine(TrainEngine):
         mbs = self._split(batch)
         weights = self._weights(mbs, loss_weight_fn)
         total = self._all_reduce_sum(sum(weights))
-        if total <= 0:
-            raise ValueError("train_batch: total loss weight over all ranks is 0 (no tokens to train on)")
+        lr = self.optimizer.param_groups[0]["lr"]
+        if total <= 0:  # e.g. mask_no_eos with every response truncated: nothing to learn from
+            logger.warning("train_batch: update skipped, no trainable token in the batch on any rank (loss weight 0)")
+            stats = {"loss": 0.0, "grad_norm": 0.0, "update_successful": 0.0, "lr": lr, "n_mbs": 0.0}
+            stats_tracker.scalar(**stats, skipped_empty=1.0, skipped_nonfinite=0.0)
+            return stats
         with stats_tracker.record_timing("fwd_bwd"):
             loss_sum = self._train_micro_batches(mbs, weights, self.data_parallel_world_size / total, loss_fn)
             self._sync_device()  # kernels still queued belong to this timing, not the optimizer's
         with stats_tracker.record_timing("optimizer_step"):
             grad_norm, stepped = self._optimizer_step()
-        lr = self.optimizer.param_groups[0]["lr"]
-        stats = {
-            "loss": self._all_reduce_sum(loss_sum) / total,
-            "grad_norm": grad_norm,
-            "update_successful": float(stepped),
-            "lr": lr,
-            "n_mbs": float(len(mbs.mbs)),
-        }
-        stats_tracker.scalar(**stats)
+        loss = self._all_reduce_sum(loss_sum) / total
+        if not stepped:
+            logger.warning(
+                "train_batch: optimizer step skipped: gradient norm %s is not finite (loss %s); weights unchanged",
+                grad_norm,
+                loss,
+            )
+        stats = {"loss": loss, "grad_norm": grad_norm, "update_successful": float(stepped), "lr": lr}
+        stats["n_mbs"] = float(len(mbs.mbs))
+        stats_tracker.scalar(**stats, skipped_empty=0.0, skipped_nonfinite=float(not stepped))
         return stats
 
     @torch.no_grad()

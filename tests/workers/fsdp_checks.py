@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -148,11 +149,21 @@ def variants(args: argparse.Namespace) -> None:
     def nan_loss(logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
         return logits.float().mean() * float("nan")
 
+    warned: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("tandemrl.engines.base").addHandler(handler)
     out["nan"] = {
         "stats": e.train_batch(batch, nan_loss, lambda mb: 1.0),
         "before": before,
         "after": e.full_state_dict(),
     }
+    e.export_stats()
+    # No trainable token on any rank (e.g. mask_no_eos with every response truncated): skipped, not raised.
+    out["empty"] = {"stats": e.train_batch(batch, nan_loss, lambda mb: 0.0), "exported": e.export_stats()}
+    out["empty"]["after"] = e.full_state_dict()
+    out["warned"] = list(warned)
+    logging.getLogger("tandemrl.engines.base").removeHandler(handler)
     out["prefix"] = shared_vs_unshared(FSDPEngine, args.model)
     if dist.get_rank() == 0:
         torch.save(out, os.path.join(args.out, "variants.pt"))

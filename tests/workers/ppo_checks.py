@@ -47,6 +47,17 @@ CONFIGS = {
         loss_agg_mode="seq-mean-token-mean",
         entropy_coeff=0.01,
     ),
+    # "clipped" with the proximal logprobs recomputed (ppo_step passes them unless 'never'): with no
+    # correction the ratio stays against the behaviour policy, so the update equals "clipped".
+    "none_recomputed": dict(
+        adv_norm=NormConfig(mean_level="group", std_level="batch", unit="token"),
+        offpolicy_correction="none",
+        eps_clip=0.2,
+        eps_clip_higher=0.3,
+        c_clip=1.5,
+        loss_agg_mode="seq-mean-token-mean",
+        entropy_coeff=0.01,
+    ),
     # Token TIS without a recompute (recompute_logprob never, one step): the training forward is the
     # proximal policy, so the PPO ratio is 1 and each token weighs min(exp(prox - behav), 1.2).
     "tis_free": dict(
@@ -158,12 +169,17 @@ def recompute_checks(model: str, global_batch: dict[str, torch.Tensor]) -> dict:
         batch["versions"] = torch.where(batch["loss_mask"].bool(), version, -1)
         ppo_train_step(actor)(batch, 0)
         out[mode] = {"exported": e.export_stats(), "params": e.full_state_dict()}
-        if mode == "auto":  # one row on rank 1 came from the previous weights: every rank recomputes
+        if mode == "auto":  # one row on rank 1 came from the previous weights
             batch = rank_slice(global_batch)
             batch["versions"] = torch.where(batch["loss_mask"].bool(), version, -1)
             if dist.get_rank() == 1:
                 batch["versions"][0] = torch.where(batch["loss_mask"][0].bool(), version - 1, -1)
+            # No correction and no KL reward: nothing reads the proximal logprobs, no recompute.
             ppo_train_step(actor)(batch, 1)
+            out["stale_none"] = {"exported": e.export_stats()}
+            # A KL reward reads them: every rank recomputes (the forward is collective).
+            kl = PPOActor(actor_config(model, recompute_logprob=mode, kl_ctl=0.01, **fields), e)
+            ppo_train_step(kl, ref=kl)(batch, 1)
             out["stale"] = {"exported": e.export_stats()}
             # The same stale batch under token TIS (the default correction), one optimizer step: the
             # update's own forward is the proximal policy, so no recompute.
