@@ -298,3 +298,33 @@ def test_reject_uniform_rewards() -> None:
     assert reject_uniform_rewards({"rewards": t([1.0])}) is False
     with pytest.raises(KeyError, match="rewards"):
         reject_uniform_rewards({})
+
+
+def test_reinforce_corrected_loss_hand_values() -> None:
+    """``-w * A * logp`` token mean with ``w = min(exp(logp - behav), 2)`` detached; the masked third token
+    and a dropped (mis, rho > 2) token add nothing but stay in the denominator."""
+    from tandemrl.algorithms.offpolicy import Correction
+    from tandemrl.algorithms.reinforce import reinforce_corrected_loss
+
+    logp = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+    behav = torch.tensor([-1.0 - math.log(3.0), -2.0 + math.log(2.0), -9.0])
+    adv, mask = torch.tensor([1.0, -1.0, 5.0]), torch.tensor([True, True, False])
+    loss, w = reinforce_corrected_loss(logp, adv, mask, behav, Correction("tis", cap=2.0))
+    # w = [min(3, 2), 0.5]; loss = -(2 * 1 * -1 + 0.5 * -1 * -2) / 2 = 0.5; d/dlogp = -w * A / 2
+    assert loss.item() == pytest.approx(0.5) and w.tolist() == pytest.approx([2.0, 0.5, 0.0])
+    loss.backward()
+    assert logp.grad.tolist() == pytest.approx([-1.0, 0.25, 0.0])
+    loss, w = reinforce_corrected_loss(logp.detach(), adv, mask, behav, Correction("mis", cap=2.0))
+    assert w.tolist() == pytest.approx([0.0, 0.5, 0.0]) and loss.item() == pytest.approx(-0.5)
+    loss, w = reinforce_corrected_loss(logp.detach(), adv, mask, behav, Correction("none"))
+    assert w.tolist() == [1.0, 1.0, 0.0] and loss.item() == pytest.approx((1.0 - 2.0) / 2)
+
+
+def test_rloo_with_one_valid_sample_in_a_group_has_no_advantage() -> None:
+    """Group 1 keeps one valid sample (the others masked, e.g. mask_no_eos): leave-one-out has no other
+    sample to compare it with, so its advantage is 0, not its raw reward 1; group 2 is ordinary RLOO."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0])
+    valid = torch.tensor([True, False, False, True, True, True])
+    baseline, _ = normalization_stats(rewards, valid, 3, "group", "none", leave_one_out=True)
+    adv = torch.where(valid, rewards - baseline, 0.0)
+    assert adv.tolist() == pytest.approx([0.0, 0.0, 0.0, 1.0, -0.5, -0.5])

@@ -360,16 +360,30 @@ def test_minibatches_and_epochs_take_one_step_each(results: tuple[dict, Path], i
 
 
 def test_reinforce_loss_and_update(results: tuple[dict, Path], tiny_model_dir: str, initial_params: dict) -> None:
+    """ReinforceActor's loss is ``-w * A * log p`` at the sampling temperature (0.7), ``w = min(rho, 1.2)``
+    on ``rho = exp(log p - behaviour log p)``: written out here on the global batch."""
     from transformers import AutoModelForCausalLM
 
     res, _ = results
     batch = res["batch"]
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    num, n_tok, at_t1 = 0.0, 0, 0.0
     with torch.no_grad():
-        rows = _token_logps(model, batch)
-    num = sum(-(float(batch["rewards"][i]) * lp).sum() for i, (lp, _, _) in enumerate(rows))
-    expected = float(num) / sum(len(lp) for lp, _, _ in rows)
-    assert res["reinforce"]["stats"]["loss"] == pytest.approx(expected, rel=1e-5)
+        for i, n in enumerate(batch["attention_mask"].sum(1).tolist()):
+            ids = batch["input_ids"][i, :n]
+            logits = model(input_ids=ids[None]).logits[0, :-1].float()
+            resp = batch["loss_mask"][i, 1:n].bool()
+            lp = torch.log_softmax(logits / 0.7, -1).gather(-1, ids[1:, None]).squeeze(-1)[resp]
+            behav = batch["logprobs"][i, 1:n][resp]
+            w = torch.exp(lp - behav).clamp(max=1.2)
+            num += float(-(w * float(batch["rewards"][i]) * lp).sum())
+            at_t1 += float(
+                -(float(batch["rewards"][i]) * torch.log_softmax(logits, -1).gather(-1, ids[1:, None])[resp]).sum()
+            )
+            n_tok += len(lp)
+    assert res["reinforce"]["stats"]["loss"] == pytest.approx(num / n_tok, rel=1e-5)
+    assert abs(num - at_t1) / n_tok > 1e-3, "temperature 1 and no weights would give another loss"
+    assert "offpolicy_correction 'none' on samples from older weights" in res["reinforce"]["stale_none"]
     assert _max_diff(res["reinforce"]["params"], initial_params) > 1e-5
 
 

@@ -86,7 +86,8 @@ def normalization_stats(
     (summed over ranks by ``all_reduce``), ``none`` = baseline 0 / scale 1.
 
     * baseline = pooled mean; with ``leave_one_out`` the mean of the pool *without the row's
-      own elements* (RLOO: ``r_i - mean_{j != i} r_j``).
+      own elements* (RLOO: ``r_i - mean_{j != i} r_j``); a row whose pool holds nothing else
+      (one valid sample in its group) gets its own mean, i.e. advantage 0.
     * scale = pooled std (around the std level's own mean, ``n - 1`` in the denominator when
       ``unbiased``) + ``eps``.
     """
@@ -107,6 +108,9 @@ def normalization_stats(
         pooled = _pool(row, mean_level, group_size, all_reduce)
         if leave_one_out:
             pooled = pooled - row
+            # Nothing else in the pool (the group's other samples were all masked out): the row's
+            # own mean, so its advantage is 0 rather than the raw reward against a baseline of 0.
+            pooled = torch.where(pooled[:, 1:] > 0, pooled, row)
         baseline = pooled[:, 0] / pooled[:, 1].clamp(min=1)
 
     scale = torch.ones(bsz, dtype=xf.dtype, device=x.device)

@@ -1,6 +1,8 @@
 """On-policy distillation: the student samples, a teacher scores the sampled tokens, and the
-per-token advantage is ``teacher logp - student logp``, so the policy gradient descends the
-reverse KL(student || teacher) along the student's own samples.
+per-token advantage is ``teacher logp - student logp``: the policy gradient descends, token by
+token, the reverse KL(student || teacher) at the states the student visits (each token's own
+log-ratio only, not the sum over the tokens after it: a per-token, lower-variance surrogate of
+the sequence KL's gradient, as on-policy distillation does).
 
 ``reverse_kl_advantages`` is the pure tensor math. ``DistillActor`` is a :class:`PPOActor` whose
 ``compute_advantages`` puts that advantage on every generated token (optionally plus the task
@@ -34,8 +36,10 @@ def reverse_kl_advantages(
 ) -> torch.Tensor:
     """Per-token advantage ``coef * (teacher_logp - student_logp)`` on masked tokens, 0 elsewhere.
 
-    With the student's tokens sampled from the student, ``E[-A * grad log p_student]`` is ``coef``
-    times the gradient of KL(student || teacher) (the mode-seeking, reverse direction).
+    With the student's tokens sampled from the student, ``E[-A_t * grad log p_student(y_t)]`` is
+    ``coef`` times the gradient of the token-level KL(student || teacher) at step t with the
+    state held fixed (the mode-seeking, reverse direction). It is not the full gradient of the
+    sequence KL: that would weigh each token by the sum of the log-ratios from t on.
     """
     if teacher_logp.shape != student_logp.shape or teacher_logp.shape != mask.shape:
         raise ValueError(

@@ -28,7 +28,8 @@ def guarded_log_ratio(
     """``(log r, live, clamped)``: the PPO log-ratio clamped to ``+-LOG_RATIO_BOUND`` (0 off ``live``),
     the masked tokens whose ``logp - old_logp`` is finite (a -inf logp, e.g. outside a replayed
     truncation, is not), and the live tokens whose log-ratio was clamped. ``sequence``: each
-    sequence's mean over its live tokens, on every token."""
+    sequence's mean over its live tokens, on every token. A clamped token has no gradient through r
+    (PPO clips it anyway unless A < 0 without a dual clip); a dropped one has weight 0."""
     raw = logp.float() - old_logp.float()
     live = mask & torch.isfinite(raw.detach())
     log_ratio = torch.where(live, raw, 0.0)
@@ -86,9 +87,7 @@ def ppo_policy_loss(
       on ``rho = exp(old_logp - behav_logp)``. Without ``correction`` this is decoupled PPO:
       ``w = rho``, and tokens with ``rho > behav_imp_weight_cap`` get ``w = 0`` (``mis``).
       Dropped tokens stay in the denominators.
-    * overflow guard: ``log r`` is clamped to ``+-LOG_RATIO_BOUND`` (20) before ``exp`` (a clamped
-      token has no gradient through r: PPO clips it anyway unless A < 0 without a dual clip), and
-      a token whose ``logp - old_logp`` is not finite is dropped (weight 0).
+    * overflow guard (:func:`guarded_log_ratio`): ``log r`` clamped to +-20, non-finite tokens dropped.
 
     The loss is :func:`~tandemrl.algorithms.aggregation.aggregate_loss` of L over ``mask``.
     Stats (detached, same shape as ``logp``): ``ratio``, ``clip_mask`` (clipped term active),
@@ -109,9 +108,7 @@ def ppo_policy_loss(
         raise ValueError("c_clip (dual clip) has no effect with offpolicy_correction 'cispo'; unset it")
     m = mask.bool()
     log_ratio, live, clamped = guarded_log_ratio(logp, old_logp, m, ratio_level, cu_seqlens)
-    nonfinite = m & ~live
-    adv = torch.where(live, advantages.float(), 0.0)
-    ratio = torch.exp(log_ratio)
+    adv, ratio = torch.where(live, advantages.float(), 0.0), torch.exp(log_ratio)
     hi = eps_clip if eps_clip_higher is None else eps_clip_higher
     if cispo:
         pg, clip_mask = cispo_objective(torch.where(live, logp.float(), 0.0), ratio, adv, eps_clip, hi)
@@ -133,7 +130,7 @@ def ppo_policy_loss(
         "behav_kept": kept,
         "behav_truncated": truncated,
         "ratio_clamped": clamped,
-        "nonfinite": nonfinite,
+        "nonfinite": m & ~live,
         "mask": m,
     }
     return loss, stats

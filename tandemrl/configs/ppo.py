@@ -64,14 +64,16 @@ class PPOActorConfig:
                   dynamic_sampling: true (should_accept_fn=reject_uniform_rewards)
     RLOO          adv_norm: {mean_level: group, std_level: none, leave_one_out: true, unit: sequence}
     REINFORCE++   adv_norm: {mean_level: batch, std_level: batch, unit: token};
-                  kl_ctl > 0 with a reference model (KL as per-token reward, kl_estimator: k2)
+                  kl_ctl > 0 with a reference model (KL as per-token reward, kl_estimator: k1
+                  as in the paper)
     GSPO          GRPO's adv_norm; importance_sampling_level: sequence; eps_clip: 3e-4,
                   eps_clip_higher: 4e-4; loss_agg_mode: seq-mean-token-mean
     PPO (critic)  critic: PPOCriticConfig (its engine has is_critic: true); batch['values'] from
                   PPOCritic.compute_values; discount/gae_lambda for GAE;
                   adv_norm: {mean_level: batch, std_level: batch, unit: token}
     ReMax         ReMaxRLVRWorkflow rewards (sample - greedy); adv_norm: {mean_level: none,
-                  std_level: none} (or ReinforceActor.train_reinforce)
+                  std_level: none} (or ReinforceActor.train_reinforce: temperature, truncation
+                  replay and offpolicy_correction apply to it too)
     ============  ==============================================================================
 
     Off-policy (asynchronous) samples and the trainer/server numerical gap: offpolicy_correction

@@ -22,6 +22,7 @@ from tandemrl.engines.teardown import destroy_process_groups
 
 VOCAB = 1024
 GROUP = 2
+REINFORCE_TEMPERATURE = 0.7
 REWARDS = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.5, 0.0]  # group 3 is uniform: zero GRPO advantage
 
 # The two configurations compared with the single-process reference in tests/test_ppo_actor.py.
@@ -214,10 +215,20 @@ def main(args: argparse.Namespace) -> None:
     results["multi"] = {"stats": actor.ppo_update(batch), "params": e.full_state_dict()}
     e.destroy()
 
-    # REINFORCE on per-sequence rewards (e.g. ReMax reward differences).
+    # REINFORCE on per-sequence rewards (e.g. ReMax reward differences), at the sampling temperature
+    # 0.7 with token TIS (C = 1.2) on the noisy behaviour logprobs.
     e = build(args.model)
-    stats = ReinforceActor(e).train_reinforce(rank_slice(global_batch))
+    cfg = actor_config(args.model, temperature=REINFORCE_TEMPERATURE, offpolicy_correction="tis", offpolicy_cap=1.2)
+    stats = ReinforceActor(e, cfg).train_reinforce(rank_slice(global_batch))
     results["reinforce"] = {"stats": stats, "params": e.full_state_dict()}
+    # No correction on samples one version behind the trainer: refused, not trained as on-policy.
+    stale = rank_slice(global_batch)
+    stale["versions"] = torch.where(stale["loss_mask"].bool(), e.get_version() - 1, -1)
+    try:
+        ReinforceActor(e, actor_config(args.model, offpolicy_correction="none")).train_reinforce(stale)
+        results["reinforce"]["stale_none"] = "trained"
+    except ValueError as err:
+        results["reinforce"]["stale_none"] = str(err)
     e.destroy()
 
     # Critic: values, GAE advantages from them, three clipped value-loss updates.

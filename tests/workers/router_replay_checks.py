@@ -132,8 +132,10 @@ def ppo_section(model: str, batch: dict[str, torch.Tensor], behav: torch.Tensor)
     # ReinforceActor (one step) records them the same way before its step
     from tandemrl.algorithms.reinforce import ReinforceActor
 
-    fresh = {k: v for k, v in rollout.items() if k in ("input_ids", "attention_mask", "loss_mask", "rewards")}
-    ReinforceActor(e).train_reinforce(fresh)
+    fresh = {
+        k: v for k, v in rollout.items() if k in ("input_ids", "attention_mask", "loss_mask", "rewards", "logprobs")
+    }
+    ReinforceActor(e, PPOActorConfig(engine=e.config)).train_reinforce(fresh)
     out["reinforce_recorded"] = ROUTED_EXPERTS in fresh
     e.destroy()
     return out
