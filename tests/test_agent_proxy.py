@@ -20,8 +20,11 @@ import pytest
 import requests
 import torch
 
+from tandemrl.algorithms.ppo import PPOActor
 from tandemrl.api.inference import ModelRequest, ModelResponse
 from tandemrl.configs.agent import AgentConfig
+from tandemrl.configs.engine import TrainEngineConfig
+from tandemrl.configs.ppo import PPOActorConfig
 from tandemrl.configs.rollout import GenerationHyperparameters, InferenceEngineConfig
 from tandemrl.inference.remote import RemoteVLLMEngine
 from tandemrl.utils import stats_tracker
@@ -146,7 +149,7 @@ def tool_agent(stream: bool):
 
 def one_row(batch: dict[str, torch.Tensor], i: int = 0) -> dict[str, list]:
     n = int(batch["attention_mask"][i].sum())
-    return {k: batch[k][i, :n].tolist() for k in ("input_ids", "loss_mask", "logprobs", "versions")}
+    return {k: batch[k][i, :n].tolist() for k in ("input_ids", "loss_mask", "logprobs", "versions", "constrained")}
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
@@ -184,6 +187,24 @@ def test_tool_agent_trajectory_is_the_servers_tokens(engine: Any, tokenizer: Any
     assert stats[f"{scope}/agent_calls"] == 3 and stats[f"{scope}/agent_fork"] == 0
     assert stats[f"{scope}/agent_extend"] + stats[f"{scope}/agent_repair"] == 2
     assert float(batch["rewards"][0]) in (1.0, 0.5)
+    if not stream:
+        check_forced_tokens_leave_the_update(batch, row, tokenizer.decode(tap.calls[2][1].output_tokens))
+
+
+def check_forced_tokens_leave_the_update(batch: dict[str, torch.Tensor], row: dict[str, list], last: str) -> None:
+    """Every call had a regex constraint: all outputs are marked ``constrained``. vLLM returns
+    logprob exactly 0.0 where the regex left one token; the trainer drops those from its action
+    mask and keeps the others, e.g. the answer's last digit (a choice among ten)."""
+    assert row["constrained"] == row["loss_mask"]
+    generated = [t for t, m in enumerate(row["loss_mask"]) if m]
+    forced = [t for t in generated if row["logprobs"][t] == 0.0]
+    assert len(forced) > len(generated) / 2, (len(forced), len(generated))  # the tool calls are literals
+    digit = generated[-1] if last[-1].isdigit() else generated[-2]  # the last output token may be EOS
+    assert last.startswith("The answer is 3") and digit not in forced, last
+    config = PPOActorConfig(engine=TrainEngineConfig(path="unused"), group_size=1)
+    b = PPOActor(config, engine=None).compute_advantages(batch)  # no torch.distributed: no engine needed
+    kept = [t + 1 for t, a in enumerate(b["action_mask"][0].tolist()) if a]  # position t emits token t + 1
+    assert kept == [t for t in generated if t not in forced]
 
 
 def think_agent(mode_out: dict[str, Any]):
@@ -304,4 +325,5 @@ def test_completions_extend_one_trajectory(engine: Any, tokenizer: Any, stream: 
     extends = p2[: len(first)] == first
     assert [c.link for c in session.calls] == ["new", "extend" if extends else "new"]
     assert session.trajectories[-1].tokens == p2 + r2.output_tokens
+    assert set(session.trajectories[-1].constrained) == {0}  # no output constraint: nothing is marked
     assert len(session.trajectories) == (1 if extends else 2)

@@ -328,3 +328,21 @@ def test_rloo_with_one_valid_sample_in_a_group_has_no_advantage() -> None:
     baseline, _ = normalization_stats(rewards, valid, 3, "group", "none", leave_one_out=True)
     adv = torch.where(valid, rewards - baseline, 0.0)
     assert adv.tolist() == pytest.approx([0.0, 0.0, 0.0, 1.0, -0.5, -0.5])
+
+
+def test_reinforce_actions_leave_out_forced_tokens() -> None:
+    """ReMax/REINFORCE like PPO: a token of a constrained call with behaviour logprob exactly 0 is no action."""
+    from tandemrl.algorithms.reinforce import reinforce_advantages
+
+    batch = {
+        "input_ids": torch.tensor([[5, 6, 7, 8, 9]]),
+        "attention_mask": torch.ones(1, 5).bool(),
+        "loss_mask": torch.tensor([[0, 1, 1, 1, 1]]),
+        "logprobs": torch.tensor([[0.0, -0.7, 0.0, 0.0, -0.2]]),
+        "rewards": torch.tensor([2.0]),
+    }
+    adv, action = reinforce_advantages(batch)
+    assert action.tolist() == [[True, True, True, True, False]]
+    batch["constrained"] = torch.tensor([[0, 1, 1, 0, 1]])  # token 3's 0.0 is a free (greedy-like) choice
+    adv, action = reinforce_advantages(batch)
+    assert action.tolist() == [[True, False, True, True, False]] and adv.tolist() == [[2.0, 0.0, 2.0, 2.0, 0.0]]

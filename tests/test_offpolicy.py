@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from tandemrl.algorithms.constrained import forced_tokens, mostly_forced
 from tandemrl.algorithms.offpolicy import (
     Correction,
     correction_weights,
@@ -20,7 +21,10 @@ from tandemrl.algorithms.offpolicy import (
     version_stats,
 )
 from tandemrl.algorithms.policy_loss import ppo_policy_loss
-from tandemrl.configs.ppo import PPOActorConfig
+from tandemrl.algorithms.ppo import PPOActor
+from tandemrl.configs.engine import TrainEngineConfig
+from tandemrl.configs.ppo import NormConfig, PPOActorConfig
+from tandemrl.utils import stats_tracker
 
 CU = torch.tensor([0, 3, 6], dtype=torch.int32)
 MASK = torch.tensor([1, 1, 1, 1, 1, 0]).bool()
@@ -296,3 +300,71 @@ def test_nonfinite_behaviour_ratios_drop_their_token() -> None:
         assert w["weight"][2].item() == pytest.approx(2.0), kind  # the sequence ratio is the third token's alone
     stats = mismatch_token_stats(prox, behav, mask)
     assert torch.isfinite(stats["abs_dlogp"]).all() and torch.isfinite(stats["kl_k3"]).all()
+
+
+# ------------------------------------------------------------------------------------- constrained decoding
+def test_forced_tokens_need_a_constraint_and_a_zero_logprob() -> None:
+    behav = torch.tensor([[0.0, -0.5, 0.0, 0.0, 0.0, -1e-7]])
+    constrained = torch.tensor([[1, 1, 1, 0, 1, 1]])
+    mask = torch.tensor([[1, 1, 1, 1, 0, 1]]).bool()
+    # 0: forced; 1: a choice among allowed tokens; 3: 0.0 without a constraint (greedy); 4: off the mask;
+    # 5: close to but not exactly 0 (the constraint left more than one token).
+    assert forced_tokens(behav, constrained, mask).tolist() == [[True, False, True, False, False, False]]
+    with pytest.raises(ValueError, match="'constrained' has shape"):
+        forced_tokens(behav, constrained[:, :4], mask)
+    assert mostly_forced(3, 5) and not mostly_forced(3, 6) and not mostly_forced(0, 0)
+
+
+def _constrained_batch(constrained_row1: int) -> dict[str, torch.Tensor]:
+    """One group of two rows, prompts of 2 tokens. Row 0: a constrained call whose tokens 2, 4, 5
+    were forced (logprob 0.0) and token 3 a choice (-1.0). Row 1: 0.0 on token 2 too, constrained
+    or not (``constrained_row1``); token 3 a choice (-0.5)."""
+    return {
+        "input_ids": torch.tensor([[5, 6, 7, 8, 9, 2], [5, 6, 7, 8, 0, 0]]),
+        "attention_mask": torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]]).bool(),
+        "loss_mask": torch.tensor([[0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 0, 0]]),
+        "logprobs": torch.tensor([[0.0, 0.0, 0.0, -1.0, 0.0, 0.0], [0.0, 0.0, 0.0, -0.5, 0.0, 0.0]]),
+        "constrained": torch.tensor([[0, 0, 1, 1, 1, 1], [0, 0, constrained_row1, constrained_row1, 0, 0]]),
+        "rewards": torch.tensor([1.0, 0.0]),
+    }
+
+
+def _constrained_actor() -> PPOActor:
+    cfg = PPOActorConfig(engine=TrainEngineConfig(path="unused"), group_size=2)
+    cfg.adv_norm = NormConfig(mean_level="none", std_level="none")
+    return PPOActor(cfg, engine=None)  # compute_advantages needs no engine outside torch.distributed
+
+
+def test_forced_tokens_leave_the_update(caplog: pytest.LogCaptureFixture) -> None:
+    """Forced tokens leave action_mask (so the ratio, the correction and the loss), are counted in
+    ``ppo_actor/offpolicy/forced``; more than half of the batch forced logs one warning; without a
+    ``constrained`` field nothing is dropped."""
+    stats_tracker.export()  # start from an empty tracker
+    b = _constrained_actor().compute_advantages(_constrained_batch(constrained_row1=0))
+    # Next-token aligned: position t emits token t + 1. Row 0 keeps only token 3 (position 2);
+    # row 1's 0.0 at token 2 was not under a constraint: kept.
+    assert b["forced_mask"].tolist() == [[False, True, False, True, True, False], [False] * 6]
+    assert b["action_mask"].tolist() == [[False, False, True, False, False, False], [False, True, True] + [False] * 3]
+    assert b["advantages"].tolist() == [[0.0, 0.0, 1.0, 0.0, 0.0, 0.0], [0.0] * 6]
+    assert b["token_rewards"][0].tolist() == [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]  # the reward on the last free token
+    assert stats_tracker.export()["ppo_actor/offpolicy/forced"] == pytest.approx(3 / 6)
+    assert not [r for r in caplog.records if "forced" in r.getMessage()]  # 3 of 6: not more than half
+    # The issue's symptom: the unconstrained trainer gives the forced tokens e^-6; their ratios
+    # e^-6 / 1 no longer drag the batch's mean correction weight (free tokens' ratios: 1.5, 1, 0.5).
+    behav = b["behav_logp"]
+    prox = behav + torch.tensor([[0.0, -6.0, math.log(1.5), -6.0, -6.0, 0.0], [0.0, 0.0, math.log(0.5), 0, 0, 0]])
+    w = correction_weights(prox, behav, b["action_mask"], Correction("tis", 2.0))["weight"]
+    assert w[b["action_mask"]].tolist() == pytest.approx([1.5, 1.0, 0.5])
+    # Row 1 constrained as well: its token 2 is forced, 4 of 6 generated tokens: one warning.
+    with caplog.at_level("WARNING", logger="tandemrl.algorithms.ppo"):
+        b = _constrained_actor().compute_advantages(_constrained_batch(constrained_row1=1))
+    assert b["action_mask"].tolist() == [[False, False, True, False, False, False], [False, False, True] + [False] * 3]
+    assert stats_tracker.export()["ppo_actor/offpolicy/forced"] == pytest.approx(4 / 6)
+    warned = [r.getMessage() for r in caplog.records if "forced" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("4 of 6 generated tokens"), warned
+    # A batch that marks no constrained call keeps every 0.0 token (greedy, top-k = 1).
+    batch = _constrained_batch(constrained_row1=1)
+    del batch["constrained"]
+    b = _constrained_actor().compute_advantages(batch)
+    assert "forced_mask" not in b
+    assert b["action_mask"].tolist() == [[False, True, True, True, True, False], [False, True, True] + [False] * 3]

@@ -10,6 +10,8 @@ the logits: ``x[:, t]`` is about emitting token t + 1 from the prefix ``<= t`` (
 from __future__ import annotations
 
 import functools
+import logging
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -17,6 +19,7 @@ import torch.distributed as dist
 
 from tandemrl.algorithms.advantages import gae, normalization_stats, normalize_advantages
 from tandemrl.algorithms.aggregation import aggregate_loss, aggregation_weight
+from tandemrl.algorithms.constrained import forced_actions, mostly_forced
 from tandemrl.algorithms.kl import kl_estimate, kl_penalty_rewards
 from tandemrl.algorithms.layout import shift_left
 from tandemrl.algorithms.offpolicy import mismatch_token_stats, old_policy_logp, resolve_correction, version_stats
@@ -38,6 +41,8 @@ from tandemrl.models.functional import next_token_labels
 from tandemrl.utils import stats_tracker
 from tandemrl.utils.stats_tracker import ReduceType
 
+logger = logging.getLogger(__name__)
+
 
 class PPOBatch(RolloutBatch, total=False):
     """A rollout batch plus the fields of the PPO family, all [B, L] next-token aligned unless noted."""
@@ -47,6 +52,7 @@ class PPOBatch(RolloutBatch, total=False):
     values: torch.Tensor  # PPOCritic.compute_values
     # Written by PPOActor.compute_advantages:
     action_mask: torch.Tensor  # positions whose next token is generated (and kept)
+    forced_mask: torch.Tensor  # generated tokens an output constraint forced, out of action_mask (constrained.py)
     behav_logp: torch.Tensor  # the rollout ``logprobs`` shifted left by one
     shaped_rewards: torch.Tensor  # [B] sequence rewards after penalties, scaling and clipping
     token_rewards: torch.Tensor  # shaped reward at the last action + KL rewards
@@ -261,6 +267,10 @@ class PPOActor:
         if tuple(batch["rewards"].shape) != (bsz,):
             raise ValueError(f"batch field 'rewards' must be per-sequence [{bsz}], got {tuple(batch['rewards'].shape)}")
         action = action_mask_of(batch)
+        forced = forced_actions(batch, action)  # tokens an output constraint forced: no policy choice
+        if forced is not None:
+            record_forced(forced, action, self._dp_sum)
+            action = action & ~forced
         behav = server_logp(batch["logprobs"], action)
         rewards = batch["rewards"].float().to(action.device)
         if cfg.mask_no_eos or cfg.no_eos_penalty is not None:
@@ -294,6 +304,8 @@ class PPOActor:
             "advantages": self._normalize(adv, action),
             "returns": returns,
         }
+        if forced is not None:
+            added["forced_mask"] = forced
         return cast(PPOBatch, {**batch, **added})
 
     # ---------------------------------------------------------------- update
@@ -495,6 +507,24 @@ def _record_correction(
             mm = mismatch_token_stats(trainer_logp, behav_logp, mask)
             stats_tracker.stat("n_tokens", abs_dlogp=mm["abs_dlogp"])
             stats_tracker.stat("n_tokens", ReduceType.AVG, kl_k3=mm["kl_k3"])
+
+
+def record_forced(
+    forced: torch.Tensor, generated: torch.Tensor, all_reduce: Callable[[torch.Tensor], torch.Tensor]
+) -> None:
+    """``ppo_actor/offpolicy/forced``: the fraction of ``generated`` tokens an output constraint forced;
+    one warning (data-parallel rank 0) when most of the batch, over all ranks (``all_reduce``), was."""
+    with stats_tracker.scope("ppo_actor"), stats_tracker.scope("offpolicy"):
+        stats_tracker.denominator(n_generated=generated)
+        stats_tracker.stat("n_generated", ReduceType.AVG, forced=forced.float())
+    n_forced, n_generated = all_reduce(torch.stack([forced.sum(), generated.sum()]).float()).tolist()
+    if mostly_forced(n_forced, n_generated) and (not dist.is_initialized() or dist.get_rank() == 0):
+        logger.warning(
+            "%d of %d generated tokens of this batch were forced by an output constraint (structured outputs) "
+            "and are left out of the update; see docs/agents.md#constrained-outputs",
+            n_forced,
+            n_generated,
+        )
 
 
 def _values_of(logits: torch.Tensor) -> torch.Tensor:

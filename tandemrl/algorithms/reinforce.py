@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from tandemrl.algorithms.aggregation import aggregate_loss
+from tandemrl.algorithms.constrained import forced_actions
 from tandemrl.algorithms.layout import shift_left
 from tandemrl.algorithms.offpolicy import Correction, correction_weights, resolve_correction
 from tandemrl.algorithms.ppo import action_mask_of, record_routing, require_fields
@@ -75,9 +76,13 @@ def reinforce_advantages(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tenso
     """(advantages, action mask), next-token aligned, from ``rewards`` [B] or token-aligned [B, L].
 
     A per-sequence reward (ReMaxRLVRWorkflow: ``r(sample) - r(greedy)``) applies to every
-    generated token; a per-token tensor is shifted to the action layout.
+    generated token; a per-token tensor is shifted to the action layout. Tokens an output
+    constraint forced (batch field ``constrained``) are not actions.
     """
     action = action_mask_of(batch)
+    forced = forced_actions(batch, action)  # tokens an output constraint forced carry no choice (constrained.py)
+    if forced is not None:
+        action = action & ~forced
     rewards = batch["rewards"].float().to(action.device)
     if rewards.shape == action.shape:
         adv = shift_left(rewards)

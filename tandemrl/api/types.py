@@ -16,12 +16,18 @@ TensorDict = dict[str, torch.Tensor]
 ROUTED_EXPERTS = "routed_experts"
 
 
-class RolloutBatch(TypedDict):
+class _RolloutOptional(TypedDict, total=False):
+    # [B, L] 1 on generated tokens of a call sent with an output constraint (structured outputs);
+    # set by the agent workflow, read by tandemrl.algorithms.constrained
+    constrained: torch.Tensor
+
+
+class RolloutBatch(_RolloutOptional):
     """A padded [B, L] training batch as the rollout workflows produce it.
 
     Token fields are token-aligned (``logprobs[:, t] = log p(token t | < t)``). An algorithm
     that adds fields declares them in a TypedDict of its own that extends this one
-    (e.g. ``tandemrl.algorithms.ppo.PPOBatch``).
+    (e.g. ``tandemrl.algorithms.ppo.PPOBatch``). ``constrained`` is optional.
     """
 
     input_ids: torch.Tensor  # [B, L] prompt + response tokens, right-padded

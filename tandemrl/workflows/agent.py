@@ -10,7 +10,8 @@ The return value is the final reward, or one reward per model call (in call orde
 return is its reward plus ``turn_discount`` times the next call's return, so a final reward
 reaches earlier turns discounted. Samples (``AgentConfig.granularity``): one per stitched
 trajectory (reward: the return of its first own call) or one per call (reward: that call's
-return). Rows have RLVRWorkflow's layout (``tandemrl.workflows.rlvr``).
+return). Rows have RLVRWorkflow's layout (``tandemrl.workflows.rlvr``) with ``constrained``: 1 on
+the outputs of calls that constrained their output (``structured_outputs``, ``response_format``).
 
 A run that times out (``episode_timeout``) drops its group (``<scope>/group_dropped``); an
 error in the agent, or one the proxy hit serving it, is raised (the executor's
@@ -82,13 +83,14 @@ def session_rows(session: Session, returns: Sequence[float], granularity: str) -
                 [0.0] * len(c.prompt_ids) + c.logprobs,
                 [-1] * len(c.prompt_ids) + c.versions,
                 returns[c.index],
+                [0] * len(c.prompt_ids) + [int(c.constrained)] * len(c.output_ids),
             )
             for c in session.calls
         ]
     rows = []
     for t in session.trajectories:
         own = [i for i in t.calls if session.calls[i].trajectory == session.trajectories.index(t)]
-        rows.append(build_row(t.tokens, t.loss_mask, t.logprobs, t.versions, returns[min(own)]))
+        rows.append(build_row(t.tokens, t.loss_mask, t.logprobs, t.versions, returns[min(own)], t.constrained))
     return rows
 
 

@@ -12,6 +12,8 @@ Trajectory layout (one row per sample, right-padded to the group's longest row):
 * ``versions``   [n, L] long: weight version that sampled each completion token; -1 on
   prompt and padding.
 * ``attention_mask`` [n, L] bool; ``rewards`` [n] float32.
+* ``constrained`` [n, L] long, optional (the agent workflow): 1 on completion tokens of a call
+  sent with an output constraint (structured outputs), see ``tandemrl.algorithms.constrained``.
 """
 
 from __future__ import annotations
@@ -65,13 +67,20 @@ def build_row(
     logprobs: Sequence[float],
     versions: Sequence[int],
     reward: float,
+    constrained: Sequence[int] | None = None,
 ) -> TensorDict:
-    """One trajectory as a [1, L] padded batch (see the module docstring for the layout)."""
+    """One trajectory as a [1, L] padded batch (see the module docstring for the layout).
+
+    ``constrained`` (optional, token-aligned): 1 on generated tokens of a call sent with an output
+    constraint (structured outputs); the trainer leaves out those the constraint forced
+    (``tandemrl.algorithms.constrained``). Given for one row of a batch, give it for all.
+    """
     n = len(input_ids)
-    for name, seq in (("loss_mask", loss_mask), ("logprobs", logprobs), ("versions", versions)):
+    fields = (("loss_mask", loss_mask), ("logprobs", logprobs), ("versions", versions))
+    for name, seq in (*fields, ("constrained", constrained or [0] * n)):
         if len(seq) != n:
             raise ValueError(f"build_row: {name} has {len(seq)} entries for {n} tokens")
-    return {
+    row: TensorDict = {
         "input_ids": torch.tensor([list(input_ids)], dtype=torch.long),
         "loss_mask": torch.tensor([list(loss_mask)], dtype=torch.long),
         "logprobs": torch.tensor([list(logprobs)], dtype=torch.float32),
@@ -79,6 +88,9 @@ def build_row(
         "attention_mask": torch.ones((1, n), dtype=torch.bool),
         "rewards": torch.tensor([float(reward)], dtype=torch.float32),
     }
+    if constrained is not None:
+        row["constrained"] = torch.tensor([list(constrained)], dtype=torch.long)
+    return row
 
 
 def completion_row(prompt_ids: Sequence[int], resp: ModelResponse, reward: float) -> TensorDict:

@@ -147,14 +147,14 @@ class AgentProxy:
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model"}]})
 
-    async def _generate(self, s: AgentSession, prompt: list[int], body: dict[str, Any]) -> ModelResponse:
+    async def _generate(self, s: AgentSession, prompt: list[int], body: dict[str, Any]) -> tuple[ModelResponse, bool]:
+        """The model's response, and whether the request constrained its output (structured outputs)."""
         gconfig = request_gconfig(self.gconfig, body, len(prompt), self.max_context_len)
-        req = ModelRequest(
-            rid=s.rid, input_ids=prompt, gconfig=gconfig, metadata=request_metadata(body), tokenizer=None
-        )
+        meta = request_metadata(body)
+        req = ModelRequest(rid=s.rid, input_ids=prompt, gconfig=gconfig, metadata=meta, tokenizer=None)
         resp = await self.engine.agenerate(req)
         check_response(resp)
-        return resp
+        return resp, "structured_outputs" in meta
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         s: AgentSession = request[_SESSION]
@@ -165,13 +165,13 @@ class AgentProxy:
         plan = s.session.plan(
             render.prompt_ids(messages, tools), messages, lambda out, new: render.suffix_ids(out, new, tools)
         )
-        resp = await self._generate(s, plan.prompt_ids, body)
+        resp, constrained = await self._generate(s, plan.prompt_ids, body)
         text = render.decode(resp.output_tokens)
         use_tools = tools is not None and body.get("tool_choice", "auto") != "none"
         parsed = self.parse_tools(text) if use_tools else ParsedReply(text or None)
         s.session.stats["tool_parse_failed"] += parsed.failed
         reply = normalize_messages([fmt.assistant_message(parsed)])[0]
-        s.session.commit(plan, resp, reply, messages)
+        s.session.commit(plan, resp, reply, messages, constrained)
         args = (self.model_name, parsed, fmt.finish_reason(resp.stop_reason, parsed), len(plan.prompt_ids))
         return await _reply(request, body, fmt.chat_body, fmt.chat_chunks, *args, len(resp.output_tokens))
 
@@ -186,8 +186,8 @@ class AgentProxy:
         else:
             raise BadRequest("'prompt' must be a string or a list of token ids")
         plan = s.session.plan(ids)
-        resp = await self._generate(s, plan.prompt_ids, body)
-        s.session.commit(plan, resp, None)
+        resp, constrained = await self._generate(s, plan.prompt_ids, body)
+        s.session.commit(plan, resp, None, constrained=constrained)
         text = self.renderer.decode(resp.output_tokens)
         args = (self.model_name, text, fmt.finish_reason(resp.stop_reason, None), len(plan.prompt_ids))
         return await _reply(request, body, fmt.completion_body, fmt.completion_chunks, *args, len(resp.output_tokens))

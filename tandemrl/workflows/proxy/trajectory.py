@@ -46,6 +46,7 @@ class CallRecord:
     stop_reason: str
     trajectory: int
     link: str
+    constrained: bool = False  # sent with an output constraint (structured outputs)
 
 
 @dataclass
@@ -57,19 +58,35 @@ class Trajectory:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     calls: list[int] = field(default_factory=list)
+    constrained: list[int] = field(default_factory=list)  # 1 on outputs of constrained calls
     messages: list[dict[str, Any]] | None = None  # last call's messages + its assistant reply
     last_output: list[int] = field(default_factory=list)
 
-    def append(self, ids: Sequence[int], trained: bool, logprobs: Sequence[float] = (), versions: Sequence[int] = ()):
+    def append(
+        self,
+        ids: Sequence[int],
+        trained: bool,
+        logprobs: Sequence[float] = (),
+        versions: Sequence[int] = (),
+        constrained: bool = False,
+    ) -> None:
         n = len(ids)
         self.tokens += ids
         self.loss_mask += [int(trained)] * n
+        self.constrained += [int(trained and constrained)] * n
         self.logprobs += list(logprobs) if trained else [0.0] * n
         self.versions += list(versions) if trained else [-1] * n
 
     def head(self, n: int) -> Trajectory:
         """A new trajectory holding the first ``n`` tokens."""
-        return Trajectory(self.tokens[:n], self.loss_mask[:n], self.logprobs[:n], self.versions[:n], list(self.calls))
+        return Trajectory(
+            self.tokens[:n],
+            self.loss_mask[:n],
+            self.logprobs[:n],
+            self.versions[:n],
+            list(self.calls),
+            self.constrained[:n],
+        )
 
 
 @dataclass
@@ -133,8 +150,16 @@ class Session:
                 return Plan(t.tokens + new_ids, "repair", i, len(t.tokens))
         return Plan(list(rendered), "new")
 
-    def commit(self, plan: Plan, resp: ModelResponse, reply: dict[str, Any] | None, messages: Any = None) -> CallRecord:
-        """Record a finished call: prompt tokens (mask 0 where new) then the output (mask 1, server logprobs)."""
+    def commit(
+        self,
+        plan: Plan,
+        resp: ModelResponse,
+        reply: dict[str, Any] | None,
+        messages: Any = None,
+        constrained: bool = False,
+    ) -> CallRecord:
+        """Record a finished call: prompt tokens (mask 0 where new) then the output (mask 1, server logprobs;
+        ``constrained``: the call was sent with an output constraint)."""
         link = plan.link
         if plan.parent is None:
             traj, start = Trajectory(), 0
@@ -147,18 +172,20 @@ class Session:
         t_index = self.trajectories.index(traj)
         traj.append(plan.prompt_ids[start:], trained=False)
         out = list(resp.output_tokens)
-        traj.append(out, trained=True, logprobs=[float(x) for x in resp.output_logprobs], versions=resp.output_versions)
+        lps = [float(x) for x in resp.output_logprobs]
+        traj.append(out, trained=True, logprobs=lps, versions=resp.output_versions, constrained=constrained)
         traj.last_output = out
         traj.messages = None if messages is None or reply is None else list(messages) + [reply]
         rec = CallRecord(
             len(self.calls),
             list(plan.prompt_ids),
             out,
-            [float(x) for x in resp.output_logprobs],
+            lps,
             [int(v) for v in resp.output_versions],
             resp.stop_reason,
             t_index,
             link,
+            constrained,
         )
         traj.calls.append(rec.index)
         self.calls.append(rec)
