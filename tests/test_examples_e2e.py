@@ -68,6 +68,10 @@ def _finite(values: list[float]) -> bool:
 
 @pytest.mark.slow
 def test_remax_example_two_steps(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
+    """The ReMax example runs 2 steps through the launcher: a finite REINFORCE loss and a real optimizer step
+    each step, the greedy baseline scored each step, a recoverable final checkpoint. That the step raises
+    the REINFORCE objective is asserted on a fixed batch (test_ppo_actor.py::test_reinforce_step_raises_its_objective):
+    the tiny random model earns no GSM8K reward, so here every advantage is 0."""
     # recover.mode=auto with no frequency: the one recoverable checkpoint is the final one.
     overrides = [f"actor.engine.path={tiny_model_dir}", f"train_dataset.path={gsm8k_dir}", "recover.mode=auto"]
     stats = _launch("gsm8k_remax", overrides, tmp_path)
@@ -129,7 +133,9 @@ def _launch_sync_without_eval(example: str, model: str, data: str, tmp_path: Pat
 
 @pytest.mark.slow
 def test_calculator_agent_example_two_steps(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
-    """The openai-client agent of examples/gsm8k_agent.py, through the proxy, trained 2 GRPO steps."""
+    """The openai-client agent of examples/gsm8k_agent.py, through the proxy: 2 GRPO steps, each with a real
+    optimizer step, on episodes that each made at least one chat.completions call. (The GRPO update's
+    direction is asserted on fixed batches in test_ppo_actor.py; the tiny model earns no reward here.)"""
     stats = _launch_sync_without_eval("gsm8k_agent", tiny_model_dir, gsm8k_dir, tmp_path)
     # Every episode made at least one chat.completions call through the proxy, each one a trajectory.
     calls = stats["rollout/agent_calls"]
@@ -139,7 +145,9 @@ def test_calculator_agent_example_two_steps(tiny_model_dir: str, gsm8k_dir: str,
 
 @pytest.mark.slow
 def test_distillation_example_two_steps(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
-    """The launcher starts the larger tiny teacher (vllm[teacher]); the student descends the reverse KL."""
+    """The launcher starts the larger tiny teacher (vllm[teacher]), which scores every sampled token; the
+    student trains 2 steps on a finite, non-zero reverse KL. That each step descends the teacher-student
+    gap is asserted on a fixed batch on every backend (test_distill_backends.py)."""
     stats = _launch_sync_without_eval("gsm8k_distill", tiny_model_dir, gsm8k_dir, tmp_path)
     kl = stats["actor/distill/reverse_kl/avg"]
     assert len(kl) == 2 and _finite(kl) and all(k != 0.0 for k in kl), kl

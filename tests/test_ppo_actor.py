@@ -10,6 +10,7 @@ import pytest
 import torch
 from utils import run_torchrun
 
+from tandemrl.algorithms.layout import shift_left
 from tandemrl.algorithms.ppo import PPOActor, PPOCritic, split_minibatches
 from tandemrl.algorithms.recompute import needs_logp_recompute, server_logp
 from tandemrl.configs.engine import TrainEngineConfig
@@ -385,6 +386,22 @@ def test_reinforce_loss_and_update(results: tuple[dict, Path], tiny_model_dir: s
     assert abs(num - at_t1) / n_tok > 1e-3, "temperature 1 and no weights would give another loss"
     assert "offpolicy_correction 'none' on samples from older weights" in res["reinforce"]["stale_none"]
     assert _max_diff(res["reinforce"]["params"], initial_params) > 1e-5
+
+
+def test_reinforce_step_raises_its_objective(results: tuple[dict, Path]) -> None:
+    """After ReinforceActor's step, the REINFORCE objective sum_i r_i * w * log p(sample i) on the batch it
+    trained on is higher (rank 0's rows; w fixed at its pre-step value): the update goes uphill."""
+    scored = results[0]["reinforce"]["logp"]
+    rows, before, after = scored["rows"], scored["before"], scored["after"]
+    action = shift_left(rows["loss_mask"].bool(), fill=False) & rows["attention_mask"].bool()
+    behav = server_logp(rows["logprobs"], action)
+    w = torch.where(action, torch.exp(before - behav).clamp(max=1.2), 0.0)
+    r = rows["rewards"].float()[:, None]
+    j_before, j_after = float((r * w * before).sum()), float((r * w * after).sum())
+    assert (r > 0).any() and j_after > j_before, (j_before, j_after)
+    # Rows with reward 0 carry no gradient of their own; the rewarded rows' log-likelihood rose.
+    rewarded = (r[:, 0] > 0)[:, None] & action
+    assert float(after[rewarded].sum()) > float(before[rewarded].sum())
 
 
 def test_critic_values_and_updates(results: tuple[dict, Path], tiny_model_dir: str) -> None:

@@ -219,8 +219,12 @@ def main(args: argparse.Namespace) -> None:
     # 0.7 with token TIS (C = 1.2) on the noisy behaviour logprobs.
     e = build(args.model)
     cfg = actor_config(args.model, temperature=REINFORCE_TEMPERATURE, offpolicy_correction="tis", offpolicy_cap=1.2)
-    stats = ReinforceActor(e, cfg).train_reinforce(rank_slice(global_batch))
+    local = rank_slice(global_batch)
+    scorer = PPOActor(cfg, e)  # compute_logp at the sampling temperature, to score the objective
+    before = scorer.compute_logp(local)
+    stats = ReinforceActor(e, cfg).train_reinforce(local)
     results["reinforce"] = {"stats": stats, "params": e.full_state_dict()}
+    results["reinforce"]["logp"] = {"before": before, "after": scorer.compute_logp(local), "rows": local}
     # No correction on samples one version behind the trainer: refused, not trained as on-policy.
     stale = rank_slice(global_batch)
     stale["versions"] = torch.where(stale["loss_mask"].bool(), e.get_version() - 1, -1)
