@@ -24,8 +24,10 @@ from tandemrl.inference.vllm import VLLMBackend
 
 # The test server: bf16 like production, context small enough for a fast start; the test-only
 # hooks of vllm_gate let a test hold a request between tokens (inactive unless a test arms it).
+# Replies say how many prompt tokens the prefix cache served (``usage.prompt_tokens_details``).
 VLLM_EXTRA: dict[str, Any] = {
     "max_model_len": 1024,
+    "enable_prompt_tokens_details": True,
     "dtype": "bfloat16",
     "scheduler_cls": "vllm_gate.GateScheduler",
     "logits_processors": ["vllm_gate:ArrivalWitness"],
