@@ -7,12 +7,11 @@ through the scripts' entry (``load_script_config``).
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import pytest
 from utils import REPO_ROOT
 
-from tandemrl.configs import GRPOConfig, PPOActorConfig
+from tandemrl.configs import GRPOConfig
 from tandemrl.configs.checks import first_problem
 from tandemrl.configs.experiment import async_enabled
 from tandemrl.configs.loader import ConfigError
@@ -98,28 +97,25 @@ def test_guard_is_one_line_naming_the_fields(overrides: tuple[str, ...], names: 
 
 
 def test_stale_samples_without_correction_or_recompute() -> None:
-    """``actor.offpolicy_correction=none`` + stale + ``recompute_logprob=never``: nothing corrects the lag."""
+    """``actor.offpolicy_correction=none`` + stale + ``recompute_logprob=never``: nothing corrects the lag;
+    a correction, recomputed logprobs or synchronous training each make the same config valid."""
     stale = ["async_training=true", "rollout.max_head_offpolicyness=2", "actor.recompute_logprob=never"]
-    has_knob = "offpolicy_correction" in {f.name for f in dataclasses.fields(PPOActorConfig)}
-    if has_knob:  # the schema has the knob: the user's path end to end
-        message = _error(*stale, "actor.use_decoupled_loss=false", "actor.offpolicy_correction=none")
-    else:  # until the knob lands, set it on a loaded config and ask the same check
-        cfg, _ = load_config(["--config", GRPO_YAML, *stale, "actor.use_decoupled_loss=false"], GRPOConfig)
-        cfg.actor.offpolicy_correction = "none"
-        problem = first_problem(cfg)
-        assert problem is not None
-        message = f"Config key '{problem[0]}' {problem[1]}"
+    message = _error(*stale, "actor.use_decoupled_loss=false", "actor.offpolicy_correction=none")  # the user's path
     assert "Config key 'actor.offpolicy_correction'" in message and "must not be 'none'" in message, message
     for name in ("async_training=true", "rollout.max_head_offpolicyness=2", "actor.recompute_logprob is 'never'"):
         assert name in message, message
-    if not has_knob:  # a correction, recomputed logprobs, or sync training each pass
-        for key, value in (("actor", ("offpolicy_correction", "auto")), ("actor", ("recompute_logprob", "auto"))):
-            fixed = copy.deepcopy(cfg)
-            setattr(getattr(fixed, key), *value)
-            assert first_problem(fixed) is None
+
+    cfg, _ = load_config(["--config", GRPO_YAML, *stale, "actor.use_decoupled_loss=false"], GRPOConfig)
+    cfg.actor.offpolicy_correction = "none"
+    problem = first_problem(cfg)
+    assert problem is not None and problem[0] == "actor.offpolicy_correction", problem
+    for key, value in (("actor", ("offpolicy_correction", "tis")), ("actor", ("recompute_logprob", "auto"))):
         fixed = copy.deepcopy(cfg)
-        fixed.async_training = False
-        assert first_problem(fixed) is None
+        setattr(getattr(fixed, key), *value)
+        assert first_problem(fixed) is None, value
+    fixed = copy.deepcopy(cfg)
+    fixed.async_training = False
+    assert first_problem(fixed) is None
 
 
 def test_async_follows_the_staleness_bound_unless_set() -> None:
