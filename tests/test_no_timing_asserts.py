@@ -100,7 +100,7 @@ def find_timing_asserts(source: str, filename: str = "<test>") -> list[str]:
     """``file:line: code`` of every duration threshold and recorded timestamp in ``source``."""
     tree = ast.parse(source, filename=filename)
     scan = _Scan(tree)
-    found = []
+    found: list[tuple[int, str]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Compare):
             bad = scan.threshold([node.left, *node.comparators])
@@ -112,8 +112,8 @@ def find_timing_asserts(source: str, filename: str = "<test>") -> list[str]:
         else:
             continue
         if bad:
-            found.append(f"{filename}:{node.lineno}: {ast.get_source_segment(source, node)}")
-    return found
+            found.append((node.lineno, f"{filename}:{node.lineno}: {ast.get_source_segment(source, node)}"))
+    return [text for _, text in sorted(found)]
 
 
 BAD = """
