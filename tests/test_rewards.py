@@ -7,7 +7,6 @@ import json
 import math
 import re
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
