@@ -8,10 +8,12 @@ an interruptible server does. The real vLLM client is tested elsewhere.
 from __future__ import annotations
 
 import asyncio
+import functools
 import queue
 import random
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -107,6 +109,30 @@ def make_loader(n: int = 64, bsz: int = 4, seed: int = 0) -> StatefulDataLoader:
     return StatefulDataLoader(rows, batch_size=bsz, shuffle=True, collate_fn=collate_as_list, generator=generator)
 
 
+def caught_up(ex: WorkflowExecutor) -> None:
+    """Block until the executor's loop has run every callback scheduled before this call
+    (``submit``'s launch attempt included): the loop runs ``call_soon`` callbacks in order."""
+    ran = threading.Event()
+    runner = ex._runner
+    assert runner is not None
+    runner.call_soon(ran.set)
+    assert ran.wait(30)
+
+
+def wait_until(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert cond(), f"not in {timeout} s: {what}"
+
+
+def launched_all_it_may(ex: WorkflowExecutor, consumed: int) -> bool:
+    """Nothing running, and no queued row that the current capacity would start."""
+    stats = ex.get_stats()
+    queued = len(ex.pending_rows()) - stats.running - (stats.accepted - consumed)
+    return stats.running == 0 and (queued == 0 or ex.get_capacity() <= 0)
+
+
 def quiesce(ex: WorkflowExecutor, timeout: float = 10.0) -> None:
     """Pause and let running episodes finish, so counters stop moving."""
     ex.pause()
@@ -132,7 +158,7 @@ def test_consumed_samples_are_at_most_k_versions_old(k: int) -> None:
     loader = make_loader(bsz=bsz, seed=k)
     seen = []
     try:
-        for _ in range(steps):
+        for step in range(steps):
             trainer_version = engine.get_version()
             batch = ex.prepare_batch(loader, ToyWorkflow(), timeout=30)
             assert batch["rewards"].shape == (bsz * N_SAMPLES,)
@@ -145,7 +171,11 @@ def test_consumed_samples_are_at_most_k_versions_old(k: int) -> None:
             if k == 0:
                 generated = batch["versions"][batch["loss_mask"].bool()]
                 assert (generated == trainer_version).all()
-            time.sleep(0.02)  # "training" while rollouts for the next steps run
+            # "training": rollouts for the next steps start at this version and finish
+            caught_up(ex)
+            wait_until(
+                functools.partial(launched_all_it_may, ex, (step + 1) * bsz), "rollouts started at this version finish"
+            )
             ex.pause()
             ex.set_version(trainer_version + 1)  # weight update
             ex.resume()
@@ -298,7 +328,7 @@ def test_pause_stops_new_episodes_and_resume_restarts_them() -> None:
         ex.pause()
         ex.submit({"id": 1}, ToyWorkflow())
         ex.submit({"id": 2}, ToyWorkflow())
-        time.sleep(0.2)
+        caught_up(ex)  # the launch attempts of both submits have run
         assert ex.get_stats().submitted == 0 and engine.started == []
         with pytest.raises(TimeoutError, match=r"paused True"):
             ex.wait(2, timeout=0.1)
@@ -329,12 +359,10 @@ def test_destroy_stops_the_thread_with_episodes_running() -> None:
     ex, engine = make_executor(k=0, bsz=2, max_conc=2)
     engine.gates[1] = threading.Event()  # never released
     ex.submit({"id": 1}, ToyWorkflow())
-    time.sleep(0.05)
+    wait_until(lambda: engine.started == [1, 1], "both samples of row 1 wait at the gate")
     runner = ex._runner
     assert runner is not None
-    start = time.monotonic()
-    ex.destroy()
-    assert time.monotonic() - start < 5
+    ex.destroy()  # returns although the gate is never released: it cancels the episode
     assert not runner.is_alive()
     with pytest.raises(RuntimeError, match="initialize"):
         ex.submit({"id": 2}, ToyWorkflow())

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -163,7 +162,6 @@ def test_failing_rank_tears_everything_down(tmp_path: Path) -> None:
     """Rank 1 exits 3: rank 0 is killed, the launcher's Ray cluster stopped, one error line, rc != 0."""
     script, config = _script(tmp_path, FAILING)
     env = {k: v for k, v in ENV.items() if k != "RAY_ADDRESS"}
-    start = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-m", RAY, str(script), "--config", str(config)],
         cwd=REPO_ROOT,
@@ -195,8 +193,8 @@ def test_failing_rank_tears_everything_down(tmp_path: Path) -> None:
     assert failures == [
         f"[launcher] trial trial0 failed: rank1 exited with code 3 (log: {tmp_path}/runs/logs/ray-test/trial0/trainer.log)"
     ], stdout[-3000:]
-    assert time.monotonic() - start < 150  # rank 0 did not sleep its 600 s
     assert any(p.pid in pids.values() for p in family) and any("raylet" in n for n in names), names
     _, alive = psutil.wait_procs(family, timeout=30)
     assert not alive, [p.cmdline() for p in alive]
+    # rank 0 was killed in its 600 s sleep: neither rank is left
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in pids.values())

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import time
+import re
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tandemrl.rewards import gsm8k as gsm8k_module
 from tandemrl.rewards.gsm8k import extract_reference_answer, gsm8k_reward_fn
 from tandemrl.rewards.runner import RewardRunner
 from tandemrl.utils import stats_tracker
@@ -49,32 +51,48 @@ def test_reference_solutions_are_correct_and_perturbed_ones_are_not(gsm8k_rows: 
         assert reward(f"#### {value}\nHmm, or maybe {value + 2}?", answer) == 1.0  # '####' wins
 
 
-@pytest.mark.parametrize(
-    "completion",
-    [
-        "",
-        "####",
-        "#### forty-two",
-        "I don't know.",
-        "\\boxed{",
-        "\\boxed{}",
-        "\\boxed{\\frac{1}{0}}",
-        "9**9**9**9",
-        "__import__('os').system('echo pwned')",
-        "\\boxed{9^{9^{9^{9}}}}",
-        "\\boxed{100000!}",
-        "\\boxed{\\binom{100000}{50000}}",
-        "1e999999",
-        "9" * 6000,
-        "\u0000\ufffd\U0001f600 ####\u00a0",
-        "x" * 200000,
-    ],
-)
-def test_garbage_completions_score_zero_quickly(completion: str) -> None:
-    reward("#### 1", "#### 1")  # warm up math-verify's lazy imports
-    start = time.monotonic()
+GARBAGE = [
+    "",
+    "####",
+    "#### forty-two",
+    "I don't know.",
+    "\\boxed{",
+    "\\boxed{}",
+    "\\boxed{\\frac{1}{0}}",
+    "9**9**9**9",
+    "__import__('os').system('echo pwned')",
+    "\\boxed{9^{9^{9^{9}}}}",
+    "\\boxed{100000!}",
+    "\\boxed{\\binom{100000}{50000}}",
+    "1e999999",
+    "9" * 6000,
+    "\u0000\ufffd\U0001f600 ####\u00a0",
+    "x" * 200000,
+]
+
+# What may reach math-verify's parser (module docstring of tandemrl.rewards.gsm8k): a plain number,
+# or a short snippet of digits, + - / ( ) and fractions: nothing that can describe a huge computation.
+PLAIN_NUMBER = re.compile(r"-?\d*\.?\d+")
+FRACTION_ONLY = re.compile(r"(?:\\[dt]?frac|[\d\s.+\-/(){}])+")
+
+
+@pytest.mark.timeout(120)  # a hang guard only: the speed of scoring garbage is measured in bench/reward_garbage.py
+@pytest.mark.parametrize("completion", GARBAGE)
+def test_garbage_completions_score_zero_and_reach_the_parser_only_as_safe_snippets(
+    completion: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parsed: list[str] = []
+    real_parse = gsm8k_module._parse
+
+    def checked_parse(snippet: str) -> list[Any]:  # checked before it reaches the parser
+        parsed.append(snippet)
+        assert PLAIN_NUMBER.fullmatch(snippet) or (len(snippet) <= 64 and FRACTION_ONLY.fullmatch(snippet)), snippet
+        return real_parse(snippet)
+
+    monkeypatch.setattr(gsm8k_module, "_parse", checked_parse)
+    gsm8k_module._gold.cache_clear()
     assert reward(completion, "Some work.\n#### 72") == 0.0
-    assert time.monotonic() - start < 2.0
+    assert parsed[0] == "72"  # the reference, parsed through the same check
 
 
 def test_reference_formats() -> None:
@@ -99,9 +117,19 @@ def _raises(**kw: Any) -> float:
     raise ZeroDivisionError("bad reward")
 
 
-def _hangs(**kw: Any) -> float:
-    time.sleep(1.5)
-    return 1.0
+class Hang:
+    """A reward function that blocks until ``release`` is set; ``returned`` says whether it ever returned,
+    ``threads`` names the threads it ran on."""
+
+    def __init__(self) -> None:
+        self.release, self.returned = threading.Event(), threading.Event()
+        self.threads: list[str] = []
+
+    def __call__(self, **kw: Any) -> float:
+        self.threads.append(threading.current_thread().name)
+        self.release.wait(60)
+        self.returned.set()
+        return 1.0
 
 
 def _returns(value: Any) -> Any:
@@ -144,17 +172,25 @@ def test_runner_gives_no_reward_for_exceptions_counted_and_logged_once_per_kind(
 
 
 def test_runner_times_out_hanging_functions_and_keeps_serving() -> None:
-    runner = RewardRunner(_hangs, timeout=0.1, max_workers=1, stat_scope="test-rewards-timeout")
-    start = time.monotonic()
-    assert asyncio.run(runner(prompt="p")) is None
-    assert time.monotonic() - start < 1.0
-    assert runner.n_timeouts == 1
-    # the single worker is stuck in the abandoned call; a replacement serves the next one
-    ok = RewardRunner(_returns(1.0), timeout=0.5, max_workers=1)
-    ok._pool = runner._pool  # share the pool whose only worker is stuck
-    start = time.monotonic()
-    assert asyncio.run(ok(prompt="p")) == 1.0
-    assert time.monotonic() - start < 1.0
+    hang = Hang()
+    runner = RewardRunner(hang, timeout=0.1, max_workers=1, stat_scope="test-rewards-timeout")
+    try:
+        assert asyncio.run(runner(prompt="p")) is None
+        assert not hang.returned.is_set()  # the timeout ended the call, not the function returning
+        assert runner.n_timeouts == 1 and runner._pool.n_abandoned == 1
+        # the single worker is stuck in the abandoned call; a replacement serves the next one
+        served_on: list[str] = []
+
+        def ok_fn(**kw: Any) -> float:
+            served_on.append(threading.current_thread().name)
+            return 1.0
+
+        ok = RewardRunner(ok_fn, timeout=30, max_workers=1)
+        ok._pool = runner._pool  # share the pool whose only worker is stuck
+        assert asyncio.run(ok(prompt="p")) == 1.0
+        assert not hang.returned.is_set() and served_on != hang.threads  # served while the first still hangs
+    finally:
+        hang.release.set()
     assert _failures("test-rewards-timeout") == (1.0, 1.0)
 
 

@@ -128,22 +128,46 @@ def test_kept_mask_in_chunks_equals_one_pass(monkeypatch: pytest.MonkeyPatch) ->
     assert torch.equal(kept_mask(scaled, 10, 0.7, 0.01), whole)
 
 
+def _by_hand(row: list[float], token: int, top_k: int, top_p: float) -> tuple[float, float, bool]:
+    """(truncated logp, full-vocabulary logp, outside) of ``token``, written out: the k largest logits
+    (random ones: no ties), then the smallest top set of those, renormalised, whose mass reaches p;
+    a token outside is scored over the kept set plus itself."""
+    order = sorted(range(len(row)), key=lambda i: -row[i])[:top_k]
+    total = sum(math.exp(row[i]) for i in order)
+    kept: list[int] = []
+    mass = 0.0
+    for i in order:
+        kept.append(i)
+        mass += math.exp(row[i]) / total
+        if mass >= top_p:
+            break
+    outside = token not in kept
+    scored = kept + [token] if outside else kept
+    return row[token] - _lse(*(row[i] for i in scored)), row[token] - _lse(*row), outside
+
+
 @pytest.mark.parametrize("replayed", [True, False])
 def test_ppo_loss_ratios_use_the_replay_and_count_outside_tokens(replayed: bool) -> None:
-    """PPOActor's training loss on one packed sequence whose old logprobs are the sampler's truncated ones:
-    the ratio is 1 on every action token with the replay, below 1 without; outside tokens are counted."""
+    """PPOActor's training loss on one packed sequence whose old logprobs are the sampler's truncated ones,
+    computed by hand: the ratio is 1 on every action token with the replay, exp(full - truncated) without;
+    outside tokens are counted."""
     from tandemrl.algorithms.ppo import PPOActor
     from tandemrl.configs.engine import TrainEngineConfig
     from tandemrl.configs.ppo import PPOActorConfig
-    from tandemrl.models.functional import next_token_labels
     from tandemrl.utils import stats_tracker
 
     logits = torch.randn(8, 12, generator=torch.Generator().manual_seed(5))
     ids, cu = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8]), torch.tensor([0, 8], dtype=torch.int32)
-    server, outside = truncated_logprobs(logits, next_token_labels(ids, cu), top_k=4, top_p=0.9)
     action = torch.tensor([False, False, True, True, True, True, True, False])
+    old, ratios, outside = torch.zeros(8), [], []
+    for t in range(2, 7):  # action position t predicts ids[t + 1]
+        truncated, full, out = _by_hand(logits[t].tolist(), int(ids[t + 1]), top_k=4, top_p=0.9)
+        old[t] = truncated
+        ratios.append(math.exp(full - truncated))
+        outside.append(out)
+    assert 0 < sum(outside) < len(outside)  # this draw has tokens on both sides
     mb = {"input_ids": ids, "cu_seqlens": cu, "action_mask": action, "advantages": torch.ones(8)}
-    mb |= {"old_logp": server, "behav_logp": server}  # the server's (truncated) logprobs, as a batch carries them
+    mb |= {"old_logp": old, "behav_logp": old}  # the server's (truncated) logprobs, as a batch carries them
     cfg = PPOActorConfig(
         engine=TrainEngineConfig(path="unused"),
         truncation_replay=replayed,
@@ -157,7 +181,7 @@ def test_ppo_loss_ratios_use_the_replay_and_count_outside_tokens(replayed: bool)
     ratio = stats["importance_weight/avg"]
     if replayed:
         assert ratio == pytest.approx(1.0, abs=1e-6)
-        assert stats["truncation_outside_frac/avg"] == pytest.approx(outside[action].float().mean().item())
-        assert 0 < stats["truncation_outside_frac/avg"] < 1  # this draw has tokens on both sides
+        assert stats["truncation_outside_frac/avg"] == pytest.approx(sum(outside) / len(outside))
     else:
-        assert ratio < 0.9 and "truncation_outside_frac/avg" not in stats
+        assert ratio == pytest.approx(sum(ratios) / len(ratios), rel=1e-5)
+        assert ratio < 1 and "truncation_outside_frac/avg" not in stats

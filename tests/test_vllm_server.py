@@ -194,9 +194,7 @@ def test_launch_wait_healthy_and_stop_leaves_no_orphans(tmp_path: Path) -> None:
             time.sleep(0.1)
         child = int(log.read_text().split("child ")[1].split()[0])
         assert os.getpgid(child) == pgid
-        start = time.monotonic()
-        srv.stop(grace=1.0)
-        assert time.monotonic() - start < 15
+        srv.stop(grace=1.0)  # the child ignores SIGTERM and would sleep 600 s: only the SIGKILL after grace ends it
     assert not srv.is_running()
     assert not _running(child), "a child of the server survived stop() (SIGTERM-ignoring orphan)"
 
@@ -205,11 +203,9 @@ def test_wait_healthy_fails_fast_with_log_tail(tmp_path: Path) -> None:
     script = tmp_path / "fake_server.py"
     script.write_text(_FAKE_SERVER)
     srv = launch_server(_FakeBackend(script, "crash"), str(tmp_path), log_file=str(tmp_path / "crash.log"))
-    start = time.monotonic()
-    with pytest.raises(ServerError, match="exited with code 3") as e:
+    with pytest.raises(ServerError, match="exited with code 3") as e:  # the exit ended the wait, not the timeout
         srv.wait_healthy(timeout=120, poll_interval=0.2)
-    assert time.monotonic() - start < 30
-    assert "bad flag --oops" in str(e.value)
+    assert "bad flag --oops" in str(e.value) and "not healthy after" not in str(e.value)
     srv.stop()
 
 

@@ -524,14 +524,14 @@ def test_killed_server_mid_rollout_fails_over(vllm_server: VLLMTestServer, big_s
     executor = WorkflowExecutor(both.config, both, consumer_batch_size=rows)
     executor.initialize()
 
-    def lonely() -> tuple[BaseException | None, float]:
+    def lonely() -> BaseException | None:
         req = ModelRequest(rid="lonely", input_ids=[*KILL_PROMPT, 9], metadata={"ignore_eos": True})
         req.gconfig = req.gconfig.new(max_new_tokens=900)
         try:
             asyncio.run(only.agenerate(req))
         except BaseException as e:  # noqa: BLE001 - inspected by the test
-            return e, time.monotonic()
-        return None, time.monotonic()
+            return e
+        return None
 
     pool = concurrent.futures.ThreadPoolExecutor(2)
     gate = big_server.gate(KILL_PROMPT)  # the 25M server decodes one token of each, then waits on the test
@@ -554,7 +554,7 @@ def test_killed_server_mid_rollout_fails_over(vllm_server: VLLMTestServer, big_s
 
         batch = batch_f.result(timeout=300)
         print(f"\nbatch done {time.monotonic() - killed_at:.1f}s after the kill")
-        err, failed_at = lonely_f.result(timeout=120)
+        err = lonely_f.result(timeout=120)
         marked_dead = both.pool.dead()
     finally:
         gate.disarm()
@@ -574,12 +574,12 @@ def test_killed_server_mid_rollout_fails_over(vllm_server: VLLMTestServer, big_s
     assert sent_to_dead <= client.rids_on(survivor), (sent_to_dead, client.rids_on(survivor))
     assert list(marked_dead) == [dead], marked_dead
 
-    # No survivor: a clear one-line error, well within the configured request timeout.
+    # No survivor: a clear one-line error, caused by the dead connections, not the request timeout.
     assert isinstance(err, ServerUnavailableError), repr(err)
     msg = str(err)
-    print(f"no survivor: {failed_at - killed_at:.2f}s after the kill: {msg}")
+    print(f"no survivor: {msg}")
     assert "\n" not in msg and "all 1 inference servers are marked dead" in msg and dead in msg, msg
-    assert failed_at - killed_at < base["request_timeout"]
+    assert "no reply within" not in msg, msg
     # The session server is untouched.
     assert vllm_server.generate([11, 12, 13], 4).stop_reason == "length"
 

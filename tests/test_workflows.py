@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -178,8 +178,11 @@ def test_rlvr_reward_failures_drop_the_group_and_are_counted(tokenizer: Any) -> 
     def broken(**kw: Any) -> float:
         raise RuntimeError("reward service down")
 
-    def slow(**kw: Any) -> float:
-        time.sleep(1.0)
+    release, returned = threading.Event(), threading.Event()
+
+    def hangs(**kw: Any) -> float:  # until the test lets it go, after the episode has given up on it
+        release.wait(60)
+        returned.set()
         return 1.0
 
     engine = ScriptedEngine(tokenizer, cycle_texts(["#### 72"]))
@@ -188,10 +191,12 @@ def test_rlvr_reward_failures_drop_the_group_and_are_counted(tokenizer: Any) -> 
     assert asyncio.run(wf.arun_episode(engine, row())) is None  # the group is dropped, not scored 0
     assert wf.reward.n_errors == 2
 
-    wf = RLVRWorkflow(slow, gconfig, tokenizer, reward_timeout=0.1, stat_scope="test-rlvr-fail")
-    start = time.monotonic()
-    out = asyncio.run(wf.arun_episode(engine, row()))
-    assert time.monotonic() - start < 0.9
+    wf = RLVRWorkflow(hangs, gconfig, tokenizer, reward_timeout=0.1, stat_scope="test-rlvr-fail")
+    try:
+        out = asyncio.run(wf.arun_episode(engine, row()))
+        assert not returned.is_set()  # the episode ended on the timeouts, not on the rewards returning
+    finally:
+        release.set()
     assert out is None
     assert wf.reward.n_timeouts == 2
 

@@ -43,6 +43,11 @@ KEEPALIVE_S = 2.0
 _DETAIL_CHARS = 300
 
 
+def retry_delay(backoff: float, attempt: int) -> float:
+    """Seconds to wait after failed attempt ``attempt`` (1-based): ``backoff`` doubling, at most ``MAX_BACKOFF``."""
+    return min(backoff * 2 ** (attempt - 1), MAX_BACKOFF)
+
+
 class InferenceServerError(RuntimeError):
     """A request to one inference server failed for good.
 
@@ -247,7 +252,7 @@ class HttpClient:
                     raise InferenceServerError(
                         addr, req.method, req.path, e.detail, status=e.status, retryable=e.retryable, attempts=attempt
                     ) from None
-            await asyncio.sleep(min(backoff * 2 ** (attempt - 1), MAX_BACKOFF))
+            await asyncio.sleep(retry_delay(backoff, attempt))
 
     async def _attempt(self, addr: str, req: HttpRequest, total: float, fresh: bool) -> Any:
         import aiohttp
