@@ -22,7 +22,13 @@ from tandemrl.algorithms.aggregation import aggregate_loss, aggregation_weight
 from tandemrl.algorithms.constrained import forced_actions, mostly_forced
 from tandemrl.algorithms.kl import kl_estimate, kl_penalty_rewards
 from tandemrl.algorithms.layout import shift_left
-from tandemrl.algorithms.offpolicy import mismatch_token_stats, old_policy_logp, resolve_correction, version_stats
+from tandemrl.algorithms.offpolicy import (
+    Correction,
+    mismatch_token_stats,
+    old_policy_logp,
+    resolve_correction,
+    version_stats,
+)
 from tandemrl.algorithms.policy_loss import entropy_bonus, ppo_policy_loss
 from tandemrl.algorithms.recompute import RECOMPUTE_MODES, needs_logp_recompute, server_logp
 from tandemrl.algorithms.rewards import (
@@ -78,6 +84,18 @@ def record_routing(engine: TrainEngine, batch: TensorDict | RolloutBatch) -> Non
     batch[ROUTED_EXPERTS] = inputs[ROUTED_EXPERTS]  # type: ignore[literal-required]
 
 
+def correction_of(config: PPOActorConfig) -> Correction:
+    """The off-policy correction ``config`` asks for (``offpolicy_correction`` and its fields)."""
+    return resolve_correction(
+        config.offpolicy_correction,
+        config.offpolicy_cap,
+        config.offpolicy_cap_low,
+        config.offpolicy_seq_ratio,
+        config.use_decoupled_loss,
+        config.behav_imp_weight_cap,
+    )
+
+
 def action_mask_of(batch: TensorDict | RolloutBatch) -> torch.Tensor:
     """Next-token aligned mask of positions whose next token is generated (``loss_mask`` shifted left)."""
     return shift_left(batch["loss_mask"].bool() & batch["attention_mask"].bool(), fill=False)
@@ -127,14 +145,7 @@ class PPOActor:
                 "PPOActorConfig.recompute_logprob: 'never' cannot serve use_decoupled_loss "
                 "(off-policy batches need the recomputed proximal policy); use 'auto'"
             )
-        self.correction = resolve_correction(
-            config.offpolicy_correction,
-            config.offpolicy_cap,
-            config.offpolicy_cap_low,
-            config.offpolicy_seq_ratio,
-            config.use_decoupled_loss,
-            config.behav_imp_weight_cap,
-        )
+        self.correction = correction_of(config)
         if self.correction.kind == "cispo" and config.c_clip is not None:
             raise ValueError("PPOActorConfig.c_clip: the dual clip has no effect with offpolicy_correction 'cispo'")
         # One optimizer step per batch: that step's training forward runs at the proximal weights.

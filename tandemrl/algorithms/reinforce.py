@@ -15,8 +15,8 @@ import torch
 from tandemrl.algorithms.aggregation import aggregate_loss
 from tandemrl.algorithms.constrained import forced_actions
 from tandemrl.algorithms.layout import shift_left
-from tandemrl.algorithms.offpolicy import Correction, correction_weights, resolve_correction
-from tandemrl.algorithms.ppo import action_mask_of, record_routing, require_fields
+from tandemrl.algorithms.offpolicy import Correction, correction_weights
+from tandemrl.algorithms.ppo import action_mask_of, correction_of, record_routing, require_fields
 from tandemrl.algorithms.recompute import needs_logp_recompute, server_logp
 from tandemrl.algorithms.truncation import Truncation, policy_logprobs, replay_of
 from tandemrl.api.engine import TrainEngine
@@ -101,14 +101,7 @@ class ReinforceActor:
     def __init__(self, engine: TrainEngine, config: PPOActorConfig):
         self.engine = engine
         self.config = config
-        self.correction = resolve_correction(
-            config.offpolicy_correction,
-            config.offpolicy_cap,
-            config.offpolicy_cap_low,
-            config.offpolicy_seq_ratio,
-            config.use_decoupled_loss,
-            config.behav_imp_weight_cap,
-        )
+        self.correction = correction_of(config)
         self.loss = _Loss(config.temperature, replay_of(config), self.correction)
 
     def train_reinforce(self, batch: RolloutBatch) -> dict[str, float]:
