@@ -321,9 +321,9 @@ class BaseTrainEngine(TrainEngine):
         mbs = self._split(batch)
         weights = self._weights(mbs, loss_weight_fn)
         total = self._all_reduce_sum(sum(weights))
-        lr = self.optimizer.param_groups[0]["lr"]
         if total <= 0:  # e.g. mask_no_eos with every response truncated: nothing to learn from
             logger.warning("train_batch: update skipped, no trainable token in the batch on any rank (loss weight 0)")
+            lr = self.optimizer.param_groups[0]["lr"]
             stats = {"loss": 0.0, "grad_norm": 0.0, "update_successful": 0.0, "lr": lr, "n_mbs": 0.0}
             stats_tracker.scalar(**stats, skipped_empty=1.0, skipped_nonfinite=0.0)
             return stats
@@ -332,6 +332,7 @@ class BaseTrainEngine(TrainEngine):
             self._sync_device()  # kernels still queued belong to this timing, not the optimizer's
         with stats_tracker.record_timing("optimizer_step"):
             grad_norm, stepped = self._optimizer_step()
+        lr = self.optimizer.param_groups[0]["lr"]  # after the step: Megatron's optimizer sets it there
         loss = self._all_reduce_sum(loss_sum) / total
         if not stepped:
             logger.warning(
