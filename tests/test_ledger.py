@@ -7,16 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import threading
-from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from test_executor import N_SAMPLES, make_executor, make_loader, mixed_rewards, quiesce, wait_until
-from test_recover import _handler
-from torchdata.stateful_dataloader import StatefulDataLoader
 
 from tandemrl.api.episode import note_generated
 from tandemrl.api.inference import ModelRequest
@@ -24,7 +19,6 @@ from tandemrl.api.types import TensorDict
 from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
 from tandemrl.data.batch import concat_padded_tensors
 from tandemrl.rollout.ledger import REASONS, Ledger, LedgerError, LedgerTotals, Tally
-from tandemrl.trainers.recover import LOOP_STATE_FILE, CorruptCheckpointError
 from tandemrl.workflows.rlvr import completion_row
 
 # ------------------------------------------------------------------------------ the accounting
@@ -224,25 +218,6 @@ def test_a_restored_executor_counts_the_checkpoint_in_flight_as_lost_at_restart(
     after.check()
     assert after.discarded["lost_at_restart"] == before.in_flight and after.in_flight == Tally()
     assert after.generated == before.generated and after.consumed == before.consumed
-
-
-def test_a_corrupt_ledger_file_is_a_one_line_error(tmp_path: Path) -> None:
-    handler = _handler(tmp_path, "auto")
-    os.makedirs(handler.path)
-    state = {"global_step": 1, "version": 2, "world_size": 1, "weights_fingerprint": "x"}
-    Path(handler.path, LOOP_STATE_FILE).write_text(json.dumps(state))
-    loader = StatefulDataLoader(list(range(4)), batch_size=2)
-    torch.save(loader.state_dict(), Path(handler.path, "dataloader_rank0.pt"))
-    torch.save([], Path(handler.path, "pending_rows_rank0.pt"))
-    Path(handler.path, "ledger_rank0.json").write_text('{"generated": [1, 1]}')
-    ex, _ = make_executor(k=0)
-    try:
-        with pytest.raises(CorruptCheckpointError) as exc:
-            handler.load({}, None, loader, None, None, rollout=ex)
-    finally:
-        ex.destroy()
-    msg = str(exc.value)
-    assert "\n" not in msg and "ledger_rank0.json" in msg and "ledger state lacks" in msg, msg
 
 
 def test_rlvr_groups_dropped_for_a_failed_reward_are_counted_with_their_tokens(tiny_model_dir: str) -> None:

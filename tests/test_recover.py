@@ -419,8 +419,17 @@ def test_async_resume_trains_every_row_once(gsm8k_rows: Any) -> None:
     assert _taken_prefix(order, trained, final) > len(gsm8k_rows)
 
 
-@pytest.mark.parametrize(("content", "needle"), [(None, "No such file"), ({"id": 1}, "must hold a list of rows")])
-def test_corrupt_pending_rows_are_a_one_line_error(tmp_path: Path, content: Any, needle: str) -> None:
+@pytest.mark.parametrize(
+    ("file", "content", "needle"),
+    [
+        ("pending_rows_rank0.pt", None, "No such file"),
+        ("pending_rows_rank0.pt", {"id": 1}, "must hold a list of rows"),
+        ("ledger_rank0.json", {"generated": [1, 1]}, "ledger state lacks ['consumed'"),
+    ],
+)
+def test_corrupt_pending_rows_or_ledger_are_a_one_line_error(
+    tmp_path: Path, file: str, content: Any, needle: str
+) -> None:
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     handler = _handler(tmp_path, "auto")
@@ -429,8 +438,11 @@ def test_corrupt_pending_rows_are_a_one_line_error(tmp_path: Path, content: Any,
     Path(handler.path, LOOP_STATE_FILE).write_text(json.dumps(state))
     loader = StatefulDataLoader(list(range(4)), batch_size=2)
     torch.save(loader.state_dict(), Path(handler.path, "dataloader_rank0.pt"))
-    if content is not None:
-        torch.save(content, Path(handler.path, "pending_rows_rank0.pt"))
+    if file.endswith(".json"):  # the ledger is read after the pending rows
+        torch.save([], Path(handler.path, "pending_rows_rank0.pt"))
+        Path(handler.path, file).write_text(json.dumps(content))
+    elif content is not None:
+        torch.save(content, Path(handler.path, file))
     ex, _ = _executor(k=0)
     try:
         with pytest.raises(CorruptCheckpointError) as exc:
@@ -438,4 +450,4 @@ def test_corrupt_pending_rows_are_a_one_line_error(tmp_path: Path, content: Any,
     finally:
         ex.destroy()
     msg = str(exc.value)
-    assert "\n" not in msg and "pending_rows_rank0.pt" in msg and needle in msg, msg
+    assert "\n" not in msg and file in msg and needle in msg, msg
