@@ -1,7 +1,8 @@
-"""Auto-resume of RL runs (``recover.mode``): a real 2-step GRPO run through the launcher, then the
-same command with one more step resumes at step 3 on the restored weights and trains the prompts
-that were in flight at the stop, none skipped or repeated; plus the one-line errors for a missing or
-corrupt checkpoint and the staleness/dataloader/executor pieces resuming relies on.
+"""Auto-resume of RL runs (``recover.mode``): a real 3-step GRPO run through the launcher whose trainer
+is SIGKILLed in step 3, then the same command resumes at step 3 on the restored weights, trains the
+prompts that were in flight at the checkpoint, none skipped or repeated, and its sample ledger explains
+every generated sample across the kill; plus the one-line errors for a missing or corrupt checkpoint and
+the staleness/dataloader/executor pieces resuming relies on.
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ import itertools
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -45,74 +48,185 @@ def _step_scalars(tb_dir: Path, tag: str) -> dict[int, float]:
     return {e.step: e.value for e in acc.Scalars(tag)}
 
 
-def _grpo(tiny_model_dir: str, gsm8k_dir: str, root: Path, steps: int, *extra: str) -> subprocess.CompletedProcess[str]:
-    args = [
-        "examples/gsm8k_grpo.py",
+STEPS, PROMPTS, GROUP = 3, 8, 4  # steps of the run, prompts per step, samples per prompt
+# 40 stop tokens of the tiny model's 1024 (its untrained outputs are near uniform): about 4 in 10 of the
+# 24-token samples run to the length limit, the others end with a stop token.
+STOP_IDS = [2, *range(100, 140)]
+
+
+def _grpo_args(tiny_model_dir: str, gsm8k_dir: str, root: Path) -> list[str]:
+    """tests/workers/grpo_ledger.py: its reward fails on some prompts (group dropped) and is uniform on
+    others (dynamic sampling filters them); ``mask_no_eos`` leaves the truncated samples out of the loss."""
+    stop = ",".join(map(str, STOP_IDS))
+    return [
+        "tests/workers/grpo_ledger.py",
         "--config",
         "examples/gsm8k_grpo.yaml",
         f"actor.engine.path={tiny_model_dir}",
         f"train_dataset.path={gsm8k_dir}",
         f"cluster.fileroot={root}",
-        f"total_train_steps={steps}",
+        f"total_train_steps={STEPS}",
         "recover.mode=auto",
         "recover.freq_steps=2",
         "saver.freq_steps=2",
         "evaluator.freq_steps=100",
         "valid_dataset.max_samples=4",
         "gconfig.max_new_tokens=24",
+        f"gconfig.stop_token_ids=[{stop}]",
+        f"actor.eos_token_ids=[{stop}]",
+        "actor.dynamic_sampling=true",
+        "actor.mask_no_eos=true",
         "stats_logger.wandb.mode=disabled",
-        # The tiny model's GSM8K rewards are often all 0 (zero advantages, zero gradient); decoupled
-        # weight decay still moves every weight, so "training changed them" holds on any sample.
+        # Decoupled weight decay moves every weight whatever the advantages, so "training changed them" holds.
         "actor.engine.optimizer.weight_decay=0.1",
         "stats_logger.prompt_ids=true",
-        *extra,
     ]
-    return subprocess.run(LAUNCH + args, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=1200)
+
+
+def _trainable(prompt_id: int) -> bool:
+    """Prompts the worker's reward neither fails on nor gives a uniform reward (both never trained)."""
+    return prompt_id % 5 not in (0, 1)
+
+
+def _balance(stats: dict[str, float], unit: str) -> tuple[float, float]:
+    """(generated, consumed + every discard + in flight) of a stats line, in ``unit``."""
+    out = sum(v for k, v in stats.items() if k.startswith("ledger/discarded/") and k.endswith(f"_{unit}"))
+    return stats[f"ledger/generated_{unit}"], out + stats[f"ledger/consumed_{unit}"] + stats[f"ledger/in_flight_{unit}"]
+
+
+def _kill_trainer_after_step(proc: subprocess.Popen[str], prompt_log: Path, global_step: int) -> None:
+    """SIGKILL the trainer rank once it has logged ``global_step`` (after that step's checkpoint); the
+    launcher then fails the trial and stops the servers."""
+    import psutil
+
+    deadline = time.monotonic() + 900
+    while not any(line["global_step"] == global_step for line in _read_lines(prompt_log)):
+        assert proc.poll() is None, f"the run ended ({proc.returncode}) before step {global_step + 1}"
+        assert time.monotonic() < deadline, f"no step {global_step + 1} in 900 s"
+        time.sleep(0.05)
+    ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if _is_rank(p)]
+    assert ranks, "no trainer rank to kill"
+    for rank in ranks:
+        rank.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=300) != 0
+
+
+def _is_rank(p: Any) -> bool:
+    import psutil
+
+    try:
+        cmd = " ".join(p.cmdline())
+    except psutil.Error:
+        return False
+    return "grpo_ledger.py" in cmd and "torch.distributed.run" not in cmd
+
+
+def _read_lines(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
 @pytest.mark.slow
-def test_grpo_run_resumes_at_the_next_step_with_restored_weights(
+def test_grpo_killed_mid_run_resumes_and_the_ledger_explains_every_sample(
     tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path
 ) -> None:
+    """A 3-step GRPO run SIGKILLed in step 3, after step 2's recoverable checkpoint; the same command
+    resumes at step 3 on the restored weights. Every logged step's sample ledger balances in samples and
+    tokens, counts the dropped, filtered and too-long samples it was built to produce, and each step hands
+    the trainer one batch (8 prompts x 4 samples); the samples in flight at the checkpoint come back as
+    ``lost_at_restart`` and their prompts are trained after the resume, none skipped, none twice."""
     from transformers import AutoModelForCausalLM
 
-    log = tmp_path / "logs" / "gsm8k-grpo" / "trial0" / "trainer.log"
+    log_dir = tmp_path / "logs" / "gsm8k-grpo" / "trial0"
     tb = tmp_path / "tensorboard" / "gsm8k-grpo" / "trial0"
-    first = _grpo(tiny_model_dir, gsm8k_dir, tmp_path, steps=2)
-    assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
-    first_log = log.read_text()
+    args = _grpo_args(tiny_model_dir, gsm8k_dir, tmp_path)
+    proc = subprocess.Popen(
+        LAUNCH + args, cwd=REPO_ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(proc.stdout or []), daemon=True)
+    reader.start()
+    try:
+        _kill_trainer_after_step(proc, log_dir / "prompt_ids.jsonl", 1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(60)
+    assert "grpo done" not in "".join(out), "".join(out)[-3000:]
+    first_log = (log_dir / "trainer.log").read_text()
     saved = re.findall(r"recover: saved global step (\d+) \(version (\d+), weights (\w+)\)", first_log)
     assert [(s, v) for s, v, _ in saved] == [("2", "2")], saved
     fingerprint = saved[0][2]
     recover_dir = tmp_path / "checkpoints" / "gsm8k-grpo" / "trial0" / "recover"
     assert (recover_dir / LOOP_STATE_FILE).is_file() and not (recover_dir.parent / "recover.tmp").exists()
+    lost = json.loads((recover_dir / "ledger_rank0.json").read_text())["in_flight"]  # [samples, tokens]
     # The recover checkpoint holds exactly the weights the saver exported after step 2.
     export = tmp_path / "checkpoints" / "gsm8k-grpo" / "trial0" / "epoch0epochstep1globalstep1"
     exported = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
     assert weights_fingerprint(exported.state_dict().items()) == fingerprint
     original = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     assert weights_fingerprint(original.state_dict().items()) != fingerprint  # training changed them
+    killed_stats = _read_lines(log_dir / "stats.jsonl")
 
-    second = _grpo(tiny_model_dir, gsm8k_dir, tmp_path, steps=3)  # the same command, one more step
+    second = subprocess.run(LAUNCH + args, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=1200)
     assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]
-    text = log.read_text()[len(first_log) :]  # the launcher appends: only the second run's output
+    text = (log_dir / "trainer.log").read_text()[len(first_log) :]  # the launcher appends: the resumed run only
     resumed = re.findall(r"recover: resumed from \S+ after global step (\d+) \(version (\d+), weights (\w+)\)", text)
     # The engine starts on the saved weights (re-fingerprinted after loading), at version 2.
     assert resumed == [("2", "2", fingerprint)], text[-3000:]
     assert "grpo done: 1 steps" in text, text[-3000:]
-    # Steps 1-2 come from the first run, step 3 (index 2) from the second; none was redone.
+    # Steps 1-2 come from the first run, step 3 (index 2) from the second.
     losses = _step_scalars(tb, "actor/ppo_actor/update/loss")
     assert sorted(losses) == [0, 1, 2], losses
-    versions = _step_scalars(tb, "rollout_version_min")
     # Step 3's rollouts were sampled by the servers at the restored version 2 (pushed before the rollout).
+    versions = _step_scalars(tb, "rollout_version_min")
     assert versions[2] == 2 and _step_scalars(tb, "rollout_version_max")[2] == 2, versions
-    # Prompts: the rows in flight at the kill (pending after step 2) are neither skipped nor trained twice.
-    lines = read_prompt_log(str(log.parent))
-    assert [line["global_step"] for line in lines] == [0, 1, 2] and all(len(x["trained"]) == 8 for x in lines)
-    order = _grpo_loader_order(tiny_model_dir, gsm8k_dir, 200)
-    trained = [i for line in lines for i in line["trained"]]
-    _taken_prefix(order, trained[:16], lines[1]["pending"])
-    _taken_prefix(order, trained, lines[2]["pending"])
+    _check_ledger(killed_stats, _read_lines(log_dir / "stats.jsonl")[len(killed_stats) :], lost, text)
+    _check_prompts(tiny_model_dir, gsm8k_dir, log_dir)
+
+
+def _check_ledger(killed: list[dict[str, Any]], resumed: list[dict[str, Any]], lost: list[int], text: str) -> None:
+    """Both runs' stats lines balance and hand the trainer one batch a step (counted from the run's start, the
+    restored ledger included); the resumed run's ``lost_at_restart`` is what the checkpoint had in flight."""
+    by_step = {line["step"]: line for line in killed if line["step"] <= 2}  # the resumed run redoes step 3
+    by_step.update({line["step"]: line for line in resumed})
+    assert sorted(by_step) == [1, 2, 3], sorted(by_step)
+    for step, stats in by_step.items():
+        for unit in ("samples", "tokens"):
+            gen, out = _balance(stats, unit)
+            assert gen == out and gen > 0, (step, unit, gen, out)
+        handed = stats["ledger/consumed_samples"] + stats["ledger/discarded/too_long_samples"]
+        assert handed == step * PROMPTS * GROUP, (step, handed)
+        expected_lost = lost if step == 3 else [0, 0]
+        got = [stats["ledger/discarded/lost_at_restart_samples"], stats["ledger/discarded/lost_at_restart_tokens"]]
+        assert got == expected_lost, (step, got)
+    last = by_step[3]
+    for reason in ("group_dropped", "filtered", "too_long"):  # what the worker's reward and mask_no_eos produce
+        n = last[f"ledger/discarded/{reason}_samples"]
+        assert n > 0 and last[f"ledger/discarded/{reason}_tokens"] > 0, (reason, n)
+        assert reason == "too_long" or n % GROUP == 0, (reason, n)  # whole groups
+    assert last["ledger/consumed_samples"] > 0
+    # The closing line reports the run's totals: they balance, and name what was lost at the restart.
+    m = re.search(
+        r"grpo ledger: generated (\d+) .* = consumed (\d+) .* \+ discarded (\d+) .* \+ in flight (\d+) ", text
+    )
+    assert m is not None, text[-3000:]
+    gen, consumed, discarded, in_flight = map(int, m.groups())
+    assert gen == consumed + discarded + in_flight and gen >= last["ledger/generated_samples"], m.group(0)
+    assert lost[0] == 0 or f"lost_at_restart {lost[0]} ({lost[1]} tokens)" in m.group(0), m.group(0)
+
+
+def _check_prompts(tiny_model_dir: str, gsm8k_dir: str, log_dir: Path) -> None:
+    """The rows in flight at the kill (pending after step 2) are neither skipped nor trained twice; no
+    prompt the reward fails on or scores uniformly is trained."""
+    lines = {line["global_step"]: line for line in read_prompt_log(str(log_dir))}  # the resumed run's step 3 wins
+    assert sorted(lines) == [0, 1, 2] and all(len(x["trained"]) == PROMPTS for x in lines.values())
+    order = [i for i in _grpo_loader_order(tiny_model_dir, gsm8k_dir, 400) if _trainable(i)]
+    trained = [i for step in (0, 1, 2) for i in lines[step]["trained"]]
+    assert all(_trainable(i) for i in trained), trained
+    _taken_prefix(order, trained[:16], [i for i in lines[1]["pending"] if _trainable(i)])
+    _taken_prefix(order, trained, [i for i in lines[2]["pending"] if _trainable(i)])
 
 
 def _grpo_loader_order(tiny_model_dir: str, gsm8k_dir: str, n: int) -> list[int]:
@@ -305,8 +419,17 @@ def test_async_resume_trains_every_row_once(gsm8k_rows: Any) -> None:
     assert _taken_prefix(order, trained, final) > len(gsm8k_rows)
 
 
-@pytest.mark.parametrize(("content", "needle"), [(None, "No such file"), ({"id": 1}, "must hold a list of rows")])
-def test_corrupt_pending_rows_are_a_one_line_error(tmp_path: Path, content: Any, needle: str) -> None:
+@pytest.mark.parametrize(
+    ("file", "content", "needle"),
+    [
+        ("pending_rows_rank0.pt", None, "No such file"),
+        ("pending_rows_rank0.pt", {"id": 1}, "must hold a list of rows"),
+        ("ledger_rank0.json", {"generated": [1, 1]}, "ledger state lacks ['consumed'"),
+    ],
+)
+def test_corrupt_pending_rows_or_ledger_are_a_one_line_error(
+    tmp_path: Path, file: str, content: Any, needle: str
+) -> None:
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     handler = _handler(tmp_path, "auto")
@@ -315,8 +438,11 @@ def test_corrupt_pending_rows_are_a_one_line_error(tmp_path: Path, content: Any,
     Path(handler.path, LOOP_STATE_FILE).write_text(json.dumps(state))
     loader = StatefulDataLoader(list(range(4)), batch_size=2)
     torch.save(loader.state_dict(), Path(handler.path, "dataloader_rank0.pt"))
-    if content is not None:
-        torch.save(content, Path(handler.path, "pending_rows_rank0.pt"))
+    if file.endswith(".json"):  # the ledger is read after the pending rows
+        torch.save([], Path(handler.path, "pending_rows_rank0.pt"))
+        Path(handler.path, file).write_text(json.dumps(content))
+    elif content is not None:
+        torch.save(content, Path(handler.path, file))
     ex, _ = _executor(k=0)
     try:
         with pytest.raises(CorruptCheckpointError) as exc:
@@ -324,4 +450,4 @@ def test_corrupt_pending_rows_are_a_one_line_error(tmp_path: Path, content: Any,
     finally:
         ex.destroy()
     msg = str(exc.value)
-    assert "\n" not in msg and "pending_rows_rank0.pt" in msg and needle in msg, msg
+    assert "\n" not in msg and file in msg and needle in msg, msg

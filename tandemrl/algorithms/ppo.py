@@ -231,6 +231,10 @@ class PPOActor:
             raise ValueError(f"PPOActorConfig.eos_token_ids: empty and the model at {path} has none")
         return [eos] if isinstance(eos, int) else list(eos)
 
+    def truncated_rows(self, batch: TensorDict) -> torch.Tensor:
+        """Bool [B]: rows whose response does not end with an EOS/stop token, which ``mask_no_eos`` leaves out of the loss."""
+        return ~response_ends_with_eos(batch["input_ids"], batch["loss_mask"], self._eos_ids())
+
     def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over data-parallel ranks (for batch-level advantage statistics)."""
         if not dist.is_initialized() or self.engine.data_parallel_world_size <= 1:

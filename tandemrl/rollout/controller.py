@@ -29,6 +29,7 @@ from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
 from tandemrl.configs.rollout import InferenceEngineConfig
 from tandemrl.rollout.distributed import collect
 from tandemrl.rollout.executor import ShouldAcceptFn, WorkflowExecutor
+from tandemrl.rollout.ledger import Ledger, LedgerTotals, Tally
 from tandemrl.rollout.weights import WeightPusher, WeightReceiver
 from tandemrl.utils import stats_tracker
 
@@ -190,6 +191,23 @@ class RolloutController:
     def replay_first(self, rows: Iterable[dict[str, Any]]) -> None:
         """Generate ``rows`` (a checkpoint's ``pending_rows``) before new dataloader rows."""
         self._executor.replay_first(rows)
+
+    @property
+    def ledger(self) -> Ledger:
+        """This rank's sample ledger of training rollouts (``tandemrl.rollout.ledger``)."""
+        return self._executor.ledger
+
+    def ledger_totals(self) -> LedgerTotals:
+        """This rank's ledger, with the samples in flight measured at the same moment."""
+        return self._executor.ledger_totals()
+
+    def recover_state(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """(pending rows, ledger state) at one moment, for a recoverable checkpoint."""
+        return self._executor.recover_state()
+
+    def restore_ledger(self, state: dict[str, Any]) -> Tally:
+        """Continue a checkpoint's ledger; its samples in flight become ``lost_at_restart`` (returned)."""
+        return self._executor.restore_ledger(state)
 
     def export_stats(self, reduce_group: Any = None) -> dict[str, float]:
         """Rollout statistics of every executor (training, then evaluation), reduced over ``reduce_group``.

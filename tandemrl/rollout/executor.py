@@ -21,6 +21,10 @@ whole by the weights it started with. Each episode runs under its ``RolloutKey``
 ``pending_rows`` lists the rows ``prepare_batch`` took from the dataloader that no batch has
 handed out yet; a recoverable checkpoint saves them and the resumed executor submits them
 first (``replay_first``), so a restart neither skips nor repeats a row.
+
+``ledger`` (``tandemrl.rollout.ledger``) accounts for every sample an episode generated: handed
+out in a batch, discarded (filtered, dropped by the workflow, failed, abandoned) or waiting;
+:meth:`ledger_totals` reads it with the waiting samples measured at the same moment.
 """
 
 from __future__ import annotations
@@ -40,11 +44,13 @@ from typing import Any
 import torch
 
 from tandemrl.api.determinism import RolloutKey, rollout_key_context
+from tandemrl.api.episode import GeneratedTally, tally_in
 from tandemrl.api.types import TensorDict
 from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
 from tandemrl.configs.rollout import InferenceEngineConfig
 from tandemrl.data.batch import concat_padded_tensors
 from tandemrl.data.loader import cycle_batches
+from tandemrl.rollout.ledger import Ledger, LedgerTotals, Tally, tally_of, total
 from tandemrl.rollout.staleness import RolloutStat, StalenessManager
 from tandemrl.rollout.task_runner import AsyncTaskRunner
 from tandemrl.utils import stats_tracker
@@ -159,6 +165,7 @@ class WorkflowExecutor:
         self._last_launch_error = 0.0
         self._stall_since: float | None = None
         self._stall_warned = False
+        self.ledger = Ledger()
 
     # ------------------------------------------------------------------ lifecycle
     def initialize(self) -> None:
@@ -276,39 +283,60 @@ class WorkflowExecutor:
             if self.tracing:
                 logger.info("rollout %d started at version %d (%s)", rid, version, type(task.workflow).__name__)
             ctx = rollout_key_context(task.key)
+            noted = tally_in(ctx)
             atask = loop.create_task(self._run_episode(task), name=f"rollout-{rid}", context=ctx)
             self._tasks[rid] = atask
-            atask.add_done_callback(functools.partial(self._on_done, rid, task, version, time.monotonic()))
+            atask.add_done_callback(functools.partial(self._on_done, rid, task, version, time.monotonic(), noted))
 
-    async def _run_episode(self, task: _Task) -> TensorDict | None:
+    async def _run_episode(self, task: _Task) -> tuple[TensorDict | None, bool]:
+        """(trajectory or None, accepted)."""
         traj = await task.workflow.arun_episode(self.inference_engine, task.data)
         if traj is None:
-            return None
+            return None, False
         _check_trajectory(traj, task.workflow)
         if task.should_accept_fn is not None and not task.should_accept_fn(traj):
-            return None
-        return traj
+            return traj, False
+        return traj, True
 
-    def _on_done(self, rid: int, task: _Task, version: int, start: float, atask: asyncio.Task[Any]) -> None:
+    def _count_locked(self, task: _Task, traj: TensorDict | None, accepted: bool, failed: bool, noted: Tally) -> None:
+        """Ledger entries of a finished episode: the batch it returned counts, else what its workflow noted."""
+        got = tally_of(traj) if traj is not None else noted
+        self.ledger.generated(got)
+        if failed:
+            self.ledger.discarded("failed", got)
+        elif traj is None:
+            self.ledger.discarded("group_dropped", got)
+        elif not accepted:
+            self.ledger.discarded("filtered", got)
+        elif task.tag is not None and task.tag not in self._tag_results:
+            self.ledger.discarded("abandoned", got)
+
+    def _on_done(
+        self, rid: int, task: _Task, version: int, start: float, noted: GeneratedTally, atask: asyncio.Task[Any]
+    ) -> None:
         self._tasks.pop(rid, None)
         exc: BaseException | None = None
         traj: TensorDict | None = None
+        accepted = False
         if atask.cancelled():
             exc = asyncio.CancelledError()
         else:
             exc = atask.exception()
             if exc is None:
-                traj = atask.result()
+                traj, accepted = atask.result()
         with self._cond:
             self._running.pop(rid, None)
-            if traj is not None:
+            if not atask.cancelled():  # a cancelled episode (destroy) never finished
+                self._count_locked(task, traj, accepted, exc is not None, Tally(noted.samples, noted.tokens))
+            if accepted:
+                assert traj is not None
                 self.staleness.on_accept()
                 done = _Done(traj, version, next(self._seqs), task.order, task.data)
                 if task.tag is None:
                     self._accepted.append(done)
                 elif task.tag in self._tag_results:
                     self._tag_results[task.tag].append(done)
-                # else: its rollout_batch call already gave up; the result is dropped
+                # else: its rollout_batch call already gave up; the result is dropped (ledger: abandoned)
                 outcome = "accepted"
             else:
                 self.staleness.on_reject()
@@ -427,6 +455,7 @@ class WorkflowExecutor:
         for d in picked:
             self._pending.pop(d.order, None)
         self.last_batch_rows = [d.data for d in picked]
+        self.ledger.consumed(total([tally_of(d.traj) for d in picked]))
         tracker = stats_tracker.get(self.config.stats_name)
         lags = torch.tensor([float(version - d.version) for d in picked])
         tracker.denominator(n_consumed=torch.ones_like(lags, dtype=torch.bool))
@@ -634,7 +663,8 @@ class WorkflowExecutor:
                 with self._cond:
                     self._raise_errors_locked()
                     if len(self._tag_results[tag]) >= n:
-                        results = self._tag_results[tag]
+                        results = self._tag_results.pop(tag)
+                        self.ledger.consumed(total([tally_of(d.traj) for d in results]))
                         break
                     rejections = self._tag_rejections[tag]
                     pending += rejections - seen_rejections
@@ -655,11 +685,33 @@ class WorkflowExecutor:
                         self._sleep_locked(deadline, f"rollout_batch({n} rows, timeout={timeout})")
         finally:
             with self._cond:
-                self._tag_results.pop(tag, None)
+                left = self._tag_results.pop(tag, [])  # accepted, never handed out: the call gave up
+                self.ledger.discarded("abandoned", total([tally_of(d.traj) for d in left]))
                 self._tag_rejections.pop(tag, None)
         results = sorted(results, key=lambda d: d.order)
         self.last_batch_rows = [d.data for d in results]
         return concat_padded_tensors([d.traj for d in results])
+
+    # ------------------------------------------------------------------ ledger
+    def _in_flight_locked(self) -> Tally:
+        """Samples accepted and waiting for a batch, measured from the waiting trajectories."""
+        waiting = self._accepted + [d for done in self._tag_results.values() for d in done]
+        return total([tally_of(d.traj) for d in waiting])
+
+    def ledger_totals(self) -> LedgerTotals:
+        """The ledger with the samples in flight and the episodes queued or running, read at one moment."""
+        with self._cond:
+            return self.ledger.totals(self._in_flight_locked(), len(self._input) + len(self._running))
+
+    def recover_state(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """(:meth:`pending_rows`, the ledger's state) read at one moment, for a recoverable checkpoint."""
+        with self._cond:
+            return self.pending_rows(), self.ledger.state_dict(self._in_flight_locked())
+
+    def restore_ledger(self, state: dict[str, Any]) -> Tally:
+        """Continue a checkpoint's ledger; its samples in flight become ``lost_at_restart`` (returned)."""
+        with self._cond:
+            return self.ledger.load_state_dict(state)
 
     # ------------------------------------------------------------------ stats
     def get_stats(self) -> RolloutStat:

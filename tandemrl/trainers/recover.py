@@ -11,6 +11,8 @@ Layout under ``<fileroot>/checkpoints/<experiment>/<trial>/recover``:
 * ``dataloader_rank<r>.pt``: trainer rank r's dataloader position;
 * ``pending_rows_rank<r>.pt``: the rows rank r's rollout executor had taken from the dataloader
   but not yet handed out in a trained batch (queued, generating, or generated and waiting);
+* ``ledger_rank<r>.json``: rank r's sample ledger (``tandemrl.rollout.ledger``), read at the same
+  moment as its pending rows, with the samples then generated and waiting;
 * ``loop_state.json``: the last finished global step, the weight version, the saver's and
   evaluator's counters, the trainer world size and a fingerprint of the pushed weights.
 
@@ -22,6 +24,9 @@ Rollouts that were queued or running when the checkpoint was written are not sav
 came from older weights), but their rows are: the resumed run generates them again, with the
 restored weights, before it takes new rows from the dataloader. So every row is trained once,
 none skipped, in asynchronous runs too (a synchronous run has no such rows at a step's end).
+The samples that were generated and waiting are therefore never trained: the restored ledger
+counts them as discarded, reason ``lost_at_restart``. A checkpoint without a ledger file
+(written before the ledger existed) starts the ledger at zero.
 """
 
 from __future__ import annotations
@@ -73,15 +78,22 @@ class StatefulLoader(Protocol):
 
 
 class RowSource(Protocol):
-    """Rollout's rows taken from the dataloader but not yet trained (RolloutController, WorkflowExecutor)."""
+    """Rollout's rows taken from the dataloader but not yet trained, and its sample ledger
+    (RolloutController, WorkflowExecutor)."""
 
-    def pending_rows(self) -> list[dict[str, Any]]: ...
+    def recover_state(self) -> tuple[list[dict[str, Any]], dict[str, Any]]: ...
 
     def replay_first(self, rows: Iterable[dict[str, Any]]) -> None: ...
+
+    def restore_ledger(self, state: dict[str, Any]) -> Any: ...
 
 
 def pending_rows_file(path: str) -> str:
     return os.path.join(path, f"pending_rows_rank{_rank()}.pt")
+
+
+def ledger_file(path: str) -> str:
+    return os.path.join(path, f"ledger_rank{_rank()}.json")
 
 
 @dataclass
@@ -177,7 +189,8 @@ class RecoverHandler:
         ``last`` marks the run's final step: with ``save_final`` on, the checkpoint is written whatever the frequency.
 
         ``pushed`` is the engine whose weights the servers get (its ``iter_hf_params`` is fingerprinted);
-        ``rollout`` holds the pending rows the resumed run must generate again (the rollout controller).
+        ``rollout`` holds the pending rows the resumed run must generate again and the sample ledger (the
+        rollout controller).
         """
         if not self.enabled:
             return False
@@ -195,7 +208,11 @@ class RecoverHandler:
             for name, engine in engines.items():
                 engine.save(SaveLoadMeta(path=os.path.join(tmp, "engines", name), weight_format="dcp", with_optim=True))
             torch.save(dataloader.state_dict(), os.path.join(tmp, f"dataloader_rank{_rank()}.pt"))
-            torch.save(rollout.pending_rows() if rollout is not None else [], pending_rows_file(tmp))
+            rows, ledger = rollout.recover_state() if rollout is not None else ([], None)
+            torch.save(rows, pending_rows_file(tmp))
+            if ledger is not None:
+                with open(ledger_file(tmp), "w") as f:
+                    json.dump(ledger, f)
             fingerprint = self._fingerprint(pushed)
             _barrier()
             if _rank() == 0:
@@ -253,7 +270,7 @@ class RecoverHandler:
     ) -> LoopState | None:
         """Collective: restore everything from the checkpoint (None: nothing to resume in mode auto/disabled).
 
-        ``rollout`` gets the checkpoint's pending rows to generate before new dataloader rows.
+        ``rollout`` gets the checkpoint's pending rows to generate before new dataloader rows, and its ledger.
 
         Raises a one-line error when mode is ``resume`` and there is no checkpoint, or when the
         checkpoint is corrupt or was written by a different number of trainer ranks.
@@ -288,6 +305,7 @@ class RecoverHandler:
             raise CorruptCheckpointError(f"recover: checkpoint {path} is corrupt: {loader_file}: {_reason(e)}") from e
         if rollout is not None:
             rollout.replay_first(self._pending_rows(path))
+            self._restore_ledger(path, rollout)
         fingerprint = self._fingerprint(pushed)
         if fingerprint != state.weights_fingerprint:
             raise CorruptCheckpointError(
@@ -320,6 +338,17 @@ class RecoverHandler:
         if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
             raise CorruptCheckpointError(f"recover: checkpoint {path} is corrupt: {file} must hold a list of rows")
         return rows
+
+    @staticmethod
+    def _restore_ledger(path: str, rollout: RowSource) -> None:
+        file = ledger_file(path)
+        if not os.path.exists(file):
+            return  # written before the ledger existed: it starts at zero
+        try:
+            with open(file) as f:
+                rollout.restore_ledger(json.load(f))
+        except (OSError, json.JSONDecodeError, ValueError) as e:
+            raise CorruptCheckpointError(f"recover: checkpoint {path} is corrupt: {file}: {_reason(e)}") from None
 
     @staticmethod
     def _read_state(path: str) -> LoopState:

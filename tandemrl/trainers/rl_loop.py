@@ -21,7 +21,9 @@ async: ``async_training``, or null with a staleness bound > 0; else ``rollout_ba
 ``recover.freq_*``) -> log. Each phase is timed under ``timeperf/`` (``rollout_wait``: the trainer idle,
 waiting for its batch; ``actor/recompute_logp``, ``ref_logp``, ``.../fwd_bwd``, ``.../optimizer_step``,
 ``update_weights``, ``save``, ``eval``, ``recover``, ``step``); the run ends with a one-line split of its
-steps' time (``tandemrl.trainers.time_split``). A run restarted with a checkpoint present restores the engines, the
+steps' time (``tandemrl.trainers.time_split``). Each step checks the sample ledger over all ranks (every generated
+sample consumed, discarded by reason or in flight; ``tandemrl.rollout.ledger``, docs/ledger.md) and logs it under
+``ledger/``; a closing line gives its totals. A run restarted with a checkpoint present restores the engines, the
 dataloader position, the rows still in flight (generated again first) and the counters, pushes the restored weights to the servers (labelled
 with the restored version) and continues at the next step; see ``tandemrl.trainers.recover``.
 """
@@ -57,6 +59,7 @@ from tandemrl.models.hf import load_hf_tokenizer, model_context_length
 from tandemrl.models.resolve import resolve_model_path
 from tandemrl.rewards.runner import RewardFn
 from tandemrl.rollout.controller import RolloutController
+from tandemrl.rollout.ledger import LedgerTotals, Tally
 from tandemrl.trainers.evaluator import Evaluator
 from tandemrl.trainers.heldout import HeldoutEval
 from tandemrl.trainers.prompt_log import log_prompt_ids
@@ -68,7 +71,9 @@ from tandemrl.trainers.turns import TurnTaker
 from tandemrl.utils import stats_tracker
 from tandemrl.workflows.rlvr import RLVRWorkflow
 
-# train_step(batch, global_step): compute whatever the algorithm needs and update the engines.
+# train_step(batch, global_step): compute whatever the algorithm needs and update the engines. A step
+# whose update leaves some rows out of the loss names them with an attribute ``untrained_rows(batch) ->
+# bool [B]`` (ppo_train_step with mask_no_eos); the sample ledger counts those rows ``too_long``.
 TrainStep = Callable[[TensorDict, int], None]
 # Evaluation rollouts record their statistics under this tracker (the eval workflow's scope too).
 EVAL_STATS = "eval-rollout"
@@ -119,6 +124,8 @@ def ppo_train_step(actor: PPOActor, ref: PPOActor | None = None, critic: PPOCrit
                 critic.ppo_update(batch)
                 critic.engine.step_lr_scheduler()
 
+    if config.mask_no_eos:
+        step.untrained_rows = actor.truncated_rows  # type: ignore[attr-defined]
     return step
 
 
@@ -144,6 +151,7 @@ class RunSummary:
     rewards: list[float] = field(default_factory=list)
     evals: list[tuple[int, float]] = field(default_factory=list)  # (global step, greedy accuracy)
     phase_seconds: dict[str, float] = field(default_factory=dict)  # time_split label -> seconds, ranks' mean
+    ledger: LedgerTotals | None = None  # the sample ledger at the end, summed over trainer ranks
 
 
 def _mean(xs: list[float]) -> float:
@@ -264,8 +272,9 @@ class RLTrainer:
         eval_gconfig = self.gconfig.new(greedy=True, n_samples=1)
         return workflow, RLVRWorkflow(reward_fn, eval_gconfig, self.tokenizer, stat_scope=EVAL_STATS)
 
-    def _dp_sum(self, values: list[float]) -> list[float]:
-        group = self.actor.data_parallel_group
+    def _dp_sum(self, values: list[float], group: Any = None) -> list[float]:
+        """Sums over the data-parallel ranks (over ``group`` if given)."""
+        group = self.actor.data_parallel_group if group is None else group
         device = self.actor.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
         t = torch.tensor(values, dtype=torch.float64, device=device)
         dist.all_reduce(t, group=group)
@@ -353,6 +362,7 @@ class RLTrainer:
                     batch = rollout.rollout_batch(
                         next(data_iter), workflow, should_accept_fn=should_accept_fn, granularity=group
                     )
+            self._count_untrained(batch, train_step)
             summary.n_samples += batch["attention_mask"].shape[0] * world
             summary.n_tokens += int(batch["loss_mask"].sum()) * world
             gen = batch["versions"][batch["loss_mask"].bool()]
@@ -377,6 +387,7 @@ class RLTrainer:
         if self.heldout.enabled:
             rollout.pause()  # no new training episodes compete with the held-out requests
             self.heldout.score(self.client, "after", actor.get_version())
+        summary.ledger = self._ledger()
         self._print_summary()
         return summary
 
@@ -404,7 +415,29 @@ class RLTrainer:
                 last=last,
             )
 
+    def _count_untrained(self, batch: TensorDict, train_step: TrainStep) -> None:
+        """Ledger: the rows of this rank's batch that the update leaves out of the loss become ``too_long``.
+
+        Only DP heads count: the batch a head hands its model-parallel peers is the same rows.
+        """
+        untrained = getattr(train_step, "untrained_rows", None)
+        if untrained is None or not self.actor.is_data_parallel_head():
+            return
+        rows = untrained(batch).bool().cpu()
+        if bool(rows.any()):
+            tokens = int(batch["loss_mask"].cpu()[rows].sum())
+            self.rollout.ledger.unconsume("too_long", Tally(int(rows.sum()), tokens))
+
+    def _ledger(self) -> LedgerTotals:
+        """Collective: the sample ledger summed over every trainer rank, checked (one-line LedgerError if it
+        does not balance). Ranks that are not DP heads generate nothing and add zeros."""
+        local = self.rollout.ledger_totals()
+        totals = LedgerTotals.from_vector(self._dp_sum(local.to_vector(), group=dist.group.WORLD))
+        totals.check()
+        return totals
+
     def _commit(self, epoch: int, step: int, global_step: int) -> None:
+        stats_tracker.scalar(**self._ledger().stats())  # the run's totals so far; a violation fails the step
         # Rollout trackers first (reduced over DP ranks), then everything the trainer recorded.
         dp_group = self.actor.data_parallel_group
         stats = self.rollout.export_stats(reduce_group=dp_group)
@@ -430,6 +463,8 @@ class RLTrainer:
             flush=True,
         )
         print(f"{self.name} {format_time_split(s.phase_seconds)}", flush=True)
+        if s.ledger is not None:
+            print(f"{self.name} {s.ledger.line()}", flush=True)
         heldout = self.heldout.report()
         if heldout is not None:
             print(f"{self.name} {heldout}", flush=True)

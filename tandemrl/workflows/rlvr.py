@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from tandemrl.api.determinism import request_seed
+from tandemrl.api.episode import note_generated
 from tandemrl.api.inference import ModelRequest, ModelResponse
 from tandemrl.api.types import TensorDict
 from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
@@ -232,6 +233,7 @@ class RLVRWorkflow(RolloutWorkflow):
                 for i in range(self.gconfig.n_samples)
             ]
         )
+        note_generated(len(resps), sum(len(r.output_tokens) for r in resps))  # the ledger counts a dropped group
         prompt = self.tokenizer.decode(prompt_ids)
         rewards = await asyncio.gather(*[self.score(prompt, prompt_ids, r.output_tokens, data) for r in resps])
         if self.drop_group(rewards):

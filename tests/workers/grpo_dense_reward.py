@@ -6,6 +6,7 @@ Run through the launcher like the example.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from tandemrl.algorithms.ppo import PPOActor
@@ -19,12 +20,17 @@ def digit_share(completions: str, **_: Any) -> float:
     return sum(c.isdigit() for c in completions) / max(len(completions), 1)
 
 
-def main(argv: list[str]) -> None:
+def run_grpo(argv: list[str], reward: Callable[..., float]) -> None:
+    """The GRPO example's run with ``reward`` (also used by tests/workers/grpo_ledger.py)."""
     config, _ = load_config_or_exit(argv, GRPOConfig)
     trainer = RLTrainer(config, name="grpo")
-    workflow, eval_workflow = trainer.rlvr_workflows(digit_share)
+    workflow, eval_workflow = trainer.rlvr_workflows(reward)
     trainer.run(workflow, ppo_train_step(PPOActor(config.actor, trainer.actor)), eval_workflow)
     trainer.close()
+
+
+def main(argv: list[str]) -> None:
+    run_grpo(argv, digit_share)
 
 
 if __name__ == "__main__":
