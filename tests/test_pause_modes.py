@@ -30,48 +30,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_stale_kv import Reply, block_size, cold, random_prompt
-from utils import free_port
-from vllm_server import VLLMTestServer, load_hf, perturbed_model, restore_original
+from test_stale_kv import block_size, cold, engine_on, joined_group, random_prompt
+from test_stale_kv import generate as salted
+from vllm_server import VLLMTestServer, load_hf, perturbed_model
 
-from tandemrl.api.inference import HttpRequest, ModelRequest, WeightUpdateMeta
-from tandemrl.configs.rollout import InferenceEngineConfig
+from tandemrl.api.inference import ModelRequest, WeightUpdateMeta
 from tandemrl.inference.remote import RemoteVLLMEngine
-from tandemrl.inference.weight_group import (
-    broadcast_buckets,
-    create_trainer_weight_group,
-    destroy_weight_group,
-    pack_bucket,
-    split_buckets,
-)
 
 K = 6  # tokens granted before the update
 N = K + 8  # tokens the request asks for
 TOL = 0.15  # bf16 server vs fp32 reference, max |logprob diff| (the lm_head of the new weights is scaled x8)
-
-
-@contextlib.contextmanager
-def engine_for(server: VLLMTestServer, mode: str) -> Iterator[RemoteVLLMEngine]:
-    """A client on the session server; afterwards the server has its original weights and label."""
-    label = server.call(HttpRequest("GET", "/weight_info", None, 60.0))["weight_version"]
-    eng = RemoteVLLMEngine(InferenceEngineConfig(request_retries=1, setup_timeout=60.0, pause_mode=mode))
-    eng.initialize([server.proc.address])
-    try:
-        yield eng
-    finally:
-        eng.destroy()
-        restore_original(server)
-        server.call(HttpRequest("POST", "/update_weight_version", {"new_version": str(label)}, 60.0))
-
-
-def salted(server: VLLMTestServer, prompt: list[int], n: int, version: int) -> Reply:
-    """``n`` greedy tokens as the engine at ``version`` asks for them (its prefix-cache salt)."""
-    req = ModelRequest(rid=uuid.uuid4().hex, input_ids=list(prompt), metadata={"ignore_eos": True})
-    req.gconfig = req.gconfig.new(greedy=True)
-    payload = server.call(server.backend.build_generate(req, [], n, version))
-    chunk = server.backend.parse_generate(payload)
-    cached = int(payload["usage"]["prompt_tokens_details"]["cached_tokens"])
-    return Reply(chunk.output_tokens, chunk.output_logprobs, cached)
 
 
 @contextlib.contextmanager
@@ -81,26 +49,12 @@ def by_disk(engine: RemoteVLLMEngine, new: torch.nn.Module, out: Path) -> Iterat
     yield lambda: engine.update_weights_from_disk(WeightUpdateMeta(type="disk", path=str(out), version=1)).result()
 
 
-@contextlib.contextmanager
-def by_broadcast(engine: RemoteVLLMEngine, new: torch.nn.Module, out: Path) -> Iterator[Callable[[], None]]:
-    """Yields the update: ``new`` broadcast by this process, rank 0 of a 2-rank gloo group with the server,
-    joined beforehand (so only the update itself reaches the server while the request is held)."""
-    meta = WeightUpdateMeta(type="collective", group_port=free_port(), world_size=2, comm_backend="gloo", version=1)
-    joined = engine.init_weights_update_group(meta)
-    pg = create_trainer_weight_group(meta.group_addr, meta.group_port, meta.world_size, meta.comm_backend, 120)
-    try:
-        joined.result(timeout=120)
-        buckets = list(split_buckets(new.state_dict().items(), bucket_bytes=1 << 20))
-
-        def update() -> None:
-            received = engine.update_weights_from_distributed(meta, [pack_bucket(b)[1] for b in buckets])
-            broadcast_buckets(pg, buckets)
-            received.result(timeout=120)
-
-        yield update
-    finally:
-        engine.leave_weights_update_group(meta).result(timeout=120)
-        destroy_weight_group(pg)
+def by_broadcast(
+    engine: RemoteVLLMEngine, new: torch.nn.Module, out: Path
+) -> contextlib.AbstractContextManager[Callable[[], None]]:
+    """Yields the update: ``new`` broadcast over a group joined beforehand (so only the update itself
+    reaches the server while the request is held)."""
+    return joined_group(engine, new)
 
 
 @torch.no_grad()
@@ -134,7 +88,7 @@ def test_request_in_flight_at_an_update(
     prompt = random_prompt(vllm_server, block + block // 4, seed=seed)
     old_path = salted(vllm_server, prompt, N, 0)  # the old weights' greedy path; caches the prompt's first block
     new = perturbed_model(vllm_server.model_dir, seed=seed)
-    with engine_for(vllm_server, mode) as engine, push(engine, new, tmp_path / "new") as update:
+    with engine_on(vllm_server, pause_mode=mode) as engine, push(engine, new, tmp_path / "new") as update:
 
         async def held_over_update() -> tuple[list[int], list[float], list[int], str, int]:
             req = ModelRequest(rid=uuid.uuid4().hex, input_ids=list(prompt), metadata={"ignore_eos": True})
