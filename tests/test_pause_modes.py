@@ -39,7 +39,7 @@ from tandemrl.inference.remote import RemoteVLLMEngine
 
 K = 6  # tokens granted before the update
 N = K + 8  # tokens the request asks for
-TOL = 0.15  # bf16 server vs fp32 reference, max |logprob diff| (the lm_head of the new weights is scaled x8)
+TOL = 0.5  # bf16 server vs fp32 reference, max |logprob diff| (measured up to 0.13; the new lm_head is scaled x8)
 
 
 @contextlib.contextmanager
@@ -130,7 +130,7 @@ def test_request_in_flight_at_an_update(
     near, far = gap(logprobs[m:], expected), gap(logprobs[m:], other)
     print(f"\n{mode}: max |served - expected| {near:.3f}, max |served - other| {far:.3f}")
     assert near < TOL, (logprobs[m:], expected)
-    assert far > 3 * TOL, (logprobs[m:], other)
+    assert far > 5 * TOL, (logprobs[m:], other)  # measured 14-18
     assert stale.cached == (block if mode == "keep" else 0), (stale.cached, block)
     if mode == "keep":
         assert fresh.cached == 0 and (fresh.tokens, fresh.logprobs) == (oracle.tokens, oracle.logprobs)
