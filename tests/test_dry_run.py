@@ -26,7 +26,7 @@ FIGURES = [
     "(train_dataset.max_length 256 + gconfig.max_new_tokens 64)",
     "steps per epoch: 6 (100 rows of",
     "total steps: 3 (total_train_steps)",
-    "rollout: async, rollout.max_head_offpolicyness 1",
+    "rollout: async, rollout.max_head_offpolicyness 1, rollout.pause_mode abort",
     "trainer: 2 fsdp ranks (data-parallel 2, tensor 1, pipeline 1)",
     "servers: 1 vllm, 1 devices each, on devices of their own",
 ]

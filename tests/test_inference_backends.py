@@ -180,6 +180,9 @@ def test_vllm_generate_sampled() -> None:
     assert sp["stop_token_ids"] == [2, 7] and sp["frequency_penalty"] == 0.1
     assert (sp["logprobs"], sp["n"], sp["seed"]) == (0, 1, 11)
     assert "stop" not in sp and sp["detokenize"] is False and "ignore_eos" not in sp
+    # The prefix cache is keyed by weight version: requests of one version share it, of two never.
+    salts = [VLLMBackend().build_generate(make_req(), [], 4, version=v).json["cache_salt"] for v in (0, 0, 1)]  # type: ignore[index]
+    assert salts[0] == salts[1] != salts[2]
 
 
 def test_vllm_generate_greedy_and_options() -> None:
@@ -219,9 +222,10 @@ def test_vllm_requests_validate_against_installed_vllm(vllm_models: Any) -> None
         (make_req(GREEDY), [], 16),
         (make_req(SAMPLED.new(top_k=-1, stop=["\n"])), [1, 2, 3, 4, 5, 6], 1),
     ]
-    for req, so_far, remaining in cases:
-        body = backend.build_generate(req, so_far, remaining, version=0).json
+    for version, (req, so_far, remaining) in enumerate(cases):
+        body = backend.build_generate(req, so_far, remaining, version=version).json
         parsed = protocol.GenerateRequest.model_validate(body)
+        assert parsed.cache_salt == body["cache_salt"]  # type: ignore[index]
         sp = parsed.sampling_params
         assert parsed.token_ids == req.input_ids + so_far and parsed.request_id == req.rid
         assert sp.max_tokens == remaining and sp.min_tokens <= sp.max_tokens
@@ -237,6 +241,12 @@ def test_vllm_control_requests() -> None:
     b = VLLMBackend(control_timeout=7.0)
     pause, resume, health = b.build_pause(), b.build_resume(), b.build_health()
     assert (pause.method, pause.path, pause.timeout) == ("POST", "/pause?mode=abort", 7.0)
+    assert b.build_pause("abort") == pause
+    # Without clear_cache=false vLLM would preempt the kept requests (their KV dropped).
+    assert b.build_pause("keep").path == "/pause?mode=keep&clear_cache=false"
+    with pytest.raises(ValueError) as exc:
+        b.build_pause("wait")  # type: ignore[arg-type]
+    assert_one_line_error(exc, "InferenceEngineConfig.pause_mode", "vllm")
     assert (resume.method, resume.path) == ("POST", "/resume")
     assert (health.method, health.path) == ("GET", "/health")
     assert (b.build_version_get().method, b.build_version_get().path) == ("GET", "/weight_info")
@@ -534,6 +544,9 @@ def test_sglang_parse_malformed_not_run_against_real_server(reply: Any, needle: 
 
 def test_sglang_control_requests_not_run_against_real_server() -> None:
     b = SGLangBackend(control_timeout=9.0)
+    with pytest.raises(ValueError) as exc:
+        b.build_pause("keep")
+    assert_one_line_error(exc, "InferenceEngineConfig.pause_mode", "sglang")
     pause = b.build_pause()
     assert (pause.method, pause.path, pause.json, pause.timeout) == (
         "POST",

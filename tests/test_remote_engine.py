@@ -167,9 +167,12 @@ class FakeVLLM:
         return web.json_response({"status": "ok"})
 
     async def _pause(self, request: web.Request) -> web.Response:
+        """ "abort": in-flight calls return "abort"; "keep": they wait, then go on after ``/resume``."""
         self.log.append(f"{request.method} {request.path_qs}")
-        assert request.query.get("mode") == "abort"
-        self._pause_epoch += 1
+        mode = request.query.get("mode")
+        assert mode in ("abort", "keep")
+        if mode == "abort":
+            self._pause_epoch += 1
         self._running.clear()
         assert self._paused_signal is not None
         self._paused_signal.set()
@@ -204,6 +207,7 @@ class FakeVLLM:
                 if self._pause_epoch != epoch or (self.abort_after is not None and len(out) >= self.abort_after):
                     finish = "abort"
                     break
+                await self._running.wait()  # kept by a pause in mode "keep"
                 tok, lp = next_token(seq), next_logprob(seq)
                 seq.append(tok)
                 out.append(tok)
@@ -431,14 +435,17 @@ def test_abort_resubmits_with_remaining_budget(servers, engines) -> None:
     budgets = [bd["sampling_params"]["max_tokens"] for bd in srv.generate_bodies]
     assert budgets == [10, 6, 2]
     assert prefixes_sent(srv) == [0, 4, 8]
+    assert engine.take_resubmitted_tokens() == (3 + 4) + (3 + 8) and engine.take_resubmitted_tokens() == 0
     toks = expected(PROMPT, 10)[0]
     assert srv.generate_bodies[2]["token_ids"] == PROMPT + toks[:8]
     assert 0 < resp.ttft <= resp.latency < 5
 
 
-def test_weight_update_mid_generation_versions_and_tokens(servers, engines) -> None:
+@pytest.mark.parametrize("mode", ["abort", "keep"])
+def test_weight_update_mid_generation_versions_and_tokens(servers, engines, mode: str) -> None:
+    """ "abort": each request is resubmitted once with its 5 tokens; "keep": each stays one call."""
     a, b = servers(2, hold_at=5)  # each request is mid-generation (5 tokens out) when the update comes
-    engine = engines([a.addr, b.addr])
+    engine = engines([a.addr, b.addr], pause_mode=mode)
     reqs = [make_req(40, rid=f"u{i}") for i in range(4)]
 
     async def run() -> list[ModelResponse]:
@@ -455,13 +462,14 @@ def test_weight_update_mid_generation_versions_and_tokens(servers, engines) -> N
     for srv in (a, b):
         control = [e for e in srv.log if "generate" not in e and "health" not in e]
         assert control == [
-            "POST /pause?mode=abort",
+            "POST /pause?mode=abort" if mode == "abort" else "POST /pause?mode=keep&clear_cache=false",
             "POST /collective_rpc",
             "POST /reset_prefix_cache",
             "POST /update_weight_version",
             "POST /resume",
         ]
-        assert sorted(prefixes_sent(srv)) == [0, 0, 5, 5], "each request resubmitted once with its 5 tokens"
+        assert sorted(prefixes_sent(srv)) == ([0, 0, 5, 5] if mode == "abort" else [0, 0])
+    assert engine.take_resubmitted_tokens() == (4 * (len(PROMPT) + 5) if mode == "abort" else 0)
     for resp in resps:
         assert_exact(resp, PROMPT, 40)
         assert resp.output_versions == [0] * 5 + [1] * 35  # old weights, then new, never mixed back
@@ -576,6 +584,23 @@ def test_pause_generation_holds_requests_until_continue(servers, engines) -> Non
         "POST /resume",
         "POST /inference/v1/generate",
     ]
+
+
+def test_pause_mode_bad_values_are_one_line_errors_naming_the_field(servers, engines) -> None:
+    with pytest.raises(ValueError, match="InferenceEngineConfig.pause_mode") as exc:
+        RemoteVLLMEngine(InferenceEngineConfig(pause_mode="hold"))
+    assert "\n" not in str(exc.value)
+    with pytest.raises(ValueError, match="InferenceEngineConfig.pause_mode='keep' is not supported") as exc:
+        RemoteSGLangEngine(InferenceEngineConfig(pause_mode="keep"))  # refused before any server is asked
+    assert "\n" not in str(exc.value)
+    (srv,) = servers(1)
+    engine = engines([srv.addr], pause_mode="keep")
+    with pytest.raises(ValueError, match="WeightUpdateMeta.version") as exc:
+        engine.update_weights_from_disk(WeightUpdateMeta(type="disk", path="/ckpt/unlabelled"))
+    assert "\n" not in str(exc.value) and not engine.generation_paused()
+    engine.pause_generation()  # a pause of the user's own still returns in-flight requests ("abort")
+    engine.continue_generation()
+    assert [e for e in srv.log if "health" not in e] == ["POST /pause?mode=abort", "POST /resume"]
 
 
 def test_collective_update_rank_offsets_and_bucket_sequence(servers, engines) -> None:

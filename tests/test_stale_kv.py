@@ -17,11 +17,13 @@ tokens came from the cache.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -50,11 +52,12 @@ class Reply:
     cached: int | None  # prompt tokens served from the prefix cache (None: not reported)
 
 
-def generate(server: VLLMTestServer, prompt: list[int], n: int) -> Reply:
-    """``n`` greedy tokens of ``prompt`` with their logprobs, and how many prompt tokens hit the cache."""
+def generate(server: VLLMTestServer, prompt: list[int], n: int, version: int = 0) -> Reply:
+    """``n`` greedy tokens of ``prompt`` with their logprobs, and how many prompt tokens hit the cache;
+    sent as a client at weight ``version`` sends it (the prefix cache is salted with it)."""
     req = ModelRequest(rid=uuid.uuid4().hex, input_ids=list(prompt), metadata={"ignore_eos": True})
     req.gconfig = req.gconfig.new(greedy=True)
-    payload = server.call(server.backend.build_generate(req, [], n, 0))
+    payload = server.call(server.backend.build_generate(req, [], n, version))
     chunk = server.backend.parse_generate(payload)
     cached = int(payload["usage"]["prompt_tokens_details"]["cached_tokens"])
     return Reply(chunk.output_tokens, chunk.output_logprobs, cached)
@@ -91,18 +94,25 @@ def assert_served_cold(served: Reply, oracle: Reply, old: Reply) -> None:
     assert shift > MIN_SHIFT, f"the new weights moved the logprobs by only {shift:.3f}"
 
 
-@pytest.fixture
-def engine(vllm_server: VLLMTestServer) -> Iterator[RemoteVLLMEngine]:
-    """A client on the session server; afterwards the server has its original weights and label."""
-    label = vllm_server.call(HttpRequest("GET", "/weight_info", None, 60.0))["weight_version"]
-    eng = RemoteVLLMEngine(InferenceEngineConfig(request_retries=1, setup_timeout=60.0))
-    eng.initialize([vllm_server.proc.address])
+@contextlib.contextmanager
+def engine_on(server: VLLMTestServer, **config: Any) -> Iterator[RemoteVLLMEngine]:
+    """A client on the session server (``config``: InferenceEngineConfig fields); afterwards the server
+    has its original weights and label."""
+    label = server.call(HttpRequest("GET", "/weight_info", None, 60.0))["weight_version"]
+    eng = RemoteVLLMEngine(InferenceEngineConfig(request_retries=1, setup_timeout=60.0, **config))
+    eng.initialize([server.proc.address])
     try:
         yield eng
     finally:
         eng.destroy()
-        restore_original(vllm_server)
-        vllm_server.call(HttpRequest("POST", "/update_weight_version", {"new_version": str(label)}, 60.0))
+        restore_original(server)
+        server.call(HttpRequest("POST", "/update_weight_version", {"new_version": str(label)}, 60.0))
+
+
+@pytest.fixture
+def engine(vllm_server: VLLMTestServer) -> Iterator[RemoteVLLMEngine]:
+    with engine_on(vllm_server) as eng:
+        yield eng
 
 
 def warm_prefix(server: VLLMTestServer, seed: int) -> tuple[list[int], Reply]:
@@ -123,21 +133,31 @@ def push_from_disk(engine: RemoteVLLMEngine, model_dir: str, out: Path) -> None:
     engine.update_weights_from_disk(WeightUpdateMeta(type="disk", path=str(out), version=1)).result()
 
 
-def push_by_broadcast(engine: RemoteVLLMEngine, model_dir: str, out: Path) -> None:
-    """The trainer's side is this process: rank 0 of a 2-rank gloo group with the server."""
-    new = perturbed_model(model_dir, seed=8)
+@contextlib.contextmanager
+def joined_group(engine: RemoteVLLMEngine, new: torch.nn.Module) -> Iterator[Callable[[], None]]:
+    """Yields the update that broadcasts ``new`` (version 1). The trainer's side is this process: rank 0
+    of a 2-rank gloo group with the server, joined before the yield and left after it."""
     meta = WeightUpdateMeta(type="collective", group_port=free_port(), world_size=2, comm_backend="gloo", version=1)
     joined = engine.init_weights_update_group(meta)
     pg = create_trainer_weight_group(meta.group_addr, meta.group_port, meta.world_size, meta.comm_backend, 120)
     try:
         joined.result(timeout=120)
         buckets = list(split_buckets(new.state_dict().items(), bucket_bytes=1 << 20))
-        received = engine.update_weights_from_distributed(meta, [pack_bucket(b)[1] for b in buckets])
-        broadcast_buckets(pg, buckets)
-        received.result(timeout=120)
+
+        def update() -> None:
+            received = engine.update_weights_from_distributed(meta, [pack_bucket(b)[1] for b in buckets])
+            broadcast_buckets(pg, buckets)
+            received.result(timeout=120)
+
+        yield update
     finally:
         engine.leave_weights_update_group(meta).result(timeout=120)
         destroy_weight_group(pg)
+
+
+def push_by_broadcast(engine: RemoteVLLMEngine, model_dir: str, out: Path) -> None:
+    with joined_group(engine, perturbed_model(model_dir, seed=8)) as update:
+        update()
 
 
 @pytest.mark.slow

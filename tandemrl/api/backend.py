@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from tandemrl.api.inference import GenerateChunk, HttpRequest, ModelRequest, ParamSpec, WeightUpdateMeta
+from tandemrl.api.inference import GenerateChunk, HttpRequest, ModelRequest, ParamSpec, PauseMode, WeightUpdateMeta
 from tandemrl.api.types import ParallelStrategy
 
 
@@ -38,8 +38,11 @@ class InferenceBackend(Protocol):
         """``len(token_ids) - 1`` logprobs: entry ``i`` is ``log p(token_ids[i + 1] | token_ids[: i + 1])``."""
         ...
 
-    def build_pause(self) -> HttpRequest:
-        """Stop generating; in-flight requests return their partial output as "abort"."""
+    def build_pause(self, mode: PauseMode = "abort") -> HttpRequest:
+        """Stop generating. ``"abort"``: in-flight requests return their partial output as "abort".
+        ``"keep"``: they stay in the server with their KV cache and continue after ``build_resume``;
+        a backend whose server cannot do that raises a one-line ValueError naming
+        ``InferenceEngineConfig.pause_mode``."""
         ...
 
     def build_resume(self) -> HttpRequest: ...

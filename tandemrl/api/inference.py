@@ -20,6 +20,10 @@ if TYPE_CHECKING:
 
 StopReason = Literal["stop", "length", "abort", "tool_calls"]
 HttpMethod = Literal["GET", "POST"]
+# What a pause for a weight update does with in-flight requests: "abort" returns their partial
+# output (the client resubmits it); "keep" holds them in the server, which continues them after it.
+PauseMode = Literal["abort", "keep"]
+PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "keep")
 
 
 @dataclass

@@ -37,6 +37,16 @@ class InferenceEngineConfig:
             "choices": ["raise", "drop"],
         },
     )
+    pause_mode: str = field(
+        default="abort",
+        metadata={
+            "help": "What a weight update does with requests in flight: 'abort' returns their partial output and "
+            "the client resubmits it on the new weights (the prefix is re-prefilled); 'keep' holds them inside the "
+            "server, which continues them on the new weights over the KV they already have (vLLM only; "
+            "see docs/offpolicy.md).",
+            "choices": ["abort", "keep"],
+        },
+    )
     request_timeout: float = field(default=3600.0, metadata={"help": "Seconds before a generation request fails."})
     request_retries: int = field(default=3, metadata={"help": "Retries (with failover) per request.", "min": 0})
     request_backoff: float = field(

@@ -3,9 +3,11 @@
 ``RemoteInfEngine`` runs on every trainer process. It finds the servers (explicit list,
 ``InferenceEngineConfig.server_addrs`` or the launcher's ``TANDEMRL_LLM_SERVER_ADDRS``),
 routes each generation call to one of them, and survives the two things that interrupt
-a generation: a weight update (the server aborts in-flight requests and the client
-resubmits prompt + partial output once generation resumes) and a server dying (the
-partial output is resubmitted to another server). Requests are built and parsed by an
+a generation: a weight update and a server dying (the partial output is resubmitted to
+another server). At a weight update ``InferenceEngineConfig.pause_mode`` decides: "abort"
+(the server returns in-flight requests' partial output and the client resubmits prompt +
+partial output once generation resumes) or "keep" (the server holds them and continues them
+on the new weights; the client's call simply lasts longer). Requests are built and parsed by an
 ``InferenceBackend`` and sent by the shared client in ``tandemrl.inference.http``.
 
 The client owns no rollout machinery: ``tandemrl.rollout`` (the executor and the
@@ -35,7 +37,15 @@ from collections.abc import Callable
 from typing import Any
 
 from tandemrl.api.backend import InferenceBackend
-from tandemrl.api.inference import HttpRequest, ModelRequest, ModelResponse, ParamSpec, StopReason, WeightUpdateMeta
+from tandemrl.api.inference import (
+    PAUSE_MODES,
+    HttpRequest,
+    ModelRequest,
+    ModelResponse,
+    ParamSpec,
+    StopReason,
+    WeightUpdateMeta,
+)
 from tandemrl.configs.rollout import InferenceEngineConfig
 from tandemrl.inference.busy import BusyClock
 from tandemrl.inference.http import HttpClient, InferenceServerError, shared_client
@@ -145,8 +155,14 @@ class RemoteInfEngine:
             raise ValueError(f"InferenceEngineConfig.request_backoff must be >= 0, got {config.request_backoff}")
         if config.setup_timeout <= 0:
             raise ValueError(f"InferenceEngineConfig.setup_timeout must be positive, got {config.setup_timeout}")
+        if config.pause_mode not in PAUSE_MODES:
+            raise ValueError(
+                f"InferenceEngineConfig.pause_mode must be one of {PAUSE_MODES}, got {config.pause_mode!r}"
+            )
         self.config = config
         self.backend = backend
+        # The pause a weight update sends (built now: a backend that cannot keep requests says so here).
+        self._update_pause = backend.build_pause(config.pause_mode)
         self._http_client = http_client
         self._pool: ServerPool | None = None
         self._version = 0
@@ -155,6 +171,8 @@ class RemoteInfEngine:
         self._updates_running = 0  # weight updates holding the servers paused
         self._sleep_level: int | None = None  # set between sleep() and wake_up()
         self._busy = BusyClock()  # time with a generate request of this client in flight
+        self._resubmit_lock = threading.Lock()
+        self._resubmitted_tokens = 0  # prompt + partial output tokens sent again after an "abort"
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -251,6 +269,14 @@ class RemoteInfEngine:
         """Seconds with at least one of this client's generate requests in flight since the last call."""
         return self._busy.take()
 
+    def take_resubmitted_tokens(self) -> int:
+        """Tokens (prompt + partial output) resubmitted after an "abort" since the last call: what the
+        servers prefilled again because a pause returned the requests (never in ``pause_mode`` "keep"
+        unless something else aborted them)."""
+        with self._resubmit_lock:
+            n, self._resubmitted_tokens = self._resubmitted_tokens, 0
+        return n
+
     async def _wait_until_generating(self) -> None:
         while self.generation_paused():
             await asyncio.sleep(self.pause_poll_interval)
@@ -260,6 +286,8 @@ class RemoteInfEngine:
 
         Interrupted calls ("abort") are resubmitted with the output so far and the budget
         left, after the servers resume; a dead server's partial state goes to another one.
+        A request kept over a weight update (``pause_mode`` "keep") is one call whose tokens
+        the server labels with the version of the weights that produced each of them.
         Tokens a server leaves unlabelled get the engine version at the time of the call.
         """
         max_new = req.gconfig.max_new_tokens
@@ -281,6 +309,8 @@ class RemoteInfEngine:
                 break
             if interrupted:  # let the weight update that aborted us get going first
                 await asyncio.sleep(self.abort_retry_delay)
+                with self._resubmit_lock:
+                    self._resubmitted_tokens += len(req.input_ids) + len(tokens)
             await self._wait_until_generating()
             version = self.get_version()
             call = self.backend.build_generate(req, tokens, remaining, version)
@@ -358,7 +388,8 @@ class RemoteInfEngine:
             raise ServerUnavailableError(pool.all_dead_message())
 
     def pause_generation(self) -> None:
-        """Pause every server: in-flight requests return partial output, new ones wait."""
+        """Pause every server: in-flight requests return partial output (always "abort": ``pause_mode`` is
+        for weight updates), new ones wait."""
         with self._state_lock:
             self._user_paused = True
         self.http.run_sync(self._broadcast(self.backend.build_pause()))
@@ -502,6 +533,11 @@ class RemoteInfEngine:
         """``after`` runs once the plan succeeded, before the servers resume."""
         if not plan:
             raise ServerUnavailableError(self.pool.all_dead_message())
+        if pause and version is None and self.config.pause_mode == "keep":
+            raise ValueError(
+                "InferenceEngineConfig.pause_mode='keep' needs WeightUpdateMeta.version: the prefix cache of "
+                "requests sent after the update is keyed by it (a kept request's old-weight KV cannot be flushed)"
+            )
         if pause:
             with self._state_lock:
                 self._updates_running += 1  # generations wait from now on
@@ -527,7 +563,7 @@ class RemoteInfEngine:
         failed: BaseException | None = None
         try:
             if pause:
-                await self._broadcast(self.backend.build_pause())
+                await self._broadcast(self._update_pause)
             dead = {a: why for a, why in self.pool.dead().items() if a in plan}
             if dead and not skip_dead:
                 raise ServerUnavailableError(

@@ -19,6 +19,7 @@ from tandemrl.api.inference import (
     HttpRequest,
     ModelRequest,
     ParamSpec,
+    PauseMode,
     StopReason,
     VersionSpan,
     WeightUpdateMeta,
@@ -138,7 +139,10 @@ class SGLangBackend(TimeoutsMixin):
 
     # ---- control ---------------------------------------------------------------------------
 
-    def build_pause(self) -> HttpRequest:
+    def build_pause(self, mode: PauseMode = "abort") -> HttpRequest:
+        """Abort only: keeping requests over an update is implemented for vLLM alone."""
+        if mode != "abort":
+            raise ValueError(f"{self.name}: InferenceEngineConfig.pause_mode={mode!r} is not supported; use 'abort'")
         return HttpRequest("POST", "/pause_generation", {"mode": "abort"}, self.control_timeout)
 
     def build_resume(self) -> HttpRequest:

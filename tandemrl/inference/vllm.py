@@ -10,6 +10,13 @@ listing all buckets; the trainer broadcasts them in order while that call runs.
 
 Interruption: ``POST /pause?mode=abort`` makes in-flight requests return their partial
 tokens with ``finish_reason "abort"``; the client resubmits the prompt plus those tokens.
+``POST /pause?mode=keep&clear_cache=false`` instead freezes them in the scheduler with their
+KV blocks; after ``/resume`` they go on where they stopped, and vLLM labels each token with the
+weight version current at the step that produced it. Without ``clear_cache=false`` vLLM preempts
+the kept requests at the pause (their KV dropped, recomputed at the resume). Every generate
+request carries ``cache_salt`` = its weight version, so a request sent after an update never
+matches prefix-cache blocks of an older version, even when ``/reset_prefix_cache`` cannot drop
+them because a kept request still holds them.
 Request metadata ``seed`` (int), ``ignore_eos`` (bool) and ``structured_outputs`` (vLLM's
 constraint object, e.g. ``{"regex": ...}``) are forwarded when present.
 """
@@ -24,6 +31,7 @@ from tandemrl.api.inference import (
     HttpRequest,
     ModelRequest,
     ParamSpec,
+    PauseMode,
     StopReason,
     VersionSpan,
     WeightUpdateMeta,
@@ -90,7 +98,7 @@ class VLLMBackend(TimeoutsMixin):
     # ---- generation ----------------------------------------------------------------------
 
     def build_generate(self, req: ModelRequest, output_so_far: list[int], remaining: int, version: int) -> HttpRequest:
-        """``version`` is not sent: vLLM labels tokens itself (see ``parse_generate``)."""
+        """vLLM labels tokens itself (see ``parse_generate``); ``version`` salts the prefix cache."""
         token_ids = check_budget(req, output_so_far, remaining, self.name)
         g = req.gconfig
         params: dict[str, Any] = {
@@ -114,7 +122,13 @@ class VLLMBackend(TimeoutsMixin):
             params["ignore_eos"] = True
         if req.metadata.get("structured_outputs"):  # e.g. {"regex": ...} or {"json": schema}
             params["structured_outputs"] = dict(req.metadata["structured_outputs"])
-        body = {"request_id": req.rid, "token_ids": token_ids, "sampling_params": params, "stream": False}
+        body = {
+            "request_id": req.rid,
+            "token_ids": token_ids,
+            "sampling_params": params,
+            "stream": False,
+            "cache_salt": cache_salt(version),
+        }
         if self.adapter is not None:
             body["model"] = self.adapter
         return HttpRequest("POST", "/inference/v1/generate", body, self.request_timeout)
@@ -160,7 +174,12 @@ class VLLMBackend(TimeoutsMixin):
 
     # ---- control ---------------------------------------------------------------------------
 
-    def build_pause(self) -> HttpRequest:
+    def build_pause(self, mode: PauseMode = "abort") -> HttpRequest:
+        """``keep`` sends ``clear_cache=false``: vLLM would otherwise preempt the kept requests."""
+        if mode == "keep":
+            return HttpRequest("POST", "/pause?mode=keep&clear_cache=false", None, self.control_timeout)
+        if mode != "abort":
+            raise ValueError(f"{self.name}: InferenceEngineConfig.pause_mode must be 'abort' or 'keep', got {mode!r}")
         return HttpRequest("POST", "/pause?mode=abort", None, self.control_timeout)
 
     def build_resume(self) -> HttpRequest:
@@ -293,6 +312,11 @@ class VLLMBackend(TimeoutsMixin):
     def server_env(self) -> dict[str, str]:
         """Dev mode (RL routes) and runtime LoRA loading (used only by servers started with --enable-lora)."""
         return {"VLLM_SERVER_DEV_MODE": "1", RUNTIME_LORA_ENV: "True"}
+
+
+def cache_salt(version: int) -> str:
+    """The prefix-cache salt of requests sent at weight ``version``: KV is shared within a version only."""
+    return f"tandemrl-w{int(version)}"
 
 
 def _logprobs(block: Any, tokens: list[int], where: str) -> list[float]:

@@ -109,7 +109,10 @@ def batch_lines(config: Any, rows: int | None) -> list[str]:
         from tandemrl.configs.experiment import async_enabled
 
         mode = "async" if async_enabled(config) else "sync"
-        lines.append(f"rollout: {mode}, rollout.max_head_offpolicyness {rollout.max_head_offpolicyness}")
+        lines.append(
+            f"rollout: {mode}, rollout.max_head_offpolicyness {rollout.max_head_offpolicyness}, "
+            f"rollout.pause_mode {rollout.pause_mode}"
+        )
     return lines + allocation_lines(alloc)
 
 

@@ -46,6 +46,10 @@ class InferenceClient(GenerationEngine, WeightReceiver, Protocol):
         """Seconds with at least one generate request in flight since the last call."""
         ...
 
+    def take_resubmitted_tokens(self) -> int:
+        """Prompt + partial-output tokens resubmitted after a pause aborted them, since the last call."""
+        ...
+
 
 class RolloutController:
     """Rollout as a peer of training; see the module docstring.
@@ -213,9 +217,16 @@ class RolloutController:
         """Rollout statistics of every executor (training, then evaluation), reduced over ``reduce_group``.
 
         Includes ``<stats_name>/timeperf/server_busy``: seconds since the last call during which
-        this rank had a generate request in flight (mean over ranks), for the servers' idle share.
+        this rank had a generate request in flight (mean over ranks), for the servers' idle share; and
+        ``<stats_name>/resubmitted_tokens``: tokens the servers had to prefill again because a weight update
+        aborted requests in flight (mean over ranks; none from updates with ``pause_mode`` "keep").
         """
-        stats_tracker.get(self.config.stats_name).scalar(**{"timeperf/server_busy": self.client.take_busy_seconds()})
+        stats_tracker.get(self.config.stats_name).scalar(
+            **{
+                "timeperf/server_busy": self.client.take_busy_seconds(),
+                "resubmitted_tokens": float(self.client.take_resubmitted_tokens()),
+            }
+        )
         stats: dict[str, float] = {}
         for executor in self._executors():
             stats.update(executor.export_stats(reduce_group=reduce_group))
