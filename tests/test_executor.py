@@ -27,6 +27,7 @@ from tandemrl.configs.rollout import InferenceEngineConfig
 from tandemrl.data.batch import concat_padded_tensors
 from tandemrl.data.loader import collate_as_list
 from tandemrl.rollout.executor import WorkflowExecutor
+from tandemrl.utils import stats_tracker
 from tandemrl.workflows.rlvr import completion_row
 
 N_SAMPLES = 2
@@ -240,6 +241,33 @@ def test_filtering_keeps_batch_size_and_reports_rejections() -> None:
         assert exported["rollout/rejected"] == stats.rejected
         assert exported["rollout/accepted"] == stats.accepted
         assert "rollout/staleness/max" in exported
+    finally:
+        ex.destroy()
+
+
+class RecordingWorkflow(ToyWorkflow):
+    """ToyWorkflow that records its row's id as the scalar ``rollout/episode_id``."""
+
+    async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> TensorDict | None:
+        stats_tracker.get("rollout").scalar(episode_id=float(data["id"]))
+        return await super().arun_episode(engine, data)
+
+
+def test_an_episodes_scalars_are_recorded_when_the_trainer_takes_it() -> None:
+    """The scalars a workflow records are exported with the step that consumes its episode (so every step of
+    an async run has rollout/reward, describing its own batch); a rejected episode's are exported at once."""
+    ex, _ = make_executor(k=2, bsz=1, max_conc=8)
+    try:
+        for pid in (1, 2, 3):  # odd ids have mixed rewards and are accepted; 2 is rejected
+            ex.submit({"id": pid}, RecordingWorkflow(), should_accept_fn=mixed_rewards)
+        wait_until(lambda: ex.get_stats().accepted == 2 and ex.get_stats().rejected == 1, "3 episodes done")
+        early = ex.export_stats()
+        assert (early["rollout/episode_id"], early["rollout/episode_id__count"]) == (2.0, 1.0), early
+        for _ in range(2):
+            pid = int(ex.wait(1, timeout=10)["prompt_id"][0])
+            step = ex.export_stats()
+            assert (step["rollout/episode_id"], step["rollout/episode_id__count"]) == (float(pid), 1.0), step
+        assert "rollout/episode_id" not in ex.export_stats()
     finally:
         ex.destroy()
 

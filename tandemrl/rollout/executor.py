@@ -91,6 +91,7 @@ class _Done:
     seq: int  # acceptance order
     order: int  # submission order
     data: dict[str, Any]  # the row it was generated from
+    held: stats_tracker.HeldScalars  # the episode's scalars, recorded when the trainer consumes it
 
 
 @dataclass
@@ -284,9 +285,10 @@ class WorkflowExecutor:
                 logger.info("rollout %d started at version %d (%s)", rid, version, type(task.workflow).__name__)
             ctx = rollout_key_context(task.key)
             noted = tally_in(ctx)
+            held = stats_tracker.hold_in(ctx)
             atask = loop.create_task(self._run_episode(task), name=f"rollout-{rid}", context=ctx)
             self._tasks[rid] = atask
-            atask.add_done_callback(functools.partial(self._on_done, rid, task, version, time.monotonic(), noted))
+            atask.add_done_callback(functools.partial(self._on_done, rid, task, version, time.monotonic(), noted, held))
 
     async def _run_episode(self, task: _Task) -> tuple[TensorDict | None, bool]:
         """(trajectory or None, accepted)."""
@@ -312,8 +314,17 @@ class WorkflowExecutor:
             self.ledger.discarded("abandoned", got)
 
     def _on_done(
-        self, rid: int, task: _Task, version: int, start: float, noted: GeneratedTally, atask: asyncio.Task[Any]
+        self,
+        rid: int,
+        task: _Task,
+        version: int,
+        start: float,
+        noted: GeneratedTally,
+        held: stats_tracker.HeldScalars,
+        atask: asyncio.Task[Any],
     ) -> None:
+        """Book a finished episode. The scalars its workflow recorded (reward, lengths) are held until the
+        trainer consumes it (``_try_pick_locked``); any other outcome records them now."""
         self._tasks.pop(rid, None)
         exc: BaseException | None = None
         traj: TensorDict | None = None
@@ -331,7 +342,7 @@ class WorkflowExecutor:
             if accepted:
                 assert traj is not None
                 self.staleness.on_accept()
-                done = _Done(traj, version, next(self._seqs), task.order, task.data)
+                done = _Done(traj, version, next(self._seqs), task.order, task.data, held)
                 if task.tag is None:
                     self._accepted.append(done)
                 elif task.tag in self._tag_results:
@@ -350,6 +361,8 @@ class WorkflowExecutor:
                 if task.tag in self._tag_rejections and (outcome == "rejected" or self.error_policy == "drop"):
                     self._tag_rejections[task.tag] += 1
             self._cond.notify_all()
+        if outcome != "accepted" or task.tag is not None:
+            held.release()
         if outcome == "failed" and (self._n_failed <= 10 or self._n_failed % 100 == 0):
             logger.warning(
                 "rollout %d: %s raised %s (%s; %d failures so far)",
@@ -454,6 +467,7 @@ class WorkflowExecutor:
         self._accepted = rest
         for d in picked:
             self._pending.pop(d.order, None)
+            d.held.release()  # this step's rollout/* scalars describe the samples it trains on
         self.last_batch_rows = [d.data for d in picked]
         self.ledger.consumed(total([tally_of(d.traj) for d in picked]))
         tracker = stats_tracker.get(self.config.stats_name)

@@ -15,10 +15,16 @@ grow with the number of recorded micro-batches.
 
 A module-level default tracker backs the free functions; ``get(name)`` returns a named
 tracker (e.g. ``"rollout"``) whose exported keys are prefixed with ``"<name>/"``.
+
+Scalars recorded inside a context given a :class:`HeldScalars` (``hold_in``) are kept aside
+until ``release()``: the rollout executor holds each episode's scalars until the trainer
+consumes the episode, so a step's ``rollout/reward`` describes the samples that step trained
+on, in sync and async runs alike.
 """
 
 from __future__ import annotations
 
+import contextvars
 import enum
 import functools
 import inspect
@@ -33,6 +39,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "HeldScalars",
+    "hold_in",
     "muted",
     "ReduceType",
     "StatsTracker",
@@ -97,6 +105,42 @@ def muted() -> Iterator[None]:
         yield
     finally:
         _MUTE.depth -= 1
+
+
+class HeldScalars:
+    """Scalars recorded in one context (an episode), added to their trackers at ``release()``."""
+
+    def __init__(self) -> None:
+        self._items: list[tuple[StatsTracker, str, float]] = []
+        self._lock = threading.Lock()
+        self.released = False
+
+    def add(self, tracker: StatsTracker, full_key: str, value: float) -> None:
+        with self._lock:
+            if self.released:  # recorded after release (a straggling callback): record it directly
+                tracker._add_scalar(full_key, value)
+            else:
+                self._items.append((tracker, full_key, value))
+
+    def release(self) -> None:
+        """Record every held scalar in its tracker (once; later calls do nothing)."""
+        with self._lock:
+            items, self._items, self.released = self._items, [], True
+        for tracker, full_key, value in items:
+            tracker._add_scalar(full_key, value)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+_HELD: contextvars.ContextVar[HeldScalars | None] = contextvars.ContextVar("tandemrl_held_scalars", default=None)
+
+
+def hold_in(ctx: contextvars.Context) -> HeldScalars:
+    """Hold the scalars recorded by code running in ``ctx`` (not threads it hands work to) until release."""
+    held = HeldScalars()
+    ctx.run(_HELD.set, held)
+    return held
 
 
 def _join(*parts: str) -> str:
@@ -206,7 +250,11 @@ class StatsTracker:
                 number = float(value)
             except (TypeError, ValueError):
                 raise TypeError(f"stats_tracker.scalar: {key!r} must be a number, got {type(value).__name__}") from None
-            self._add_scalar(self._full_key(key), number)
+            held = _HELD.get()
+            if held is not None:
+                held.add(self, self._full_key(key), number)
+            else:
+                self._add_scalar(self._full_key(key), number)
 
     def denominator(self, **masks: torch.Tensor) -> None:
         """Record boolean masks that later ``stat`` calls refer to; exported as their counts."""
