@@ -27,6 +27,8 @@ FIGURES = [
     "steps per epoch: 6 (100 rows of",
     "total steps: 3 (total_train_steps)",
     "rollout: async, rollout.max_head_offpolicyness 1, rollout.pause_mode abort",
+    "episodes in flight: at most 16 per rank ((max_head_offpolicyness 1 + 1) x 8 prompts per rank; "
+    "set rollout.max_concurrent_rollouts to cap)",
     "trainer: 2 fsdp ranks (data-parallel 2, tensor 1, pipeline 1)",
     "servers: 1 vllm, 1 devices each, on devices of their own",
 ]

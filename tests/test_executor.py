@@ -245,6 +245,24 @@ def test_filtering_keeps_batch_size_and_reports_rejections() -> None:
         ex.destroy()
 
 
+def test_unset_concurrency_runs_all_the_staleness_bound_allows() -> None:
+    """max_concurrent_rollouts unset, k = 1, batch 2: (1 + 1) x 2 = 4 episodes run at once (the next batch is
+    generated while the trainer trains), and no fifth starts."""
+    ex, engine = make_executor(k=1, bsz=2)
+    try:
+        for pid in range(6):
+            engine.gates[pid] = threading.Event()
+            ex.submit({"id": pid}, ToyWorkflow())
+        wait_until(lambda: ex.get_stats().running == 4, "4 episodes running")
+        caught_up(ex)
+        assert ex.get_stats().running == 4 and ex.get_capacity() == 0
+        assert ex.max_concurrent_rollouts == 4
+    finally:
+        for gate in engine.gates.values():
+            gate.set()
+        ex.destroy()
+
+
 class RecordingWorkflow(ToyWorkflow):
     """ToyWorkflow that records its row's id as the scalar ``rollout/episode_id``."""
 

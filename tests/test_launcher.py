@@ -52,6 +52,20 @@ def _grpo_args(script: str, model: str, data: str, root: Path, steps: int, new_t
     ]
 
 
+# docs/metrics.md: logged at every step of every RL run.
+PIPELINE_KEYS = {
+    "pipeline/trainer_idle",
+    "pipeline/server_idle",
+    "pipeline/weight_sync",
+    "pipeline/staleness/avg",
+    "pipeline/staleness/max",
+    "rollout/in_flight",
+    "rollout/env_wait",
+    "rollout/staleness/max",
+    "rollout/reward",
+}
+
+
 @pytest.mark.slow
 def test_grpo_gsm8k_sync_and_async(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
     args = _grpo_args("examples/gsm8k_grpo.py", tiny_model_dir, gsm8k_dir, tmp_path, steps=3, new_tokens=32)
@@ -64,6 +78,7 @@ def test_grpo_gsm8k_sync_and_async(tiny_model_dir: str, gsm8k_dir: str, tmp_path
     # Quiet by default (tandemrl.utils.quiet): no library progress bars or known-harmless warnings.
     for noise in ("set_vital", "Loading weights", "examples/s]", "Generating train split"):
         assert noise not in proc.stdout + proc.stderr, noise
+    keys: dict[str, list[set[str]]] = {}  # trial -> each step's stats.jsonl keys
     for trial, bound in (("trial0_async_trainingfalse", 0), ("trial0_async_trainingtrue", 1)):
         reports = [
             json.loads((tmp_path / "logs" / "gsm8k-grpo" / trial / f"heldout_{t}.json").read_text())
@@ -95,12 +110,17 @@ def test_grpo_gsm8k_sync_and_async(tiny_model_dir: str, gsm8k_dir: str, tmp_path
             stats["rollout/reward"], rel=1e-6
         )
         assert "eval-rollout/accuracy" in rows[3], sorted(rows[3])
+        keys[trial] = [set(rows[s]) for s in (1, 2, 3)]
+        assert all(PIPELINE_KEYS <= k for k in keys[trial]), PIPELINE_KEYS - set.intersection(*keys[trial])
         assert (log_dir / "curves.png").stat().st_size > 0 and str(log_dir / "curves.png") in proc.stdout
         ckpt = tmp_path / "checkpoints" / "gsm8k-grpo" / trial / "epoch0epochstep2globalstep2"
         final = f"final model (HF format, loadable by transformers and vLLM): {ckpt}"
         assert final in proc.stdout
         # The trial's last line names the final model: the curves' path comes before it.
         assert proc.stdout.index(str(log_dir / "curves.png")) < proc.stdout.index(final), proc.stdout[-3000:]
+    # The metrics contract (docs/metrics.md): a sync and an async run log the same keys at every step.
+    sync, async_ = keys["trial0_async_trainingfalse"], keys["trial0_async_trainingtrue"]
+    assert sync == async_, [sorted(a ^ b) for a, b in zip(sync, async_, strict=True)]
     # The final model reloads in vLLM: a fresh server on the sync trial's checkpoint continues 3 prompts
     # greedily exactly as transformers does (fp32 on both sides).
     _served_greedy_equals_transformers(

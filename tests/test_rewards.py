@@ -194,6 +194,27 @@ def test_runner_times_out_hanging_functions_and_keeps_serving() -> None:
     assert _failures("test-rewards-timeout") == (1.0, 1.0)
 
 
+def test_overlapping_sync_rewards_run_at_once_and_sequential_ones_share_a_thread() -> None:
+    """A latency-bound sync reward (waiting on a remote check) is not capped at a few threads: 16 calls
+    that only return once all 16 are inside run together. Calls that never overlap start one thread."""
+    barrier = threading.Barrier(16, timeout=60)
+    threads: set[str] = set()
+
+    def waits_for_all(**kw: Any) -> float:
+        threads.add(threading.current_thread().name)
+        barrier.wait()  # BrokenBarrierError (no reward) unless 16 calls are in flight together
+        return 1.0
+
+    runner = RewardRunner(waits_for_all, timeout=120)
+    assert asyncio.run(_gather(runner, 16)) == [1.0] * 16 and len(threads) == 16
+    runner.shutdown()
+    one = RewardRunner(_returns(0.5), timeout=30)
+    for _ in range(5):
+        assert asyncio.run(one(prompt="p")) == 0.5
+    assert one._pool._workers == 1
+    one.shutdown()
+
+
 @pytest.mark.parametrize("value", [None, "1.0", math.nan, math.inf, [1.0]])
 def test_runner_rejects_non_numeric_rewards(value: Any) -> None:
     runner = RewardRunner(_returns(value), timeout=5)

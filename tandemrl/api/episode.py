@@ -7,11 +7,18 @@ ignored; when it returns None (the workflow dropped the group, e.g. a reward fai
 the noted samples are counted as discarded (``group_dropped``, ``failed``), so samples a
 workflow throws away never vanish from the ledger. Outside an executor's episode the call does
 nothing. The executor gives each episode a fresh tally (:func:`tally_in`).
+
+The same way, code inside an episode reports time spent waiting on its environment (a tool's HTTP
+call, a reward function, a judge) with :func:`waiting` or :func:`note_waited`; the reward runner and
+the agent workflow do it for their calls. It is logged per episode as ``<stats_name>/env_wait``.
 """
 
 from __future__ import annotations
 
 import contextvars
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 
@@ -42,3 +49,42 @@ def tally_in(ctx: contextvars.Context) -> GeneratedTally:
     tally = GeneratedTally()
     ctx.run(_TALLY.set, tally)
     return tally
+
+
+@dataclass
+class WaitClock:
+    """Seconds an episode spent waiting on its environment: tools, reward functions, judges, sandboxes."""
+
+    seconds: float = 0.0
+
+
+_now = time.perf_counter  # the clock of waiting()
+_WAIT: contextvars.ContextVar[WaitClock | None] = contextvars.ContextVar("tandemrl_episode_wait", default=None)
+
+
+def start_wait_clock() -> WaitClock:
+    """Give the episode running in the current context a fresh clock and return it (the executor reads it
+    when the episode ends and records it as ``<stats_name>/env_wait``)."""
+    clock = WaitClock()
+    _WAIT.set(clock)
+    return clock
+
+
+def note_waited(seconds: float) -> None:
+    """Add ``seconds`` of environment wait to the current episode (nothing outside an episode). Calls that
+    overlap (a group's rewards scored at once) each add their own time."""
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds >= 0:
+        raise ValueError(f"note_waited: seconds must be a number >= 0, got {seconds!r}")
+    clock = _WAIT.get()
+    if clock is not None:
+        clock.seconds += float(seconds)
+
+
+@contextmanager
+def waiting() -> Iterator[None]:
+    """``with waiting(): result = await tool(...)``: the block's wall time counts as environment wait."""
+    start = _now()
+    try:
+        yield
+    finally:
+        note_waited(_now() - start)

@@ -16,7 +16,8 @@ class InferenceEngineConfig:
     max_concurrent_rollouts: int | None = field(
         default=None,
         metadata={
-            "help": "Workflows running at once; None means the per-step batch (trajectories one step consumes).",
+            "help": "Episodes running at once per data-parallel rank; None means all the staleness bound allows: "
+            "(max_head_offpolicyness + 1) x the per-rank batch (one batch when synchronous). --dry-run prints it.",
             "min": 1,
         },
     )
@@ -56,6 +57,14 @@ class InferenceEngineConfig:
     server_addrs: list[str] = field(
         default_factory=list, metadata={"help": "host:port of servers; empty reads the launcher's environment."}
     )
+
+    def concurrency(self, per_rank_batch: int) -> int:
+        """Episodes one rank keeps running: ``max_concurrent_rollouts``, else all the staleness bound lets start,
+        ``(max_head_offpolicyness + 1) x per_rank_batch``, so the next batches are under way while the trainer
+        trains (synchronous: one batch)."""
+        if self.max_concurrent_rollouts is not None:
+            return self.max_concurrent_rollouts
+        return (self.max_head_offpolicyness + 1) * per_rank_batch
 
 
 __all__ = ["GenerationHyperparameters", "InferenceEngineConfig"]

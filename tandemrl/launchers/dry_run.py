@@ -67,6 +67,19 @@ def _micro_batch_line(config: Any) -> str | None:
     return f"token budget per micro-batch: {spec.max_tokens_per_mb} tokens{fits}; {seq}"
 
 
+def _in_flight_line(rollout: Any, per_rank: int) -> str:
+    """How many episodes each data-parallel rank keeps running, and where the number comes from."""
+    k = rollout.max_head_offpolicyness
+    if rollout.max_concurrent_rollouts is not None:
+        return (
+            f"episodes in flight: at most {rollout.max_concurrent_rollouts} per rank (rollout.max_concurrent_rollouts)"
+        )
+    return (
+        f"episodes in flight: at most {rollout.concurrency(per_rank)} per rank "
+        f"((max_head_offpolicyness {k} + 1) x {per_rank} prompts per rank; set rollout.max_concurrent_rollouts to cap)"
+    )
+
+
 def batch_lines(config: Any, rows: int | None) -> list[str]:
     """What one step holds and how many steps there are, from a loaded experiment config.
 
@@ -113,6 +126,7 @@ def batch_lines(config: Any, rows: int | None) -> list[str]:
             f"rollout: {mode}, rollout.max_head_offpolicyness {rollout.max_head_offpolicyness}, "
             f"rollout.pause_mode {rollout.pause_mode}"
         )
+        lines.append(_in_flight_line(rollout, prompts // dp))
     return lines + allocation_lines(alloc)
 
 

@@ -1,8 +1,9 @@
 """Run reward functions off the event loop, with a timeout, never letting them crash a rollout.
 
 Reward functions are ordinary (often slow, CPU-bound, occasionally hanging) Python code.
-``RewardRunner`` runs a sync function on a small pool of *daemon* threads and awaits it
-with a timeout; an async function is awaited directly. A function that raises, times out
+``RewardRunner`` runs a sync function on a pool of *daemon* threads (up to ``max_workers``, 64 by
+default, started only as calls overlap, so a latency-bound reward such as a remote check runs as many
+calls at once as episodes need) and awaits it with a timeout; an async function is awaited directly. A function that raises, times out
 or returns something that is not a finite number yields ``None`` (no reward: the workflows
 drop the sample's whole group rather than score it 0), is counted in
 ``<scope>/reward_failed``, and is logged in one line the first time each kind of failure
@@ -25,6 +26,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from tandemrl.api.episode import waiting
 from tandemrl.utils import stats_tracker
 
 logger = logging.getLogger(__name__)
@@ -33,7 +35,8 @@ RewardFn = Callable[..., Any]
 
 
 class DaemonThreadPool:
-    """A fixed number of daemon worker threads serving a shared queue."""
+    """Up to ``max_workers`` daemon threads serving a shared queue; one is added only when a call would
+    otherwise wait for a busy thread, so a large cap costs nothing until calls overlap."""
 
     def __init__(self, max_workers: int, name: str = "tandemrl-reward") -> None:
         if max_workers < 1:
@@ -45,6 +48,8 @@ class DaemonThreadPool:
         )
         self._lock = threading.Lock()
         self._workers = 0
+        self._idle = 0  # workers waiting for a call
+        self._queued = 0  # calls no worker has taken yet
         self._abandoned = 0
         self._shutdown = False
 
@@ -54,24 +59,40 @@ class DaemonThreadPool:
         t.start()
 
     def _work(self) -> None:
+        with self._lock:
+            self._idle += 1
         while True:
             item = self._queue.get()
+            with self._lock:
+                self._idle -= 1
+                if item is not None:
+                    self._queued -= 1
             if item is None:
                 return
             fut, fn = item
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn())
-            except BaseException as e:  # delivered to the caller
-                fut.set_exception(e)
+            result: Any = None
+            error: BaseException | None = None
+            if fut.set_running_or_notify_cancel():
+                try:
+                    result = fn()
+                except BaseException as e:  # delivered to the caller
+                    error = e
+            with self._lock:  # idle again before the caller hears back, so its next call needs no new thread
+                self._idle += 1
+            if not fut.running():
+                continue  # cancelled before it started
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
             if self._shutdown:
                 raise RuntimeError(f"DaemonThreadPool {self.name!r} is shut down")
-            while self._workers < self.max_workers:
+            self._queued += 1
+            if self._queued > self._idle and self._workers < self.max_workers:
                 self._spawn_locked()
         self._queue.put((fut, lambda: fn(*args, **kwargs)))
         return fut
@@ -107,7 +128,7 @@ class RewardRunner:
         self,
         reward_fn: RewardFn,
         timeout: float | None = 15.0,
-        max_workers: int = 4,
+        max_workers: int = 64,
         stat_scope: str = "rollout",
     ) -> None:
         if not callable(reward_fn):
@@ -131,6 +152,10 @@ class RewardRunner:
         """The reward, or None (counted, logged once per kind) if the function fails, hangs or returns junk."""
         with self._lock:
             self.n_calls += 1
+        with waiting():  # the episode's environment wait (tandemrl.api.episode)
+            return await self._score(*args, **kwargs)
+
+    async def _score(self, *args: Any, **kwargs: Any) -> float | None:
         try:
             if self._is_async:
                 value = await asyncio.wait_for(self.reward_fn(*args, **kwargs), self.timeout)

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from tandemrl.api.determinism import RolloutKey, rollout_key_context
-from tandemrl.api.episode import GeneratedTally, tally_in
+from tandemrl.api.episode import GeneratedTally, start_wait_clock, tally_in
 from tandemrl.api.types import TensorDict
 from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
 from tandemrl.configs.rollout import InferenceEngineConfig
@@ -130,7 +130,7 @@ class WorkflowExecutor:
         self.config = config
         self.inference_engine = inference_engine
         self.consumer_batch_size = consumer_batch_size
-        self.max_concurrent_rollouts = config.max_concurrent_rollouts or consumer_batch_size
+        self.max_concurrent_rollouts = config.concurrency(consumer_batch_size)
         self.queue_size = config.queue_size or self.max_concurrent_rollouts * 16
         if self.queue_size < 1:
             raise ValueError(f"InferenceEngineConfig.queue_size must be positive, got {config.queue_size}")
@@ -291,8 +291,11 @@ class WorkflowExecutor:
             atask.add_done_callback(functools.partial(self._on_done, rid, task, version, time.monotonic(), noted, held))
 
     async def _run_episode(self, task: _Task) -> tuple[TensorDict | None, bool]:
-        """(trajectory or None, accepted)."""
+        """(trajectory or None, accepted). Records ``env_wait``, the seconds the episode waited on its
+        environment (``tandemrl.api.episode.waiting``), held with the episode's other scalars."""
+        clock = start_wait_clock()
         traj = await task.workflow.arun_episode(self.inference_engine, task.data)
+        stats_tracker.get(self.config.stats_name).scalar(env_wait=clock.seconds)
         if traj is None:
             return None, False
         _check_trajectory(traj, task.workflow)
@@ -469,12 +472,17 @@ class WorkflowExecutor:
             self._pending.pop(d.order, None)
             d.held.release()  # this step's rollout/* scalars describe the samples it trains on
         self.last_batch_rows = [d.data for d in picked]
-        self.ledger.consumed(total([tally_of(d.traj) for d in picked]))
-        tracker = stats_tracker.get(self.config.stats_name)
-        lags = torch.tensor([float(version - d.version) for d in picked])
-        tracker.denominator(n_consumed=torch.ones_like(lags, dtype=torch.bool))
-        tracker.stat(staleness=lags, denominator="n_consumed")  # avg/min/max versions behind the trainer
+        self._hand_out_locked(picked, version)
         return picked
+
+    def _hand_out_locked(self, results: list[_Done], version: int) -> None:
+        """Ledger and ``staleness`` (avg/min/max versions behind the trainer) of trajectories handed out,
+        the same in sync (``rollout_batch``) and async (``prepare_batch``) runs."""
+        self.ledger.consumed(total([tally_of(d.traj) for d in results]))
+        tracker = stats_tracker.get(self.config.stats_name)
+        lags = torch.tensor([float(version - d.version) for d in results])
+        tracker.denominator(n_consumed=torch.ones_like(lags, dtype=torch.bool))
+        tracker.stat(staleness=lags, denominator="n_consumed")
 
     def _describe_locked(self) -> str:
         s = self.staleness.get_stats()
@@ -678,7 +686,7 @@ class WorkflowExecutor:
                     self._raise_errors_locked()
                     if len(self._tag_results[tag]) >= n:
                         results = self._tag_results.pop(tag)
-                        self.ledger.consumed(total([tally_of(d.traj) for d in results]))
+                        self._hand_out_locked(results, self.get_version())
                         break
                     rejections = self._tag_rejections[tag]
                     pending += rejections - seen_rejections
@@ -736,10 +744,20 @@ class WorkflowExecutor:
         return self._n_failed
 
     def export_stats(self, reset: bool = True, reduce_group: Any = None) -> dict[str, float]:
-        """Rollout counters plus everything in the ``config.stats_name`` tracker (keys ``<stats_name>/...``)."""
-        s = self.staleness.get_stats()
+        """Rollout counters plus everything in the ``config.stats_name`` tracker (keys ``<stats_name>/...``).
+
+        ``in_flight``: episodes running or finished and not yet trained on, now (at a step's end: the work
+        under way for the next steps; 0 in a synchronous run)."""
+        with self._cond:
+            s = self.staleness.get_stats()
+            in_flight = s.running + len(self._accepted)  # episodes under way for the next batches
         tracker = stats_tracker.get(self.config.stats_name)
         tracker.scalar(
-            submitted=s.submitted, accepted=s.accepted, rejected=s.rejected, running=s.running, failed=self._n_failed
+            submitted=s.submitted,
+            accepted=s.accepted,
+            rejected=s.rejected,
+            running=s.running,
+            failed=self._n_failed,
+            in_flight=in_flight,
         )
         return tracker.export(reduce_group=reduce_group, reset=reset)

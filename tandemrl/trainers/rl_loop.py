@@ -62,6 +62,7 @@ from tandemrl.rollout.controller import RolloutController
 from tandemrl.rollout.ledger import LedgerTotals, Tally
 from tandemrl.trainers.evaluator import Evaluator
 from tandemrl.trainers.heldout import HeldoutEval
+from tandemrl.trainers.pipeline_metrics import pipeline_shares, record_staleness
 from tandemrl.trainers.prompt_log import log_prompt_ids
 from tandemrl.trainers.recover import RecoverHandler
 from tandemrl.trainers.saver import Saver, final_outputs_line
@@ -368,6 +369,7 @@ class RLTrainer:
             gen = batch["versions"][batch["loss_mask"].bool()]
             # Weight versions that produced this batch's tokens (the server labels each token).
             stats_tracker.scalar(rollout_version_min=gen.min(), rollout_version_max=gen.max())
+            record_staleness(batch["versions"], batch["loss_mask"], actor.get_version())
             with self.turns.trainer_turn():
                 train_step(batch, global_step)
             with stats_tracker.record_timing("update_weights"):
@@ -442,6 +444,7 @@ class RLTrainer:
         dp_group = self.actor.data_parallel_group
         stats = self.rollout.export_stats(reduce_group=dp_group)
         stats.update(self.actor.export_stats())
+        stats.update(pipeline_shares(stats, self.actor.data_parallel_world_size))
         self.logger.commit(epoch, step, global_step, stats)
         add_step_timings(self.summary.phase_seconds, stats, self.actor.data_parallel_world_size)
         reward = stats.get("rollout/reward")

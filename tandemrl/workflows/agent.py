@@ -25,9 +25,11 @@ import asyncio
 import importlib
 import math
 import os
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from tandemrl.api.episode import note_waited
 from tandemrl.api.types import TensorDict
 from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
 from tandemrl.configs.agent import AgentConfig
@@ -142,12 +144,15 @@ class AgentWorkflow(RolloutWorkflow):
 
         s: AgentSession = proxy.open_session()
         client = openai.AsyncOpenAI(base_url=proxy.base_url, api_key=s.key, max_retries=0)
+        start = time.perf_counter()
         try:
             result = await asyncio.wait_for(self.agent(client, dict(data)), self.config.episode_timeout)
         except TimeoutError:
             stats_tracker.get(self.stat_scope).scalar(agent_timeout=1.0)
             return None
         finally:
+            # What the run did besides waiting for the model (its tools, its reward) is environment wait.
+            note_waited(max(0.0, time.perf_counter() - start - s.model_seconds))
             await client.close()
             proxy.close_session(s)
         if s.errors:

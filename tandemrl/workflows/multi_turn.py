@@ -47,7 +47,7 @@ class MultiTurnWorkflow(RLVRWorkflow):
         reward_timeout: float | None = 15.0,
         dump_dir: str | None = None,
         stat_scope: str = "rollout",
-        reward_workers: int = 4,
+        reward_workers: int = 64,
         max_context_len: int | None = None,
         seed: int | None = None,
     ) -> None:

@@ -132,7 +132,7 @@ class RLVRWorkflow(RolloutWorkflow):
         reward_timeout: float | None = 15.0,
         dump_dir: str | None = None,
         stat_scope: str = "rollout",
-        reward_workers: int = 4,
+        reward_workers: int = 64,
         seed: int | None = None,
     ) -> None:
         if gconfig.n_samples < 1:

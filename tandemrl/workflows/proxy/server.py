@@ -11,6 +11,7 @@ peers get 403 (unless ``allow_remote``).
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ class AgentSession:
     session: Session
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     errors: list[BaseException] = field(default_factory=list)
+    model_seconds: float = 0.0  # wall time of its model calls (the rest of its run is the agent's own)
 
 
 class AgentProxy:
@@ -152,7 +154,11 @@ class AgentProxy:
         gconfig = request_gconfig(self.gconfig, body, len(prompt), self.max_context_len)
         meta = request_metadata(body)
         req = ModelRequest(rid=s.rid, input_ids=prompt, gconfig=gconfig, metadata=meta, tokenizer=None)
-        resp = await self.engine.agenerate(req)
+        start = time.perf_counter()
+        try:
+            resp = await self.engine.agenerate(req)
+        finally:
+            s.model_seconds += time.perf_counter() - start
         check_response(resp)
         return resp, "structured_outputs" in meta
 
