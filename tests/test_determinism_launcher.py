@@ -17,7 +17,16 @@ from test_launcher import _grpo_args, _run, _scalars
 
 STEPS = 3
 # Scalars that measure time (or bytes per second) differ between identical runs by nature.
-_TIMING = ("timeperf/", "weight_sync/seconds", "weight_sync/gb_per_s", "server_busy")
+_TIMING = (
+    "timeperf/",
+    "weight_sync/seconds",
+    "weight_sync/gb_per_s",
+    "server_busy",
+    "pipeline/trainer_idle",
+    "pipeline/server_idle",
+    "pipeline/weight_sync",
+    "env_wait",
+)
 
 
 def _deterministic_scalars(tb_dir: Path) -> dict[str, list[float]]:

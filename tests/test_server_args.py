@@ -26,6 +26,15 @@ def test_server_args_merge_with_the_lora_flags_and_never_contradict_them() -> No
         read_launch_spec(GRPO, [*lora, "launcher.server_args.max_lora_rank=8"])
 
 
+def test_deterministic_runs_get_whole_prefills_on_vllm() -> None:
+    """Seeded requests in a split prefill crash vLLM's CPU worker (generator rewind): deterministic runs
+    start their vLLM servers with --no-enable-chunked-prefill, unless server_args decide otherwise."""
+    assert read_launch_spec(GRPO, ["deterministic=true"]).server_extra == {"no_enable_chunked_prefill": True}
+    mine = read_launch_spec(GRPO, ["deterministic=true", "+launcher.server_args.enable_chunked_prefill=true"])
+    assert mine.server_extra == {"enable_chunked_prefill": True}
+    assert read_launch_spec(GRPO, ["deterministic=false"]).server_extra == {}
+
+
 @pytest.mark.parametrize(
     ("override", "expected"),
     [

@@ -72,6 +72,13 @@ def lora_server_flags(rank: int) -> dict[str, Any]:
     return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1}
 
 
+# Deterministic runs seed every request. When a prefill is split over scheduler steps (chunked prefill),
+# vLLM 0.32 rewinds the request's generator with set_offset, which a CPU torch.Generator refuses: the
+# server's worker dies ("CPU Generator does not use offset"). Whole prefills never rewind; on GPUs the
+# flag costs only prefill batching, in deterministic runs alone.
+DETERMINISTIC_SERVER_FLAGS: dict[str, Any] = {"no_enable_chunked_prefill": True}
+
+
 # vLLM finish reasons -> ours; "repetition" is the model ending itself, like a stop.
 _FINISH: dict[str, StopReason] = {"stop": "stop", "length": "length", "abort": "abort", "repetition": "stop"}
 # Flags server_command owns; passing them in `extra` would silently conflict.

@@ -164,7 +164,21 @@ def _server_extra(cfg: Any, alloc: AllocationMode, update_mode: str) -> dict[str
     for name, needed in lora.items():
         if name in args and args[name] != needed:
             raise ValueError(f"config key '{key}.{name}'={args[name]!r}: LoRA updates by disk need {name}={needed!r}")
-    return {**args, **lora}
+    return {**_deterministic_server_extra(cfg, alloc, args), **args, **lora}
+
+
+def _deterministic_server_extra(cfg: Any, alloc: AllocationMode, args: dict[str, Any]) -> dict[str, Any]:
+    """``deterministic=true`` on vLLM: whole prefills (``DETERMINISTIC_SERVER_FLAGS``), unless the user's
+    server_args say anything about chunked prefill."""
+    if (
+        not _get(cfg, "deterministic", False)
+        or alloc.gen_backend != "vllm"
+        or any("chunked_prefill" in k for k in args)
+    ):
+        return {}
+    from tandemrl.inference.vllm import DETERMINISTIC_SERVER_FLAGS
+
+    return dict(DETERMINISTIC_SERVER_FLAGS)
 
 
 def _lora_server_extra(cfg: Any, alloc: AllocationMode, update_mode: str) -> dict[str, Any]:
