@@ -82,6 +82,15 @@ def test_remax_example_two_steps(tiny_model_dir: str, gsm8k_dir: str, tmp_path: 
     # The greedy baseline was generated and scored every step (a 0/1 GSM8K reward).
     greedy = stats["rollout/greedy_reward"]
     assert len(greedy) == 2 and all(0.0 <= g <= 1.0 for g in greedy), greedy
+    # Launched again, the finished run says so in one line and trains nothing.
+    args = ["examples/gsm8k_remax.py", "--config", "examples/gsm8k_remax.yaml", f"cluster.fileroot={tmp_path}"]
+    again = subprocess.run(
+        LAUNCH + args + CHEAP + overrides, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=1200
+    )
+    recover = tmp_path / "checkpoints" / "gsm8k-remax" / "trial0" / "recover"
+    line = f"recover: this run already finished (2 of 2 steps in {recover}): nothing left to train"
+    assert again.returncode == 0 and line in again.stdout, again.stdout[-3000:] + again.stderr[-2000:]
+    assert " done: 0 steps in " in again.stdout, again.stdout[-2000:]
 
 
 @pytest.mark.slow

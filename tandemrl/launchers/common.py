@@ -25,6 +25,7 @@ from typing import IO
 from tandemrl.launchers import dry_run
 from tandemrl.launchers.check import check_script
 from tandemrl.launchers.launch_config import LaunchError, LaunchSpec, read_launch_spec
+from tandemrl.launchers.run_lock import run_dir_lock
 from tandemrl.utils.cli import first_line, signals_interrupt
 from tandemrl.utils.lifeline import exit_status
 from tandemrl.utils.quiet import quiet_process
@@ -248,20 +249,22 @@ def guarded_trial(
 ) -> TrialResult:
     """Run ``body(run_dir) -> (returncode, error)``; ``teardown`` runs whatever happens.
 
-    Ctrl-C/SIGTERM give 130 "interrupted"; any other exception gives 1 and its first line.
+    Ctrl-C/SIGTERM give 130 "interrupted"; any other exception gives 1 and its first line. The trial holds its
+    run directory's lock (``run_lock``) throughout: a directory a live run holds gives 1 and nothing starts.
     """
     run_dir = Path(spec.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     with signals_interrupt():
         try:
-            rc, error = body(run_dir)
+            with run_dir_lock(run_dir):
+                try:
+                    rc, error = body(run_dir)
+                finally:
+                    teardown()
         except KeyboardInterrupt:
             rc, error = 130, "interrupted"
-        except Exception as err:  # a server that would not start, a lost actor, a bad address...
+        except Exception as err:  # a server that would not start, a lost actor, a bad address, a locked dir...
             rc, error = 1, first_line(err)
-        finally:
-            teardown()
     return TrialResult(spec.trial_name, overrides, rc, time.monotonic() - start, str(run_dir), error)
 
 

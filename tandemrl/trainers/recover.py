@@ -326,6 +326,13 @@ class RecoverHandler:
                 f"(version {state.version}, weights {fingerprint})",
                 flush=True,
             )
+            total = self.ft_spec.total_train_steps if self.ft_spec is not None else None
+            if total is not None and state.global_step + 1 >= total:
+                print(
+                    f"recover: this run already finished ({state.global_step + 1} of {total} steps in {path}): "
+                    "nothing left to train; launch with another trial_name, or recover.mode=disabled to start over",
+                    flush=True,
+                )
         return state
 
     @staticmethod

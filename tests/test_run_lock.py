@@ -1,0 +1,64 @@
+"""One live run per run directory, through the real local launcher (issue 33 item 1).
+
+A first launch holds its trial's run directory while its trainer runs; a second launch of the same
+experiment and trial is refused in one line naming the directory and the first launcher's pid, and starts
+nothing. Once the first launcher is killed (-9: no chance to clean up), the directory is free again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from test_launcher import ENV
+from utils import REPO_ROOT
+
+
+def _args(root: Path) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "tandemrl.launchers.local",
+        "tests/workers/hold_until_released.py",
+        "--config",
+        "examples/gsm8k_sft.yaml",
+        "allocation_mode=fsdp:d1",
+        f"cluster.fileroot={root}",
+    ]
+
+
+def test_a_second_launch_on_a_live_run_directory_is_refused(tiny_model_dir: str, tmp_path: Path) -> None:
+    args = [*_args(tmp_path), f"model.path={tiny_model_dir}"]
+    first = subprocess.Popen(
+        args,
+        cwd=REPO_ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert first.stdout is not None
+        seen = []
+        for line in first.stdout:  # the trainer runs: the first launch holds the directory
+            seen.append(line)
+            if "holding the run" in line:
+                break
+        assert any("holding the run" in line for line in seen), "".join(seen)
+        second = subprocess.run(args, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+        run_dir = tmp_path / "logs" / "gsm8k-sft" / "trial0"
+        expected = f"run directory {run_dir} is in use by a live run (pid {first.pid} on "
+        assert second.returncode == 1 and expected in second.stdout, second.stdout[-2000:] + second.stderr[-2000:]
+        assert "[trainer]" not in second.stdout and "holding the run" not in second.stdout  # nothing started
+        assert first.poll() is None  # the first run goes on
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)  # the launcher and its lifeline-bound trainer
+        first.wait(timeout=60)
+    # A dead holder leaves no lock behind: the next launch runs to the end.
+    (tmp_path / "release").touch()
+    third = subprocess.run(args, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert third.returncode == 0 and "released" in third.stdout, third.stdout[-2000:] + third.stderr[-2000:]
