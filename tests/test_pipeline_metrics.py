@@ -67,6 +67,7 @@ def test_an_episodes_environment_wait_is_logged_with_it(monkeypatch: pytest.Monk
     monkeypatch.setattr(episode, "_now", lambda: next(ticks))
     ex, _ = make_executor(k=0, bsz=1, max_conc=1)
     try:
+        ex.export_stats()  # what earlier executors in this process left in the "rollout" tracker
         ex.submit({"id": 1}, WaitingWorkflow())
         wait_until(lambda: ex.get_stats().accepted == 1, "the episode finished")
         ex.wait(1, timeout=10)

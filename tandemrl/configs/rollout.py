@@ -48,6 +48,25 @@ class InferenceEngineConfig:
             "choices": ["abort", "keep"],
         },
     )
+    max_consecutive_drops: int = field(
+        default=50,
+        metadata={
+            "help": "Stop the run (one line naming the most common cause) when this many groups in a row were "
+            "dropped by failures: a reward that raised, timed out or returned junk, a workflow error under "
+            "'drop'. Filtered groups (should_accept_fn) do not count. 0 turns this check off.",
+            "min": 0,
+        },
+    )
+    max_dropped_share: float = field(
+        default=0.5,
+        metadata={
+            "help": "Stop the run when more than this share of the last drop_window finished groups were dropped "
+            "by failures; 1.0 turns this check off.",
+        },
+    )
+    drop_window: int = field(
+        default=200, metadata={"help": "Finished groups max_dropped_share looks back over.", "min": 1}
+    )
     request_timeout: float = field(default=3600.0, metadata={"help": "Seconds before a generation request fails."})
     request_retries: int = field(default=3, metadata={"help": "Retries (with failover) per request.", "min": 0})
     request_backoff: float = field(

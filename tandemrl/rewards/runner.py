@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from tandemrl.api.episode import waiting
+from tandemrl.api.episode import note_failure, waiting
 from tandemrl.utils import stats_tracker
 
 logger = logging.getLogger(__name__)
@@ -189,6 +189,7 @@ class RewardRunner:
             first = kind not in self.failures
             self.failures[kind] = self.failures.get(kind, 0) + 1
         stats_tracker.get(self.stat_scope).scalar(reward_failed=1.0)
+        note_failure(f"reward {kind}", f"reward function {self.name} {detail}")
         if first:  # later ones of this kind are only counted (<scope>/reward_failed)
             logger.warning(
                 "reward function %s %s; its group is dropped (first failure of this kind, later ones only counted)",

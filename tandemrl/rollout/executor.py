@@ -44,12 +44,13 @@ from typing import Any
 import torch
 
 from tandemrl.api.determinism import RolloutKey, rollout_key_context
-from tandemrl.api.episode import GeneratedTally, start_wait_clock, tally_in
+from tandemrl.api.episode import EpisodeNotes, current_notes, notes_in
 from tandemrl.api.types import TensorDict
 from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
 from tandemrl.configs.rollout import InferenceEngineConfig
 from tandemrl.data.batch import concat_padded_tensors
 from tandemrl.data.loader import cycle_batches
+from tandemrl.rollout.failure_budget import FailureBudget, FailureBudgetExceeded
 from tandemrl.rollout.ledger import Ledger, LedgerTotals, Tally, tally_of, total
 from tandemrl.rollout.staleness import RolloutStat, StalenessManager
 from tandemrl.rollout.task_runner import AsyncTaskRunner
@@ -138,6 +139,7 @@ class WorkflowExecutor:
             self.max_concurrent_rollouts, consumer_batch_size, config.max_head_offpolicyness
         )
         self.error_policy = config.workflow_error_policy
+        self.failure_budget = FailureBudget(config.max_consecutive_drops, config.max_dropped_share, config.drop_window)
         self.tracing = config.enable_rollout_tracing
         self.deterministic = deterministic
 
@@ -284,7 +286,7 @@ class WorkflowExecutor:
             if self.tracing:
                 logger.info("rollout %d started at version %d (%s)", rid, version, type(task.workflow).__name__)
             ctx = rollout_key_context(task.key)
-            noted = tally_in(ctx)
+            noted = notes_in(ctx)
             held = stats_tracker.hold_in(ctx)
             atask = loop.create_task(self._run_episode(task), name=f"rollout-{rid}", context=ctx)
             self._tasks[rid] = atask
@@ -293,9 +295,9 @@ class WorkflowExecutor:
     async def _run_episode(self, task: _Task) -> tuple[TensorDict | None, bool]:
         """(trajectory or None, accepted). Records ``env_wait``, the seconds the episode waited on its
         environment (``tandemrl.api.episode.waiting``), held with the episode's other scalars."""
-        clock = start_wait_clock()
         traj = await task.workflow.arun_episode(self.inference_engine, task.data)
-        stats_tracker.get(self.config.stats_name).scalar(env_wait=clock.seconds)
+        notes = current_notes()
+        stats_tracker.get(self.config.stats_name).scalar(env_wait=notes.wait_seconds if notes else 0.0)
         if traj is None:
             return None, False
         _check_trajectory(traj, task.workflow)
@@ -322,7 +324,7 @@ class WorkflowExecutor:
         task: _Task,
         version: int,
         start: float,
-        noted: GeneratedTally,
+        noted: EpisodeNotes,
         held: stats_tracker.HeldScalars,
         atask: asyncio.Task[Any],
     ) -> None:
@@ -363,6 +365,8 @@ class WorkflowExecutor:
                         self._errors.append(exc)
                 if task.tag in self._tag_rejections and (outcome == "rejected" or self.error_policy == "drop"):
                     self._tag_rejections[task.tag] += 1
+            if not atask.cancelled():
+                self._spend_budget_locked(traj, outcome, exc, noted)
             self._cond.notify_all()
         if outcome != "accepted" or task.tag is not None:
             held.release()
@@ -414,10 +418,25 @@ class WorkflowExecutor:
             if pulled:
                 self._pending[task.order] = data
 
+    def _spend_budget_locked(
+        self, traj: TensorDict | None, outcome: str, exc: BaseException | None, noted: EpisodeNotes
+    ) -> None:
+        """Count a finished episode against the failure budget; a spent budget fails the next wait()."""
+        dropped = outcome == "failed" or (outcome == "rejected" and traj is None)
+        causes = list(noted.failures)
+        if exc is not None:
+            causes.append((f"raised {type(exc).__name__}", first_line(exc)))
+        reason = self.failure_budget.record(dropped, causes)
+        if reason is not None and not any(isinstance(e, FailureBudgetExceeded) for e in self._errors):
+            self._errors.append(FailureBudgetExceeded(reason))
+
     def _raise_errors_locked(self) -> None:
         if not self._errors:
             return
         errors, self._errors = self._errors, []
+        spent = [e for e in errors if isinstance(e, FailureBudgetExceeded)]
+        if spent:
+            raise spent[0]
         first = errors[0]
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         raise RuntimeError(

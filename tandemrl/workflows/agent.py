@@ -29,7 +29,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from tandemrl.api.episode import note_waited
+from tandemrl.api.episode import note_failure, note_waited
 from tandemrl.api.types import TensorDict
 from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
 from tandemrl.configs.agent import AgentConfig
@@ -149,6 +149,9 @@ class AgentWorkflow(RolloutWorkflow):
             result = await asyncio.wait_for(self.agent(client, dict(data)), self.config.episode_timeout)
         except TimeoutError:
             stats_tracker.get(self.stat_scope).scalar(agent_timeout=1.0)
+            note_failure(
+                "agent timeout", f"an agent run took over agent.episode_timeout={self.config.episode_timeout}s"
+            )
             return None
         finally:
             # What the run did besides waiting for the model (its tools, its reward) is environment wait.
