@@ -26,7 +26,7 @@ from tandemrl.launchers import dry_run
 from tandemrl.launchers.check import check_script
 from tandemrl.launchers.launch_config import LaunchError, LaunchSpec, read_launch_spec
 from tandemrl.launchers.run_lock import run_dir_lock
-from tandemrl.utils.cli import first_line, signals_interrupt
+from tandemrl.utils.cli import first_line, interrupted_exit_code, signals_interrupt
 from tandemrl.utils.lifeline import exit_status
 from tandemrl.utils.quiet import quiet_process
 
@@ -179,7 +179,8 @@ RunTrial = Callable[[str, "str | None", list[str], LaunchSpec], TrialResult]
 
 
 def run_trials(args: LaunchArgs, specs: list[tuple[list[str], LaunchSpec]], run_trial: RunTrial) -> int:
-    """Run the trials one after the other; Ctrl-C stops the sweep; 0 only if all succeeded."""
+    """Run the trials one after the other; 0 only if all succeeded, 1 if one failed; a signal stops the sweep
+    and gives its code (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP)."""
     results = []
     for n, (combo, spec) in enumerate(specs, 1):
         if args.multirun:
@@ -194,6 +195,8 @@ def run_trials(args: LaunchArgs, specs: list[tuple[list[str], LaunchSpec]], run_
                 break
     if args.multirun:
         print(summary_table(results), flush=True)
+    if results and results[-1].error == "interrupted":
+        return results[-1].returncode  # 130/143/129: a wrapper tells "interrupted" from "failed"
     return 0 if all(r.returncode == 0 for r in results) and len(results) == len(specs) else 1
 
 
@@ -249,7 +252,7 @@ def guarded_trial(
 ) -> TrialResult:
     """Run ``body(run_dir) -> (returncode, error)``; ``teardown`` runs whatever happens.
 
-    Ctrl-C/SIGTERM give 130 "interrupted"; any other exception gives 1 and its first line. The trial holds its
+    Ctrl-C/SIGTERM/SIGHUP give 130/143/129 "interrupted"; any other exception gives 1 and its first line. The trial holds its
     run directory's lock (``run_lock``) throughout: a directory a live run holds gives 1 and nothing starts.
     """
     run_dir = Path(spec.run_dir)
@@ -261,8 +264,8 @@ def guarded_trial(
                     rc, error = body(run_dir)
                 finally:
                     teardown()
-        except KeyboardInterrupt:
-            rc, error = 130, "interrupted"
+        except KeyboardInterrupt as err:
+            rc, error = interrupted_exit_code(err), "interrupted"
         except Exception as err:  # a server that would not start, a lost actor, a bad address, a locked dir...
             rc, error = 1, first_line(err)
     return TrialResult(spec.trial_name, overrides, rc, time.monotonic() - start, str(run_dir), error)

@@ -28,12 +28,25 @@ def first_line(err: BaseException, *, with_type: bool = False, limit: int | None
     return f"{type(err).__name__}: {line}" if with_type else line
 
 
+class SignalInterrupt(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised like Ctrl-C; ``signum`` says which."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+def interrupted_exit_code(err: KeyboardInterrupt) -> int:
+    """The shell's code for a run stopped by a signal: 128 + its number (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP)."""
+    return 128 + int(getattr(err, "signum", signal.SIGINT))
+
+
 @contextlib.contextmanager
 def signals_interrupt() -> Iterator[None]:
-    """SIGTERM/SIGHUP raise KeyboardInterrupt like Ctrl-C, so teardown runs on any of them."""
+    """SIGTERM/SIGHUP raise KeyboardInterrupt (``SignalInterrupt``) like Ctrl-C, so teardown runs on any of them."""
 
     def on_signal(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
+        raise SignalInterrupt(signum)
 
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
     for s in previous:

@@ -1,0 +1,42 @@
+"""The local launcher's exit code says how a run ended (issue 33 item 5): a signal gives 128 + its number
+(130 Ctrl-C, 143 SIGTERM), so a wrapper tells an interrupted run from a failed one (1) or bad input (2)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from test_launcher import ENV
+from test_run_lock import _args
+from utils import REPO_ROOT
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signalled_launcher_exits_with_the_signals_code(
+    tiny_model_dir: str, tmp_path: Path, sig: signal.Signals, code: int
+) -> None:
+    proc = subprocess.Popen(
+        [*_args(tmp_path), f"model.path={tiny_model_dir}"],
+        cwd=REPO_ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:  # the trainer runs
+        seen.append(line)
+        if "holding the run" in line:
+            break
+    proc.send_signal(sig)
+    rest, _ = proc.communicate(timeout=120)
+    out = "".join(seen) + rest
+    assert proc.returncode == code, out[-3000:]
+    assert "[launcher] trial trial0 failed: interrupted" in out, out[-3000:]
+    bad = subprocess.run(  # bad input, for contrast: 2, before anything starts
+        [*_args(tmp_path), "allocation_mode=nonsense"], cwd=REPO_ROOT, env=ENV, capture_output=True, text=True
+    )
+    assert bad.returncode == 2, bad.stdout[-2000:] + bad.stderr[-2000:]
