@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from test_launcher import ENV
-from test_run_lock import _args
+from test_run_lock import _args, start_holding_run
 from utils import REPO_ROOT
 
 
@@ -17,23 +17,10 @@ from utils import REPO_ROOT
 def test_a_signalled_launcher_exits_with_the_signals_code(
     tiny_model_dir: str, tmp_path: Path, sig: signal.Signals, code: int
 ) -> None:
-    proc = subprocess.Popen(
-        [*_args(tmp_path), f"model.path={tiny_model_dir}"],
-        cwd=REPO_ROOT,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    assert proc.stdout is not None
-    seen = []
-    for line in proc.stdout:  # the trainer runs
-        seen.append(line)
-        if "holding the run" in line:
-            break
+    proc, seen = start_holding_run([*_args(tmp_path), f"model.path={tiny_model_dir}"])
     proc.send_signal(sig)
     rest, _ = proc.communicate(timeout=120)
-    out = "".join(seen) + rest
+    out = seen + rest
     assert proc.returncode == code, out[-3000:]
     assert "[launcher] trial trial0 failed: interrupted" in out, out[-3000:]
     bad = subprocess.run(  # bad input, for contrast: 2, before anything starts

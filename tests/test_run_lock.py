@@ -30,9 +30,9 @@ def _args(root: Path) -> list[str]:
     ]
 
 
-def test_a_second_launch_on_a_live_run_directory_is_refused(tiny_model_dir: str, tmp_path: Path) -> None:
-    args = [*_args(tmp_path), f"model.path={tiny_model_dir}"]
-    first = subprocess.Popen(
+def start_holding_run(args: list[str]) -> tuple[subprocess.Popen[str], str]:
+    """Launch ``args`` (its own process group) and return once its trainer holds the run: (process, output)."""
+    proc = subprocess.Popen(
         args,
         cwd=REPO_ROOT,
         env=ENV,
@@ -41,14 +41,19 @@ def test_a_second_launch_on_a_live_run_directory_is_refused(tiny_model_dir: str,
         text=True,
         start_new_session=True,
     )
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "holding the run" in line:
+            return proc, "".join(seen)
+    raise AssertionError("the trainer never started:\n" + "".join(seen)[-3000:])
+
+
+def test_a_second_launch_on_a_live_run_directory_is_refused(tiny_model_dir: str, tmp_path: Path) -> None:
+    args = [*_args(tmp_path), f"model.path={tiny_model_dir}"]
+    first, _ = start_holding_run(args)  # the trainer runs: the first launch holds the directory
     try:
-        assert first.stdout is not None
-        seen = []
-        for line in first.stdout:  # the trainer runs: the first launch holds the directory
-            seen.append(line)
-            if "holding the run" in line:
-                break
-        assert any("holding the run" in line for line in seen), "".join(seen)
         second = subprocess.run(args, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=120)
         run_dir = tmp_path / "logs" / "gsm8k-sft" / "trial0"
         expected = f"run directory {run_dir} is in use by a live run (pid {first.pid} on "
