@@ -135,9 +135,10 @@ def _assert_hf_checkpoints_load(ckpt_root: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_torchrun_alone_killed_then_auto_resume_is_bitwise(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
-    """SIGKILL of torchrun only: every rank is gone at once and writes nothing after; the same
-    command with ``recover.mode=auto`` then resumes and the per-step losses equal an
-    uninterrupted run's bit for bit (data order, optimizer and LR schedule restored)."""
+    """SIGKILL of torchrun only: every rank is gone at once and writes nothing after. Then a shard of the
+    newest recoverable checkpoint is truncated: the same command with ``recover.mode=auto`` names the file,
+    resumes from the previous checkpoint, and the per-step losses equal an uninterrupted run's bit for bit
+    (data order, optimizer and LR schedule restored)."""
     ref_root, root = tmp_path / "reference", tmp_path / "killed"
     ref = _launch(_sft_args(tiny_model_dir, gsm8k_dir, ref_root))
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
@@ -180,16 +181,55 @@ def test_torchrun_alone_killed_then_auto_resume_is_bitwise(tiny_model_dir: str, 
     ckpts = root / "checkpoints" / "gsm8k-sft" / "trial0"
     assert _assert_hf_checkpoints_load(ckpts)
 
+    # The newest recoverable checkpoint is damaged too (a shard cut short): the resumed run names the file
+    # in one line and resumes from the previous checkpoint, one step earlier, with the same losses.
+    recover = ckpts / "recover"
+    shard = sorted((recover / "engines" / "model").glob("*.distcp"))[0]
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[: size // 2])
     resumed = _launch(args)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     log = (root / "logs" / "gsm8k-sft" / "trial0" / "trainer.log").read_text()
-    assert "recover: resumed from" in log, log[-3000:]
+    fallback = (
+        f"recover: checkpoint {recover} is corrupt: {shard}: {size // 2} bytes, {size} were written; "
+        f"resuming from the previous one, {recover}.prev"
+    )
+    assert fallback in log and f"recover: resumed from {recover}.prev after" in log, log[-3000:]
     got = _losses(root / "tensorboard" / "gsm8k-sft" / "trial0")
     assert got == expected  # exact float equality, every step
     assert _assert_hf_checkpoints_load(ckpts) == _assert_hf_checkpoints_load(
         ref_root / "checkpoints" / "gsm8k-sft" / "trial0"
     )
     print(f"ranks gone {rank_exit_s:.2f}s after torchrun")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting the small tmpfs needs root")
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(
+    tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path
+) -> None:
+    """The trial's checkpoint directory is a tmpfs with room for step 1's recoverable checkpoint (about 3x the
+    model: weights and Adam states) and the final HF model, not for step 2's recoverable checkpoint: the save
+    fails with ENOSPC, the launcher's last lines name the path and the errno, and step 1's checkpoint is intact."""
+    from tandemrl.trainers.manifest import check_manifest
+
+    model = sum(f.stat().st_size for f in Path(tiny_model_dir).glob("*.safetensors"))
+    ckpts = tmp_path / "checkpoints" / "gsm8k-sft" / "trial0"
+    ckpts.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(model * 4.5)}", "tmpfs", str(ckpts)], check=True)
+    try:
+        args = _sft_args(tiny_model_dir, gsm8k_dir, tmp_path, "allocation_mode=fsdp:d1", "saver.freq_steps=1000")
+        proc = _launch([a if not a.startswith("total_train_steps=") else "total_train_steps=2" for a in args])
+        assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+        lines = proc.stdout.strip().splitlines()
+        assert lines[-2] == (
+            "[launcher] trial trial0 failed: trainer rank 0: CheckpointWriteError: recover: cannot write checkpoint "
+            f"to {ckpts}/recover.tmp: No space left on device (ENOSPC)"
+        ), lines[-6:]
+        check_manifest(str(ckpts / "recover"))  # step 1's recoverable checkpoint, whole
+        assert '"global_step": 0' in (ckpts / "recover" / "loop_state.json").read_text()
+    finally:
+        subprocess.run(["umount", str(ckpts)], check=False)
 
 
 # ------------------------------------------------------------------ ports and bound addresses

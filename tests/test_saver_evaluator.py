@@ -199,7 +199,7 @@ def test_unwritable_checkpoint_dir_is_one_line_naming_it(tmp_path: Path):
     assert "\n" not in msg and isinstance(e.value, ValueError)  # run_main prints it as one error line
     assert msg == (
         f"saver: cannot write checkpoint to {tmp_path}/checkpoints/exp/t1/epoch0epochstep1globalstep1.tmp: "
-        "Not a directory"
+        "Not a directory (ENOTDIR)"
     )
 
 

@@ -40,6 +40,14 @@ class RecoverConfig(FreqConfig):
             "choices": ["disabled", "auto", "resume"],
         },
     )
+    keep_previous: bool = field(
+        default=True,
+        metadata={
+            "help": "Keep the checkpoint a new one replaces as recover.prev: a newest checkpoint found corrupt at "
+            "start (a truncated or changed file) is named in one line and the run resumes from recover.prev. "
+            "Costs the disk of a second checkpoint."
+        },
+    )
     save_final: bool = field(
         default=True,
         metadata={"help": "When mode is not disabled, also save after the last training step, whatever freq_* says."},

@@ -16,9 +16,12 @@ Layout under ``<fileroot>/checkpoints/<experiment>/<trial>/recover``:
 * ``loop_state.json``: the last finished global step, the weight version, the saver's and
   evaluator's counters, the trainer world size and a fingerprint of the pushed weights.
 
-A save is written to ``recover.tmp`` and replaces ``recover`` only once complete, so a crash
-mid-save leaves the previous checkpoint usable. Loading re-computes the weight fingerprint
-and refuses a checkpoint whose restored weights differ from the saved ones.
+A save is written to ``recover.tmp``, listed in its ``manifest.json`` (``tandemrl.trainers.manifest``)
+and replaces ``recover`` only once complete; the checkpoint it replaces is kept as ``recover.prev``
+(``recover.keep_previous``). So a crash mid-save leaves the previous checkpoint usable, and a newest
+checkpoint damaged later (a truncated shard, a changed file) is named in one line and the run resumes
+from ``recover.prev`` instead. Loading re-computes the weight fingerprint and refuses a checkpoint
+whose restored weights differ from the saved ones.
 
 Rollouts that were queued or running when the checkpoint was written are not saved (they
 came from older weights), but their rows are: the resumed run generates them again, with the
@@ -45,11 +48,13 @@ import torch.distributed as dist
 from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.configs.utils import RecoverConfig
 from tandemrl.trainers.freq import FreqControl, agree_with_rank0, epochs_finished
-from tandemrl.trainers.saver import Saver, writing_checkpoint
+from tandemrl.trainers.manifest import ManifestMismatch, check_manifest, write_manifest
+from tandemrl.trainers.saver import NOT_FAILURES, Saver, checkpoint_cause, writing_checkpoint
 from tandemrl.utils.cli import first_line
 
 RECOVER_MODES = ("disabled", "auto", "resume")
 LOOP_STATE_FILE = "loop_state.json"
+PREVIOUS_SUFFIX = ".prev"
 
 
 def _reason(e: BaseException) -> str:
@@ -227,12 +232,8 @@ class RecoverHandler:
                 )
                 with open(os.path.join(tmp, LOOP_STATE_FILE), "w") as f:
                     json.dump(asdict(state), f, indent=1)
-                old = final + ".old"
-                shutil.rmtree(old, ignore_errors=True)
-                if os.path.exists(final):
-                    os.rename(final, old)
-                os.rename(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
+                write_manifest(tmp)
+                self._rotate(tmp, final)
                 print(
                     f"recover: saved global step {global_step + 1} (version {state.version}, "
                     f"weights {fingerprint}) to {final}",
@@ -240,6 +241,18 @@ class RecoverHandler:
                 )
         _barrier()
         return True
+
+    def _rotate(self, tmp: str, final: str) -> None:
+        """The complete ``tmp`` becomes the checkpoint; the one it replaces stays as ``<path>.prev`` (the
+        fallback when the newest turns out corrupt) unless ``recover.keep_previous`` is off."""
+        prev = final + PREVIOUS_SUFFIX
+        shutil.rmtree(prev, ignore_errors=True)
+        if os.path.exists(final):
+            os.rename(final, prev)
+        os.rename(tmp, final)
+        if not self.config.keep_previous:
+            shutil.rmtree(prev, ignore_errors=True)
+        shutil.rmtree(final + ".old", ignore_errors=True)  # the layout before .prev existed
 
     def _fingerprint(self, pushed: Any) -> str:
         """Every rank takes part in gathering the full weights; rank 0's digest is returned everywhere."""
@@ -251,13 +264,36 @@ class RecoverHandler:
         return _rank0_value(None)
 
     # ------------------------------------------------------------------ load
+    def candidates(self) -> list[str]:
+        """Checkpoint directories to resume from, newest first (a crash between the final renames leaves
+        the newest complete one as ``recover.prev``; ``recover.old`` is the layout before ``.prev``)."""
+        paths = (self.path, self.path + PREVIOUS_SUFFIX, self.path + ".old")
+        return [p for p in paths if os.path.isdir(p)]
+
     def find(self) -> str | None:
-        """The checkpoint directory to resume from, None if there is none (a crash between the final
-        renames leaves the previous one as ``recover.old``)."""
-        for candidate in (self.path, self.path + ".old"):
-            if os.path.isdir(candidate):
-                return candidate
+        """The newest checkpoint whose files match its manifest; a corrupt newer one is named in one line
+        (``recover: ... is corrupt: FILE: why; resuming from the previous checkpoint P``). Rank 0 decides."""
+        found = self.candidates()
+        for i, path in enumerate(found):
+            try:
+                check_manifest(path)
+            except ManifestMismatch as e:
+                if i + 1 == len(found):
+                    raise CorruptCheckpointError(f"recover: checkpoint {path} is corrupt: {e}") from None
+                print(
+                    f"recover: checkpoint {path} is corrupt: {e}; resuming from the previous one, {found[i + 1]}",
+                    flush=True,
+                )
+                continue
+            return path
         return None
+
+    def _choose(self) -> tuple[str | None, str | None]:
+        """Rank 0: (checkpoint to load, None) or (None, the one-line error every rank raises)."""
+        try:
+            return self.find(), None
+        except CorruptCheckpointError as e:
+            return None, str(e)
 
     def load(
         self,
@@ -277,7 +313,9 @@ class RecoverHandler:
         """
         if not self.enabled:
             return None
-        path = _rank0_value(self.find())
+        path, error = _rank0_value(self._choose() if _rank() == 0 else None)
+        if error is not None:
+            raise CorruptCheckpointError(error)
         if path is None:
             if self.config.mode == "resume":
                 raise FileNotFoundError(
@@ -294,10 +332,12 @@ class RecoverHandler:
             engine_dir = os.path.join(path, "engines", name)
             try:
                 engine.load(SaveLoadMeta(path=engine_dir, weight_format="dcp", with_optim=True))
-            except Exception as e:
+            except BaseException as e:  # torch's CheckpointException is a BaseException
+                if isinstance(e, NOT_FAILURES):
+                    raise
                 raise CorruptCheckpointError(
-                    f"recover: checkpoint {path} is corrupt: cannot load engine '{name}' ({_reason(e)})"
-                ) from e
+                    f"recover: checkpoint {path} is corrupt: cannot load engine '{name}' ({_reason(checkpoint_cause(e))})"
+                ) from None
         loader_file = os.path.join(path, f"dataloader_rank{_rank()}.pt")
         try:
             dataloader.load_state_dict(torch.load(loader_file, weights_only=False))
@@ -365,4 +405,4 @@ class RecoverHandler:
                 raw = json.load(f)
             return LoopState.from_json(raw, file)
         except (OSError, json.JSONDecodeError, TypeError, ValueError) as e:
-            raise CorruptCheckpointError(f"recover: checkpoint {path} is corrupt: {_reason(e)}") from None
+            raise CorruptCheckpointError(f"recover: checkpoint {path} is corrupt: {file}: {_reason(e)}") from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 from collections.abc import Iterator
@@ -13,14 +14,31 @@ import torch.distributed as dist
 from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.configs.utils import SaverConfig
 from tandemrl.trainers.freq import FreqControl, agree_with_rank0, epochs_finished
+from tandemrl.utils.cli import first_line
 
 
 class CheckpointWriteError(ValueError):
     """A checkpoint directory cannot be written (read-only, full, not a directory): one line naming it."""
 
 
+# Not failures of a checkpoint: let them through whatever the handler catches.
+NOT_FAILURES = (KeyboardInterrupt, SystemExit, GeneratorExit)
+
+
+def checkpoint_cause(e: BaseException) -> BaseException:
+    """The error under torch's ``CheckpointException`` (a BaseException holding each rank's (error, traceback)),
+    else ``e``."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        inner = first[0] if isinstance(first, tuple) and first else first
+        if isinstance(inner, BaseException):
+            return inner
+    return e
+
+
 def _unwritable(path: str) -> str | None:
-    """Why nothing can be written under ``path`` (e.g. "No space left on device"), or None if it can."""
+    """Why nothing can be written under ``path`` (e.g. "No space left on device (ENOSPC)"), or None if it can."""
     probe = os.path.join(path, f".write-probe-{os.getpid()}")
     try:
         os.makedirs(path, exist_ok=True)
@@ -30,7 +48,8 @@ def _unwritable(path: str) -> str | None:
             os.fsync(f.fileno())
         os.remove(probe)
     except OSError as e:
-        return e.strerror or type(e).__name__
+        code = f" ({errno.errorcode[e.errno]})" if e.errno in errno.errorcode else ""
+        return (e.strerror or type(e).__name__) + code
     return None
 
 
@@ -43,11 +62,18 @@ def writing_checkpoint(path: str, what: str) -> Iterator[None]:
     """
     try:
         yield
-    except Exception as e:
-        reason = _unwritable(path)
-        if reason is None:
+    except BaseException as e:  # torch's CheckpointException is a BaseException
+        if isinstance(e, NOT_FAILURES):
             raise
-        raise CheckpointWriteError(f"{what}: cannot write checkpoint to {path}: {reason}") from e
+        reason = _unwritable(path)
+        if reason is not None:
+            raise CheckpointWriteError(f"{what}: cannot write checkpoint to {path}: {reason}") from e
+        if isinstance(e, Exception):
+            raise
+        cause = checkpoint_cause(e)
+        raise CheckpointWriteError(
+            f"{what}: writing checkpoint {path} failed: {type(cause).__name__}: {first_line(cause)}"
+        ) from e
 
 
 def _is_rank0() -> bool:
