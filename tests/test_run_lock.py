@@ -1,4 +1,5 @@
-"""One live run per run directory, through the real local launcher (issue 33 item 1).
+"""One live run per run directory, through the real local launcher (issue 33 item 1); and the launcher's
+output relay when the run directory's disk is full (item 3).
 
 A first launch holds its trial's run directory while its trainer runs; a second launch of the same
 experiment and trial is refused in one line naming the directory and the first launcher's pid, and starts
@@ -13,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from test_launcher import ENV
 from utils import REPO_ROOT
 
@@ -67,3 +69,20 @@ def test_a_second_launch_on_a_live_run_directory_is_refused(tiny_model_dir: str,
     (tmp_path / "release").touch()
     third = subprocess.run(args, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert third.returncode == 0 and "released" in third.stdout, third.stdout[-2000:] + third.stderr[-2000:]
+
+
+def test_the_output_relay_survives_an_unwritable_log(capfd: pytest.CaptureFixture[str]) -> None:
+    """A trainer.log that cannot be written (``/dev/full``: every write is ENOSPC) is reported once; every line
+    of the child still reaches the console and the pipe is drained to its end."""
+    from tandemrl.launchers.common import pump
+
+    child = subprocess.Popen([sys.executable, "-c", "for i in range(500): print('line', i)"], stdout=subprocess.PIPE)
+    assert child.stdout is not None
+    pump(child.stdout, "trainer", Path("/dev/full")).join(timeout=60)
+    assert child.wait(timeout=60) == 0
+    out = capfd.readouterr().out.splitlines()
+    assert [line for line in out if line.startswith("[trainer] ")] == [f"[trainer] line {i}" for i in range(500)]
+    lost = [line for line in out if line.startswith("[launcher] ")]
+    assert lost == [
+        "[launcher] cannot write /dev/full: No space left on device (ENOSPC); its output goes to this console only"
+    ]

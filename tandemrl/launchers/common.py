@@ -8,6 +8,7 @@ turning Ctrl-C/SIGTERM into a clean teardown, one-line errors — lives here onc
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import os
@@ -302,16 +303,45 @@ def write_prefixed(line: bytes, prefix: str, log: IO[bytes] | None = None) -> No
 
 
 def pump(stream: IO[bytes], prefix: str, log_path: Path) -> threading.Thread:
-    """Copy a child's output to our stdout (prefixed) and to its log file."""
+    """Copy a child's output to our stdout (prefixed) and to its log file. A log file that cannot be written
+    (a full disk) is reported once and dropped; the child's output keeps flowing to stdout, so the child
+    never blocks on a full pipe."""
 
     def run() -> None:
-        with open(log_path, "ab") as log:
-            for line in iter(stream.readline, b""):
-                write_prefixed(line, prefix, log)
+        log: IO[bytes] | None = None
+        try:
+            log = open(log_path, "ab")  # noqa: SIM115 (closed below, or dropped when it fails)
+        except OSError as e:
+            _log_lost(log_path, e)
+        for line in iter(stream.readline, b""):
+            if log is not None:
+                try:
+                    log.write(line)
+                    log.flush()
+                except OSError as e:
+                    _log_lost(log_path, e)
+                    log = _close_quietly(log)
+            write_prefixed(line, prefix)
+        if log is not None:
+            _close_quietly(log)
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t
+
+
+def _log_lost(path: Path, err: OSError) -> None:
+    code = f" ({errno.errorcode[err.errno]})" if err.errno in errno.errorcode else ""
+    print(
+        f"[launcher] cannot write {path}: {err.strerror or err}{code}; its output goes to this console only", flush=True
+    )
+
+
+def _close_quietly(log: IO[bytes]) -> None:
+    try:
+        log.close()
+    except OSError:
+        pass
 
 
 def cli(main: Callable[[list[str]], int]) -> None:
