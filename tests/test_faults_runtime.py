@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil
 import pytest
 import requests
-from utils import REPO_ROOT
+from utils import REPO_ROOT, is_torchrun
 
 from tandemrl.inference.server_auth import TOKEN_ENV
 
@@ -157,7 +157,7 @@ def test_torchrun_alone_killed_then_auto_resume_is_bitwise(tiny_model_dir: str, 
         # The kill lands after the recoverable checkpoint of step 2, somewhere in steps 3-6.
         _wait_for(lambda: '"global_step": 1' in (state.read_text() if state.exists() else ""), 600, "step 2", proc)
         family = _family(launcher)
-        torchrun = [p for p in family if "torch.distributed.run" in _cmd(p) and "lifeline" not in _cmd(p)]
+        torchrun = [p for p in family if is_torchrun(_cmd(p)) and "lifeline" not in _cmd(p)]
         assert len(torchrun) == 1, [_cmd(p) for p in family]
         ranks = torchrun[0].children()
         assert len(ranks) == 2 and all("gsm8k_sft.py" in _cmd(r) for r in ranks), [_cmd(r) for r in ranks]
@@ -279,8 +279,9 @@ def test_weight_update_group_listens_on_loopback_only_and_a_busy_port_is_one_lin
 def test_launcher_sigkilled_leaves_nothing_and_servers_listen_on_loopback(
     tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path
 ) -> None:
-    """A GRPO run's vLLM server (API process and engine core) listens on 127.0.0.1 only; after
-    SIGKILL of the launcher itself, the server group, torchrun and its rank all end."""
+    """A GRPO run's vLLM server (API process and engine core), torchrun's rendezvous store and the rank
+    listen on 127.0.0.1 only; after SIGKILL of the launcher itself, the server group, torchrun and its rank
+    all end."""
     args = _example(
         "gsm8k_grpo",
         "actor.engine.path",
@@ -308,6 +309,10 @@ def test_launcher_sigkilled_leaves_nothing_and_servers_listen_on_loopback(
         bound = {(c.laddr.ip, _cmd(p)[:80]) for p in servers for c in p.net_connections("tcp") if c.status == "LISTEN"}
         assert bound and {ip for ip, _ in bound} == {"127.0.0.1"}, bound
         print(f"server processes {[_cmd(p)[:40] for p in servers]} listen on {bound}")
+        # The census of every process of the run: servers, torchrun (its rendezvous store) and the rank.
+        census = {(c.laddr.ip, _cmd(p)[:80]) for p in family for c in _listening_sockets(p)}
+        assert any(is_torchrun(cmd) for _, cmd in census), census  # torchrun's store is counted...
+        assert {ip for ip, _ in census} == {"127.0.0.1"}, census  # ...and nothing listens beyond loopback
         launcher.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         start = time.monotonic()
@@ -320,8 +325,15 @@ def test_launcher_sigkilled_leaves_nothing_and_servers_listen_on_loopback(
                 p.kill()
 
 
+def _listening_sockets(p: psutil.Process) -> list:  # noqa: ANN401 (psutil's pconn)
+    try:
+        return [c for c in p.net_connections("tcp") if c.status == "LISTEN"]
+    except psutil.Error:
+        return []
+
+
 def torchrun_children(launcher: psutil.Process) -> list[psutil.Process]:
-    return [c for p in _family(launcher) if "torch.distributed.run" in _cmd(p) for c in p.children()]
+    return [c for p in _family(launcher) if is_torchrun(_cmd(p)) and "lifeline" not in _cmd(p) for c in p.children()]
 
 
 # ------------------------------------------------------------------ inference servers lost mid-run

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from utils import REPO_ROOT
+from utils import REPO_ROOT, is_torchrun
 
 LAUNCHER = "tandemrl.launchers.local"
 LAUNCH = [sys.executable, "-m", LAUNCHER]
@@ -351,7 +351,7 @@ def _is_worker(p: psutil.Process) -> bool:
         cmd = " ".join(p.cmdline())
     except psutil.Error:
         return False
-    return "gsm8k_grpo.py" in cmd and "torch.distributed.run" not in cmd
+    return "gsm8k_grpo.py" in cmd and not is_torchrun(cmd)
 
 
 @pytest.mark.slow

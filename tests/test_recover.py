@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 from test_executor import RandomDelayEngine, ToyWorkflow
-from utils import REPO_ROOT
+from utils import REPO_ROOT, is_torchrun
 
 from tandemrl.configs.data import DatasetConfig
 from tandemrl.configs.rollout import InferenceEngineConfig
@@ -118,7 +118,7 @@ def _is_rank(p: Any) -> bool:
         cmd = " ".join(p.cmdline())
     except psutil.Error:
         return False
-    return "grpo_ledger.py" in cmd and "torch.distributed.run" not in cmd
+    return "grpo_ledger.py" in cmd and not is_torchrun(cmd)
 
 
 def _read_lines(path: Path) -> list[dict[str, Any]]:

@@ -9,6 +9,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# How a torchrun agent process shows in a command line: the local launcher's loopback torchrun
+# (tandemrl.launchers.torchrun_loopback), or plain torch.distributed.run (Slurm, tests).
+TORCHRUN_MODULES = ("torch.distributed.run", "tandemrl.launchers.torchrun_loopback")
+
+
+def is_torchrun(cmdline: str) -> bool:
+    """Whether a process command line is a torchrun agent (not one of its ranks)."""
+    return any(m in cmdline for m in TORCHRUN_MODULES)
 
 
 def free_port() -> int:

@@ -156,7 +156,7 @@ def run_trial(script: str, config_path: str | None, overrides: list[str], spec: 
         cmd = [
             sys.executable,
             "-m",
-            "torch.distributed.run",
+            "tandemrl.launchers.torchrun_loopback",  # torchrun, its stores on 127.0.0.1 only
             "--standalone",
             f"--nproc_per_node={alloc.train_world_size}",
             *torchrun_log_args(run_dir),

@@ -1,0 +1,60 @@
+"""``torchrun --standalone`` whose rendezvous stores listen on loopback only.
+
+``python -m tandemrl.launchers.torchrun_loopback [torchrun args]`` is torchrun, except that every TCPStore it
+hosts on this machine (the c10d rendezvous store of ``--standalone``, the workers' store) is handed a socket
+bound to 127.0.0.1, the way ``tandemrl.inference.weight_group`` hosts its store: TCPStore's own server
+listens on every interface, where anything that can reach the host could join or read the rendezvous.
+Only for one-node runs (the local launcher); multi-node rendezvous must listen where the other nodes are.
+
+Check with ``ss -ltnp`` while a run trains: no torchrun listener on ``*``/``::``/``0.0.0.0``.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from typing import Any
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def _bound_socket(port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen(128)
+    return sock
+
+
+def loopback_store_class(base: Any) -> Any:
+    """A TCPStore subclass that hosts its server on a 127.0.0.1 socket when asked for a loopback host."""
+
+    class LoopbackTCPStore(base):  # type: ignore[misc, valid-type]
+        def __init__(self, host_name: str, port: int, *args: Any, **kwargs: Any) -> None:
+            names = ("world_size", "is_master", "timeout", "wait_for_workers", "multi_tenant", "master_listen_fd")
+            kwargs.update(zip(names, args, strict=False))
+            if kwargs.get("is_master") and kwargs.get("master_listen_fd") is None and host_name in LOOPBACK_NAMES:
+                sock = _bound_socket(int(port))
+                port = sock.getsockname()[1]
+                kwargs["master_listen_fd"] = sock.detach()  # the store owns the descriptor from here on
+                kwargs["use_libuv"] = False  # the listen-fd path is the classic backend's
+                host_name = "127.0.0.1"
+            super().__init__(host_name, port, **kwargs)
+
+    return LoopbackTCPStore
+
+
+def main() -> None:
+    import torch.distributed as dist
+    import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend as c10d_backend
+    from torch.distributed.run import main as torchrun_main
+
+    store = loopback_store_class(dist.TCPStore)
+    dist.TCPStore = store  # type: ignore[misc]  (torch.distributed.elastic.utils.distributed reads dist.TCPStore)
+    c10d_backend.TCPStore = store  # type: ignore[misc]  (imported by name there)
+    sys.argv[0] = "torchrun"
+    torchrun_main()
+
+
+if __name__ == "__main__":
+    main()
