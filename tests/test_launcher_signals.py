@@ -1,5 +1,6 @@
-"""The local launcher's exit code says how a run ended (issue 33 item 5): a signal gives 128 + its number
-(130 Ctrl-C, 143 SIGTERM), so a wrapper tells an interrupted run from a failed one (1) or bad input (2)."""
+"""How the local launcher ends when signalled (issue 33 item 5): the exit code is 128 + the signal (130 Ctrl-C,
+143 SIGTERM), so a wrapper tells an interrupted run from a failed one (1) or bad input (2); and the console gets
+the two summary lines, not the shutdown tracebacks of torchrun and the trainer (they stay in trainer.log)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,11 @@ def test_a_signalled_launcher_exits_with_the_signals_code(
     out = seen + rest
     assert proc.returncode == code, out[-3000:]
     assert "[launcher] trial trial0 failed: interrupted" in out, out[-3000:]
+    # What the stopping trainer and torchrun print goes to trainer.log, not the console: the summary only.
+    assert rest.splitlines() == [
+        "[launcher] trial trial0 failed: interrupted",
+        f"[launcher] full output: {tmp_path}/logs/gsm8k-sft/trial0/trainer.log",
+    ], rest[-3000:]
     bad = subprocess.run(  # bad input, for contrast: 2, before anything starts
         [*_args(tmp_path), "allocation_mode=nonsense"], cwd=REPO_ROOT, env=ENV, capture_output=True, text=True
     )

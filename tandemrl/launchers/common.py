@@ -258,12 +258,14 @@ def guarded_trial(
     """
     run_dir = Path(spec.run_dir)
     start = time.monotonic()
+    _ECHO.set()
     with signals_interrupt():
         try:
             with run_dir_lock(run_dir):
                 try:
                     rc, error = body(run_dir)
                 finally:
+                    _ECHO.clear()  # what the children print while they are stopped goes to their logs only
                     teardown()
         except KeyboardInterrupt as err:
             rc, error = interrupted_exit_code(err), "interrupted"
@@ -302,6 +304,12 @@ def write_prefixed(line: bytes, prefix: str, log: IO[bytes] | None = None) -> No
     sys.stdout.flush()
 
 
+# Whether children's output reaches the console: on for a trial's life, off once its teardown starts (the
+# shutdown noise of servers and torchrun stays in their logs; the launcher's summary lines follow).
+_ECHO = threading.Event()
+_ECHO.set()
+
+
 def pump(stream: IO[bytes], prefix: str, log_path: Path) -> threading.Thread:
     """Copy a child's output to our stdout (prefixed) and to its log file. A log file that cannot be written
     (a full disk) is reported once and dropped; the child's output keeps flowing to stdout, so the child
@@ -321,7 +329,8 @@ def pump(stream: IO[bytes], prefix: str, log_path: Path) -> threading.Thread:
                 except OSError as e:
                     _log_lost(log_path, e)
                     log = _close_quietly(log)
-            write_prefixed(line, prefix)
+            if _ECHO.is_set():
+                write_prefixed(line, prefix)
         if log is not None:
             _close_quietly(log)
 

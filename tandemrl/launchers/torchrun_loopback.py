@@ -5,6 +5,7 @@ hosts on this machine (the c10d rendezvous store of ``--standalone``, the worker
 bound to 127.0.0.1, the way ``tandemrl.inference.weight_group`` hosts its store: TCPStore's own server
 listens on every interface, where anything that can reach the host could join or read the rendezvous.
 Only for one-node runs (the local launcher); multi-node rendezvous must listen where the other nodes are.
+When torchrun stops (a signal, a failed rank) it exits with the code alone, without its own tracebacks.
 
 Check with ``ss -ltnp`` while a run trains: no torchrun listener on ``*``/``::``/``0.0.0.0``.
 """
@@ -53,7 +54,22 @@ def main() -> None:
     dist.TCPStore = store  # type: ignore[misc]  (torch.distributed.elastic.utils.distributed reads dist.TCPStore)
     c10d_backend.TCPStore = store  # type: ignore[misc]  (imported by name there)
     sys.argv[0] = "torchrun"
-    torchrun_main()
+    sys.exit(run_quietly(torchrun_main))
+
+
+def run_quietly(torchrun_main: Any) -> int:
+    """torchrun's exit code, without the tracebacks it prints when it stops: a signal gives 128 + its number,
+    failed ranks give 1 (their errors are in the per-rank error files, whose first line the launcher prints)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        torchrun_main()
+    except SignalException as e:
+        return 128 + int(e.sigval)
+    except ChildFailedError:
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
