@@ -336,6 +336,56 @@ def torchrun_children(launcher: psutil.Process) -> list[psutil.Process]:
     return [c for p in _family(launcher) if is_torchrun(_cmd(p)) and "lifeline" not in _cmd(p) for c in p.children()]
 
 
+@pytest.mark.slow
+def test_a_sigstopped_server_is_reported_then_stops_the_run(
+    tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path
+) -> None:
+    """The GRPO run's vLLM server is SIGSTOPped once training started: the launcher reports it once after
+    launcher.server_stall_warn, stops the run after launcher.server_stall_limit naming it, and leaves no process."""
+    args = _example(
+        "gsm8k_grpo",
+        "actor.engine.path",
+        tiny_model_dir,
+        gsm8k_dir,
+        tmp_path,
+        "total_train_steps=1000",
+        "gconfig.max_new_tokens=16",
+        "evaluator.freq_steps=1000",
+        "saver.freq_steps=1000",
+        "stats_logger.wandb.mode=disabled",
+        "+launcher.server_stall_warn=3",
+        "+launcher.server_stall_limit=12",
+    )
+    proc = subprocess.Popen(
+        LAUNCH + args, cwd=REPO_ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    out: list[str] = []
+    threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True).start()  # type: ignore[arg-type]
+    launcher = psutil.Process(proc.pid)
+    family: list[psutil.Process] = []
+    try:
+        _wait_for(lambda: any("gsm8k_grpo.py" in _cmd(p) for p in torchrun_children(launcher)), 900, "the rank", proc)
+        family = _family(launcher)
+        leader = next(p for p in family if "vllm.entrypoints" in _cmd(p) and os.getpgid(p.pid) == p.pid)
+        os.killpg(leader.pid, signal.SIGSTOP)
+        rc = proc.wait(timeout=300)
+    finally:
+        for p in family:
+            if not _dead(p):
+                p.kill()
+    text = "".join(out)
+    assert rc == 1, text[-3000:]
+    healthy = "[launcher] vllm servers healthy at "
+    address = next(line for line in out if line.startswith(healthy))[len(healthy) :].strip()
+    assert text.count(f"[launcher] vllm server {address} has not answered for ") == 1, text[-3000:]
+    failed = [line for line in text.splitlines() if line.startswith("[launcher] trial trial0 failed: ")]
+    assert failed and failed[0].startswith(f"[launcher] trial trial0 failed: vllm server {address} has not answered"), (
+        text[-3000:]
+    )
+    _, alive = psutil.wait_procs(family[1:], timeout=60)
+    assert not alive, [_cmd(p) for p in alive]
+
+
 # ------------------------------------------------------------------ inference servers lost mid-run
 
 
@@ -345,6 +395,44 @@ class _Sleeper:
     def __init__(self, address: str) -> None:
         self.address = address
         self.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+
+
+class _Silent(_Sleeper):
+    """A stand-in server that lives but never answers its health route (like a SIGSTOPped one)."""
+
+    def is_answering(self, timeout: float = 5.0) -> bool:
+        return False
+
+
+class _Answering(_Sleeper):
+    def is_answering(self, timeout: float = 5.0) -> bool:
+        return True
+
+
+def test_a_server_that_stops_answering_is_reported_once_then_stops_the_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Of two live servers, the one that never answers is reported once (which, since when, what waits on it),
+    then the run stops with it as the cause; the answering one is never named."""
+    from tandemrl.launchers.server_watch import StallBounds, wait_trainer
+
+    trainer = _Sleeper("trainer")
+    servers = [_Answering("127.0.0.1:1001"), _Silent("127.0.0.1:1002")]
+    stopped: list[int] = []
+    try:
+        rc, error = wait_trainer(
+            trainer.proc, servers, "vllm", True, lambda: stopped.append(1), stalls=StallBounds(warn=1.0, limit=3.0)
+        )
+    finally:
+        for p in (trainer, *servers):
+            p.proc.kill()
+            p.proc.wait()
+    assert rc == 1 and stopped == [1]
+    assert error is not None and error.startswith("vllm server 127.0.0.1:1002 has not answered for ")
+    assert error.endswith("s (launcher.server_stall_limit): stopped")
+    warned = [line for line in capsys.readouterr().out.splitlines() if "has not answered" in line]
+    assert len(warned) == 1 and warned[0].startswith("[launcher] vllm server 127.0.0.1:1002 has not answered for ")
+    assert "the trainer's generation requests and weight updates wait on it" in warned[0]
 
 
 def test_collective_run_stops_at_once_when_one_of_two_servers_dies() -> None:

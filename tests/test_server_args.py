@@ -35,6 +35,17 @@ def test_deterministic_runs_get_whole_prefills_on_vllm() -> None:
     assert read_launch_spec(GRPO, ["deterministic=false"]).server_extra == {}
 
 
+def test_server_stall_bounds_are_read_and_checked() -> None:
+    spec = read_launch_spec(GRPO, ["+launcher.server_stall_warn=5", "+launcher.server_stall_limit=30"])
+    assert (spec.server_stall_warn, spec.server_stall_limit) == (5.0, 30.0)
+    assert (read_launch_spec(GRPO, []).server_stall_warn, read_launch_spec(GRPO, []).server_stall_limit) == (
+        60.0,
+        900.0,
+    )
+    with pytest.raises(ValueError, match=r"'launcher\.server_stall_limit' \(4\) need 0 < warn < limit"):
+        read_launch_spec(GRPO, ["+launcher.server_stall_warn=5", "+launcher.server_stall_limit=4"])
+
+
 @pytest.mark.parametrize(
     ("override", "expected"),
     [

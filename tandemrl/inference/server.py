@@ -107,11 +107,18 @@ class ServerProcess:
                 )
             time.sleep(poll_interval)
 
+    def is_answering(self, timeout: float = 5.0) -> bool:
+        """Whether the health route answers 200 within ``timeout`` seconds now."""
+        req = self.backend.build_health()
+        return _http_ok(self.base_url + req.path, req.method, timeout)
+
     def stop(self, grace: float = 20.0) -> None:
-        """SIGTERM the whole process group, SIGKILL whatever is left after ``grace`` seconds."""
+        """SIGTERM the whole process group (continued first, should it be stopped), SIGKILL whatever is left
+        after ``grace`` seconds."""
         _LIVE.discard(self)
         pgid = self.proc.pid  # start_new_session=True: the leader's pid is the group id
         if _group_alive(pgid):
+            _signal_group(pgid, signal.SIGCONT)  # a stopped process would hold SIGTERM until continued
             _signal_group(pgid, signal.SIGTERM)
             deadline = time.monotonic() + grace
             while time.monotonic() < deadline and _group_alive(pgid):

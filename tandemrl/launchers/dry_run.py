@@ -152,4 +152,12 @@ def print_reports(script: str, specs: Sequence[tuple[list[str], LaunchSpec]], re
                 [f"{script} does not build its config with load_config: no batch arithmetic"]
                 + allocation_lines(spec.allocation)
             )
+        if spec.allocation.gen is not None:
+            report = report.replace(
+                "\nresolved config:",
+                f"\nserver watchdog (local launcher): a server silent {spec.server_stall_warn:g}s is reported, "
+                f"{spec.server_stall_limit:g}s stops the run (launcher.server_stall_warn, launcher.server_stall_limit)"
+                "\nresolved config:",
+                1,
+            )
         print(report.rstrip("\n"), flush=True)

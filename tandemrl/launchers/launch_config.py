@@ -45,6 +45,8 @@ class LaunchSpec:
     server_extra: dict[str, Any] = field(default_factory=dict)
     weight_update_mode: str = "collective"  # GRPOConfig's default; "disk" survives a lost server
     aux_servers: list[AuxServer] = field(default_factory=list)  # the allocation's aux components, in order
+    server_stall_warn: float = 60.0  # launcher.server_stall_warn: a live server silent this long is reported
+    server_stall_limit: float = 900.0  # launcher.server_stall_limit: ... and this long stops the run
 
     @property
     def run_dir(self) -> str:
@@ -116,7 +118,25 @@ def read_launch_spec(config_path: str | None, overrides: list[str]) -> LaunchSpe
         weight_update_mode=update_mode,
         server_extra=_server_extra(cfg, alloc, update_mode),
         aux_servers=_aux_servers(cfg, alloc),
+        **_stall_bounds(cfg),
     )
+
+
+def _stall_bounds(cfg: Any) -> dict[str, float]:
+    """``launcher.server_stall_warn`` / ``_limit`` (seconds), checked: 0 < warn < limit."""
+    out = {}
+    for name, default in (("server_stall_warn", 60.0), ("server_stall_limit", 900.0)):
+        key = f"{LAUNCHER_SECTION}.{name}"
+        try:
+            out[name] = float(_get(cfg, key, default))
+        except (TypeError, ValueError):
+            raise ValueError(f"config key '{key}' must be a number of seconds, got {_get(cfg, key)!r}") from None
+    if not 0 < out["server_stall_warn"] < out["server_stall_limit"]:
+        raise ValueError(
+            f"config keys '{LAUNCHER_SECTION}.server_stall_warn' ({out['server_stall_warn']:g}) and "
+            f"'{LAUNCHER_SECTION}.server_stall_limit' ({out['server_stall_limit']:g}) need 0 < warn < limit"
+        )
+    return out
 
 
 def _aux_servers(cfg: Any, alloc: AllocationMode) -> list[AuxServer]:

@@ -44,7 +44,7 @@ from tandemrl.launchers.common import (
 )
 from tandemrl.launchers.launch_config import LaunchSpec, script_config
 from tandemrl.launchers.placement import Placement, plan_placement, visible_cpus, visible_gpus
-from tandemrl.launchers.server_watch import wait_trainer
+from tandemrl.launchers.server_watch import StallBounds, wait_trainer
 from tandemrl.utils.lifeline import lifeline_command
 
 
@@ -177,8 +177,15 @@ def run_trial(script: str, config_path: str | None, overrides: list[str], spec: 
         out = pump(children.trainer.stdout, "trainer", run_dir / "trainer.log")
         survivable = spec.weight_update_mode != "collective"
         trainer = children.trainer
+        stalls = StallBounds(spec.server_stall_warn, spec.server_stall_limit)
         rc, lost = wait_trainer(
-            trainer, children.servers, alloc.gen_backend or "", survivable, lambda: kill_group(trainer), children.aux
+            trainer,
+            children.servers,
+            alloc.gen_backend or "",
+            survivable,
+            lambda: kill_group(trainer),
+            children.aux,
+            stalls,
         )
         out.join(timeout=10)
         if lost is not None:

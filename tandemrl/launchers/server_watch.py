@@ -1,6 +1,8 @@
 """Wait for a trainer while watching the inference servers it uses.
 
-A server that exits mid-run is reported at once on one line. The run goes on while a
+A server that exits mid-run is reported at once on one line. A server that lives but stops answering its
+health route (hung, SIGSTOPped, swapping) is reported once after ``launcher.server_stall_warn`` seconds,
+and the run stops after ``launcher.server_stall_limit`` seconds with that cause. The run goes on while a
 server is left and weight updates can skip the dead one (``weight_update_mode=disk``);
 otherwise the trainer is stopped and the trial fails with one line naming the dead
 server(s), instead of waiting for the trainer's own timeouts. An auxiliary server (a judge) that
@@ -12,17 +14,63 @@ from __future__ import annotations
 import queue
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from tandemrl.utils.lifeline import exit_status
 
 
 class WatchedServer(Protocol):
-    """What is watched of a server: its process and its ``host:port``."""
+    """What is watched of a server: its process, its ``host:port`` and whether it answers."""
 
     proc: subprocess.Popen
     address: str
+
+    def is_answering(self, timeout: float = 5.0) -> bool: ...
+
+
+@dataclass
+class StallBounds:
+    """A live server that has not answered its health route for ``warn`` seconds is reported once; after
+    ``limit`` seconds the run stops (``launcher.server_stall_warn`` / ``launcher.server_stall_limit``)."""
+
+    warn: float = 60.0
+    limit: float = 900.0
+
+    @property
+    def every(self) -> float:
+        return max(0.5, min(5.0, self.warn / 3))
+
+
+def _watch_stalls(
+    servers: Sequence[WatchedServer], backend: str, bounds: StallBounds, events: queue.Queue, done: threading.Event
+) -> None:
+    """Probe every live server every ``bounds.every`` s; report a stall once, post ("stall", i) past the limit."""
+    last_ok = [time.monotonic()] * len(servers)
+    warned = [False] * len(servers)
+    while not done.wait(bounds.every):
+        for i, server in enumerate(servers):
+            if server.proc.poll() is not None:
+                continue  # a dead server is the other watcher's
+            now = time.monotonic()
+            if server.is_answering(timeout=min(5.0, bounds.every)):
+                last_ok[i], warned[i] = now, False
+                continue
+            silent = now - last_ok[i]
+            if silent > bounds.limit:
+                events.put((("stall", i), round(silent)))
+                return
+            if silent > bounds.warn and not warned[i]:
+                warned[i] = True
+                since = time.strftime("%H:%M:%S", time.localtime(time.time() - silent))
+                print(
+                    f"[launcher] {backend} server {server.address} has not answered for {silent:.0f}s (since {since}); "
+                    f"the trainer's generation requests and weight updates wait on it; the run stops after "
+                    f"{bounds.limit:.0f}s (launcher.server_stall_limit)",
+                    flush=True,
+                )
 
 
 def _notify(events: queue.Queue, key: object, proc: subprocess.Popen) -> None:
@@ -36,10 +84,12 @@ def wait_trainer(
     survivable: bool,
     stop_trainer: Callable[[], None],
     aux: Sequence[tuple[str, WatchedServer]] = (),
+    stalls: StallBounds | None = None,
 ) -> tuple[int, str | None]:
     """(trainer's exit code, None) or, when the servers can no longer serve the run, (1, one-line error).
 
-    ``survivable``: the run can go on with fewer servers (disk weight updates).
+    ``survivable``: the run can go on with fewer servers (disk weight updates). ``stalls``: the bounds on a
+    live server that stops answering (none: not watched).
     """
     events: queue.Queue = queue.Queue()
     _notify(events, None, trainer)
@@ -47,11 +97,31 @@ def wait_trainer(
         _notify(events, i, server.proc)
     for name, server in aux:
         _notify(events, (name, server.address), server.proc)
+    done = threading.Event()
+    if stalls is not None and servers:
+        threading.Thread(target=_watch_stalls, args=(servers, backend, stalls, events, done), daemon=True).start()
+    try:
+        return _wait_events(events, servers, backend, survivable, stop_trainer)
+    finally:
+        done.set()
+
+
+def _wait_events(
+    events: queue.Queue,
+    servers: Sequence[WatchedServer],
+    backend: str,
+    survivable: bool,
+    stop_trainer: Callable[[], None],
+) -> tuple[int, str | None]:
     dead: list[str] = []
     while True:
         key, rc = events.get()
         if key is None:
             return rc, None
+        if isinstance(key, tuple) and key[0] == "stall":
+            stop_trainer()
+            address = servers[key[1]].address
+            return 1, f"{backend} server {address} has not answered for {rc}s (launcher.server_stall_limit): stopped"
         if isinstance(key, tuple):
             stop_trainer()
             return 1, f"auxiliary server {key[0]} at {key[1]} {exit_status(rc)}: the run needs it"
