@@ -62,6 +62,23 @@ def _sft_args(model: str, data: str, root: Path, *extra: str) -> list[str]:
     )
 
 
+def _endless_grpo(model: str, data: str, root: Path, *extra: str) -> list[str]:
+    """The GRPO example for 1000 steps (a test stops it), short generations, no saves or evaluation."""
+    return _example(
+        "gsm8k_grpo",
+        "actor.engine.path",
+        model,
+        data,
+        root,
+        "total_train_steps=1000",
+        "gconfig.max_new_tokens=16",
+        "evaluator.freq_steps=1000",
+        "saver.freq_steps=1000",
+        "stats_logger.wandb.mode=disabled",
+        *extra,
+    )
+
+
 def _launch(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess[str]:
     return subprocess.run(LAUNCH + args, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
 
@@ -282,18 +299,7 @@ def test_launcher_sigkilled_leaves_nothing_and_servers_listen_on_loopback(
     """A GRPO run's vLLM server (API process and engine core), torchrun's rendezvous store and the rank
     listen on 127.0.0.1 only; after SIGKILL of the launcher itself, the server group, torchrun and its rank
     all end."""
-    args = _example(
-        "gsm8k_grpo",
-        "actor.engine.path",
-        tiny_model_dir,
-        gsm8k_dir,
-        tmp_path,
-        "total_train_steps=1000",
-        "gconfig.max_new_tokens=16",
-        "evaluator.freq_steps=1000",
-        "saver.freq_steps=1000",
-        "stats_logger.wandb.mode=disabled",
-    )
+    args = _endless_grpo(tiny_model_dir, gsm8k_dir, tmp_path)
     proc = subprocess.Popen(
         LAUNCH + args, cwd=REPO_ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -342,19 +348,8 @@ def test_a_sigstopped_server_is_reported_then_stops_the_run(
 ) -> None:
     """The GRPO run's vLLM server is SIGSTOPped once training started: the launcher reports it once after
     launcher.server_stall_warn, stops the run after launcher.server_stall_limit naming it, and leaves no process."""
-    args = _example(
-        "gsm8k_grpo",
-        "actor.engine.path",
-        tiny_model_dir,
-        gsm8k_dir,
-        tmp_path,
-        "total_train_steps=1000",
-        "gconfig.max_new_tokens=16",
-        "evaluator.freq_steps=1000",
-        "saver.freq_steps=1000",
-        "stats_logger.wandb.mode=disabled",
-        "+launcher.server_stall_warn=3",
-        "+launcher.server_stall_limit=12",
+    args = _endless_grpo(
+        tiny_model_dir, gsm8k_dir, tmp_path, "+launcher.server_stall_warn=3", "+launcher.server_stall_limit=12"
     )
     proc = subprocess.Popen(
         LAUNCH + args, cwd=REPO_ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
