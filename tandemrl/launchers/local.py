@@ -45,6 +45,7 @@ from tandemrl.launchers.common import (
 from tandemrl.launchers.launch_config import LaunchSpec, script_config
 from tandemrl.launchers.placement import Placement, plan_placement, visible_cpus, visible_gpus
 from tandemrl.launchers.server_watch import StallBounds, wait_trainer
+from tandemrl.launchers.torchrun_loopback import TRAINER_LOG_ENV
 from tandemrl.utils.lifeline import lifeline_command
 
 
@@ -140,6 +141,7 @@ def run_trial(script: str, config_path: str | None, overrides: list[str], spec: 
                 env.setdefault(key, value)  # a user's thread count wins
             else:
                 env[key] = value
+        env[TRAINER_LOG_ENV] = str(run_dir / "trainer.log")
         env.pop(TOKEN_ENV, None)
         if token:
             env[TOKEN_ENV] = token

@@ -5,18 +5,22 @@ hosts on this machine (the c10d rendezvous store of ``--standalone``, the worker
 bound to 127.0.0.1, the way ``tandemrl.inference.weight_group`` hosts its store: TCPStore's own server
 listens on every interface, where anything that can reach the host could join or read the rendezvous.
 Only for one-node runs (the local launcher); multi-node rendezvous must listen where the other nodes are.
-When torchrun stops (a signal, a failed rank) it exits with the code alone, without its own tracebacks.
+When torchrun stops it exits with the code alone: after a signal with 128 + its number, silently; after
+failed ranks with 1, its failure report (each rank's error and traceback) appended to ``$TANDEMRL_TRAINER_LOG``
+(the launcher's trainer.log) rather than printed, so the console ends with the launcher's summary.
 
 Check with ``ss -ltnp`` while a run trains: no torchrun listener on ``*``/``::``/``0.0.0.0``.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 from typing import Any
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+TRAINER_LOG_ENV = "TANDEMRL_TRAINER_LOG"  # set by the local launcher: where torchrun's failure report goes
 
 
 def _bound_socket(port: int) -> socket.socket:
@@ -67,7 +71,14 @@ def run_quietly(torchrun_main: Any) -> int:
         torchrun_main()
     except SignalException as e:
         return 128 + int(e.sigval)
-    except ChildFailedError:
+    except ChildFailedError as e:
+        report = e.format_msg()
+        log = os.environ.get(TRAINER_LOG_ENV)
+        if log:  # the launcher's trainer.log: the full report is kept, off the console
+            with open(log, "a", encoding="utf-8", errors="replace") as f:
+                f.write(report + "\n")
+        else:
+            print(report, file=sys.stderr, flush=True)
         return 1
     return 0
 
