@@ -43,12 +43,16 @@ def interrupted_exit_code(err: KeyboardInterrupt) -> int:
 
 @contextlib.contextmanager
 def signals_interrupt() -> Iterator[None]:
-    """SIGTERM/SIGHUP raise KeyboardInterrupt (``SignalInterrupt``) like Ctrl-C, so teardown runs on any of them."""
+    """SIGINT/SIGTERM/SIGHUP raise KeyboardInterrupt (``SignalInterrupt``), so teardown runs on any of them.
+
+    SIGINT too: a process started in the background by a shell inherits SIGINT ignored, and Python then
+    never turns it into KeyboardInterrupt; a launcher must stop on it wherever it was started.
+    """
 
     def on_signal(signum: int, frame: object) -> None:
         raise SignalInterrupt(signum)
 
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     for s in previous:
         signal.signal(s, on_signal)
     try:
