@@ -323,3 +323,31 @@ def test_error_on_a_rank_is_the_launchers_last_line(tiny_model_dir: str, gsm8k_d
     assert "row 9" in log.read_text()
     _assert_checkpoint_intact(hashes)
     _assert_no_process_of(str(tmp_path))
+
+
+@pytest.mark.slow
+def test_an_unexpected_error_on_a_rank_keeps_its_traceback_off_the_console(tiny_model_dir: str, tmp_path: Path) -> None:
+    """A model file cut in half (a broken download) fails on the ranks with safetensors' own error, not a
+    user-input error: each rank prints one ``error:`` line, the launcher ends with the first rank's error and
+    the log path, and the traceback is in trainer.log only."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    weights = model / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size // 2)
+    data = tmp_path / "data"
+    _write_rows(data, [GOOD] * 16)
+    shutil.copy(data / "train.jsonl", data / "test.jsonl")
+    fileroot = tmp_path / "runs"
+    proc = _launch(_sft_args(str(model), str(data), fileroot), timeout=600)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    log = fileroot / "logs" / "gsm8k-sft" / "trial0" / "trainer.log"
+    assert "Traceback" not in proc.stdout, proc.stdout[-3000:]
+    rank_lines = [line for line in proc.stdout.splitlines() if line.startswith("[trainer] error: ")]
+    assert rank_lines and all("SafetensorError: " in line and f"(traceback in {log})" in line for line in rank_lines)
+    first, second = proc.stdout.strip().splitlines()[-2:]
+    assert first.startswith("[launcher] trial trial0 failed: trainer rank "), first
+    assert "SafetensorError: " in first and second == f"[launcher] full output: {log}"
+    text = log.read_text()
+    assert "Traceback" in text and "SafetensorError" in text and "Root Cause (first observed failure)" in text
+    _assert_no_process_of(str(tmp_path))

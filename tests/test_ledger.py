@@ -32,6 +32,8 @@ def _every_reason() -> Ledger:
     for i, reason in enumerate(r for r in REASONS if r != "too_long"):
         ledger.discarded(reason, Tally(i + 1, 10 * (i + 1)))
     ledger.unconsume("too_long", Tally(1, 10))  # handed out, then masked out of the loss
+    for dropped in (False, True, False, True, True):  # 5 groups finished, 3 of them dropped
+        ledger.episode(dropped)
     return ledger
 
 
@@ -46,6 +48,8 @@ def test_the_ledger_balances_with_every_reason_and_reports_each() -> None:
     line = totals.line()
     assert "\n" not in line and line.startswith("ledger: generated 22 (220 tokens) = consumed 3 (30 tokens)")
     assert all(f"{r} " in line for r in REASONS) and "in flight 3 (30 tokens)" in line
+    assert line.endswith("; groups: 3 of 5 dropped (a reward or workflow failed)")
+    assert stats["ledger/groups"] == 5 and stats["ledger/groups_dropped"] == 3
 
 
 @pytest.mark.parametrize(
@@ -70,6 +74,9 @@ def test_state_round_trip_turns_what_was_in_flight_into_lost_at_restart() -> Non
     totals.check()
     assert totals.discarded["lost_at_restart"] == Tally(5 + 3, 50 + 30)  # the saved 5, plus the 3 in flight
     assert totals.generated == Tally(22, 220) and totals.consumed == Tally(3, 30)
+    assert (totals.groups, totals.groups_dropped) == (5, 3)
+    del saved["groups"]  # a checkpoint written before groups were counted
+    assert Ledger().load_state_dict(saved) == Tally(3, 30)
 
 
 @pytest.mark.parametrize(
@@ -84,6 +91,10 @@ def test_state_round_trip_turns_what_was_in_flight_into_lost_at_restart() -> Non
             {"generated": [1, "1"], "consumed": [1, 1], "discarded": {}, "in_flight": [0, 0]},
             "field 'generated' must be [samples, tokens] integers",
         ),
+        (
+            {"generated": [1, 1], "consumed": [1, 1], "discarded": {}, "in_flight": [0, 0], "groups": [3]},
+            "field 'groups' must be [finished, dropped] integers",
+        ),
     ],
 )
 def test_a_bad_ledger_state_is_a_one_line_error(state: dict[str, Any], needle: str) -> None:
@@ -94,9 +105,12 @@ def test_a_bad_ledger_state_is_a_one_line_error(state: dict[str, Any], needle: s
 
 def test_ranks_add_up_through_the_vector() -> None:
     a = _every_reason().totals(Tally(3, 30), 2)
-    b = Ledger().totals(Tally(), 1)
+    other = Ledger()
+    other.episode(True)
+    b = other.totals(Tally(), 1)
     summed = LedgerTotals.from_vector([x + y for x, y in zip(a.to_vector(), b.to_vector(), strict=True)])
-    assert summed.stats() == {**a.stats(), "ledger/running_episodes": 3.0}
+    expected = {"ledger/running_episodes": 3.0, "ledger/groups": 6.0, "ledger/groups_dropped": 4.0}
+    assert summed.stats() == {**a.stats(), **expected}
 
 
 # ------------------------------------------------------------------------------ in the executor
@@ -158,6 +172,8 @@ def test_executor_ledger_matches_what_the_workflow_generated_and_the_batches_hol
         assert totals.discarded[fate] == wf.by_fate(fate) and wf.by_fate(fate).samples > 0, fate
     # What the workflow accepted and no batch took is waiting: in flight, measured from the queue.
     assert totals.in_flight == wf.by_fate("accepted") - handed
+    fates = [f for f, _ in wf.generated]  # one per finished episode; raised and None count as dropped, filtered not
+    assert totals.groups == len(fates) and totals.groups_dropped == fates.count("failed") + fates.count("group_dropped")
 
 
 class FailsAfterAnAcceptedRow(EveryFateWorkflow):
@@ -218,6 +234,7 @@ def test_a_restored_executor_counts_the_checkpoint_in_flight_as_lost_at_restart(
     after.check()
     assert after.discarded["lost_at_restart"] == before.in_flight and after.in_flight == Tally()
     assert after.generated == before.generated and after.consumed == before.consumed
+    assert (after.groups, after.groups_dropped) == (before.groups, before.groups_dropped) and before.groups_dropped > 0
 
 
 def test_rlvr_groups_dropped_for_a_failed_reward_are_counted_with_their_tokens(tiny_model_dir: str) -> None:
@@ -247,4 +264,5 @@ def test_rlvr_groups_dropped_for_a_failed_reward_are_counted_with_their_tokens(t
     totals.check()
     per_sample = len(engine.completion_ids("#### 72"))
     assert totals.discarded["group_dropped"] == Tally(2, 2 * per_sample)
+    assert (totals.groups, totals.groups_dropped) == (3, 1)
     assert totals.consumed == _tally(batch) == Tally(4, 4 * per_sample)

@@ -19,8 +19,9 @@ import socket
 import sys
 from typing import Any
 
+from tandemrl.utils.cli import TRAINER_LOG_ENV
+
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
-TRAINER_LOG_ENV = "TANDEMRL_TRAINER_LOG"  # set by the local launcher: where torchrun's failure report goes
 
 
 def _bound_socket(port: int) -> socket.socket:

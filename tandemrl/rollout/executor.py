@@ -426,6 +426,7 @@ class WorkflowExecutor:
         causes = list(noted.failures)
         if exc is not None:
             causes.append((f"raised {type(exc).__name__}", first_line(exc)))
+        self.ledger.episode(dropped)
         reason = self.failure_budget.record(dropped, causes)
         if reason is not None and not any(isinstance(e, FailureBudgetExceeded) for e in self._errors):
             self._errors.append(FailureBudgetExceeded(reason))

@@ -79,6 +79,8 @@ class LedgerTotals:
     discarded: dict[str, Tally] = field(default_factory=dict)
     in_flight: Tally = Tally()
     running_episodes: int = 0
+    groups: int = 0  # episodes (one group each) that finished, trained or not
+    groups_dropped: int = 0  # of those, the ones whose workflow failed or returned None (the failure budget's count)
 
     def discarded_total(self) -> Tally:
         return total(list(self.discarded.values()))
@@ -98,17 +100,25 @@ class LedgerTotals:
     def to_vector(self) -> list[float]:
         """Fixed-order numbers (sum them over ranks, then :meth:`from_vector`)."""
         tallies = [self.generated, self.consumed, *(self.discarded.get(r, Tally()) for r in REASONS), self.in_flight]
-        return [float(x) for t in tallies for x in (t.samples, t.tokens)] + [float(self.running_episodes)]
+        counts = [self.running_episodes, self.groups, self.groups_dropped]
+        return [float(x) for t in tallies for x in (t.samples, t.tokens)] + [float(c) for c in counts]
 
     @classmethod
     def from_vector(cls, values: Sequence[float]) -> LedgerTotals:
         ints = [round(v) for v in values]
-        pairs = [Tally(ints[i], ints[i + 1]) for i in range(0, len(ints) - 1, 2)]
-        return cls(pairs[0], pairs[1], dict(zip(REASONS, pairs[2:-1], strict=True)), pairs[-1], ints[-1])
+        pairs = [Tally(ints[i], ints[i + 1]) for i in range(0, len(ints) - 3, 2)]
+        running, groups, dropped = ints[-3:]
+        return cls(
+            pairs[0], pairs[1], dict(zip(REASONS, pairs[2:-1], strict=True)), pairs[-1], running, groups, dropped
+        )
 
     def stats(self) -> dict[str, float]:
         """Run totals as ``ledger/...`` scalars (samples and tokens of each term, each discard reason)."""
-        out: dict[str, float] = {"ledger/running_episodes": float(self.running_episodes)}
+        out: dict[str, float] = {
+            "ledger/running_episodes": float(self.running_episodes),
+            "ledger/groups": float(self.groups),
+            "ledger/groups_dropped": float(self.groups_dropped),
+        }
         named = {"generated": self.generated, "consumed": self.consumed, "in_flight": self.in_flight}
         named.update({f"discarded/{r}": self.discarded.get(r, Tally()) for r in REASONS})
         for name, t in named.items():
@@ -126,7 +136,8 @@ class LedgerTotals:
         return (
             f"ledger: generated {fmt(self.generated)} = consumed {fmt(self.consumed)} + discarded "
             f"{fmt(self.discarded_total())}{f' [{reasons}]' if reasons else ''} + in flight {fmt(self.in_flight)} "
-            f"samples; {self.running_episodes} episodes still running"
+            f"samples; {self.running_episodes} episodes still running; groups: {self.groups_dropped} of "
+            f"{self.groups} dropped (a reward or workflow failed)"
         )
 
 
@@ -138,6 +149,14 @@ class Ledger:
         self._generated = Tally()
         self._consumed = Tally()
         self._discarded: dict[str, Tally] = {}
+        self._groups = 0
+        self._groups_dropped = 0
+
+    def episode(self, dropped: bool) -> None:
+        """One episode (one group) finished; ``dropped``: its workflow failed or returned None."""
+        with self._lock:
+            self._groups += 1
+            self._groups_dropped += int(dropped)
 
     def generated(self, t: Tally) -> None:
         with self._lock:
@@ -162,7 +181,15 @@ class Ledger:
     def totals(self, in_flight: Tally, running_episodes: int = 0) -> LedgerTotals:
         """The counters with ``in_flight`` (measured by the caller at the same moment)."""
         with self._lock:
-            return LedgerTotals(self._generated, self._consumed, dict(self._discarded), in_flight, running_episodes)
+            return LedgerTotals(
+                self._generated,
+                self._consumed,
+                dict(self._discarded),
+                in_flight,
+                running_episodes,
+                self._groups,
+                self._groups_dropped,
+            )
 
     def state_dict(self, in_flight: Tally) -> dict[str, Any]:
         """JSON-able counters plus the samples in flight at this moment (lost if the run restarts from here)."""
@@ -172,6 +199,7 @@ class Ledger:
                 "consumed": _pair(self._consumed),
                 "discarded": {r: _pair(t) for r, t in self._discarded.items()},
                 "in_flight": _pair(in_flight),
+                "groups": [self._groups, self._groups_dropped],
             }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> Tally:
@@ -187,11 +215,13 @@ class Ledger:
         for reason in discarded:
             _check_reason(reason)
         lost = _tally(state["in_flight"], "in_flight")
+        groups = _ints(state.get("groups", [0, 0]), "groups", "[finished, dropped]")  # absent in older checkpoints
         with self._lock:
             self._generated = _tally(state["generated"], "generated")
             self._consumed = _tally(state["consumed"], "consumed")
             self._discarded = {r: _tally(v, f"discarded.{r}") for r, v in discarded.items()}
             self._discarded["lost_at_restart"] = self._discarded.get("lost_at_restart", Tally()) + lost
+            self._groups, self._groups_dropped = groups
         return lost
 
 
@@ -204,8 +234,12 @@ def _pair(t: Tally) -> list[int]:
     return [t.samples, t.tokens]
 
 
-def _tally(value: Any, name: str) -> Tally:
+def _ints(value: Any, name: str, shape: str) -> tuple[int, int]:
     ok = isinstance(value, list | tuple) and len(value) == 2
     if not ok or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise ValueError(f"ledger state field '{name}' must be [samples, tokens] integers, got {value!r}")
-    return Tally(int(value[0]), int(value[1]))
+        raise ValueError(f"ledger state field '{name}' must be {shape} integers, got {value!r}")
+    return int(value[0]), int(value[1])
+
+
+def _tally(value: Any, name: str) -> Tally:
+    return Tally(*_ints(value, name, "[samples, tokens]"))

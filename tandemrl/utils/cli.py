@@ -15,6 +15,10 @@ from tandemrl.utils.quiet import quiet_process
 # written to name the offending field or file on one line.
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, KeyError)
 
+# Set by the local launcher for torchrun and its ranks: the run's trainer.log, where torchrun's failure
+# report (every failed rank's error with its traceback) is appended instead of printed.
+TRAINER_LOG_ENV = "TANDEMRL_TRAINER_LOG"
+
 
 def first_line(err: BaseException, *, with_type: bool = False, limit: int | None = None) -> str:
     """The first line of ``err``'s message (at most ``limit`` characters), or its type's name if it has none.
@@ -86,8 +90,10 @@ def exit_with_error(err: BaseException, message: str | None = None) -> NoReturn:
 def run_main(main: Callable[[list[str]], None], argv: list[str] | None = None) -> None:
     """Run ``main(argv)``; a user-input error prints ``error: <one line>`` and exits 2.
 
-    Any error is also recorded in torchrun's per-rank error file (see :func:`record_error`).
-    ``TANDEMRL_TRACEBACK=1`` re-raises instead, for debugging.
+    Any error is also recorded in torchrun's per-rank error file (see :func:`record_error`). Any other
+    error is re-raised (its traceback printed), except on a rank the local launcher started: there the
+    traceback is in the error file, which torchrun's report copies into trainer.log, so the rank prints
+    ``error: <Type>: <one line>`` and exits 1. ``TANDEMRL_TRACEBACK=1`` re-raises always, for debugging.
     """
     quiet_process()
     try:
@@ -100,4 +106,8 @@ def run_main(main: Callable[[list[str]], None], argv: list[str] | None = None) -
         exit_with_error(err, msg)
     except Exception as err:
         record_error(err)
+        log = os.environ.get(TRAINER_LOG_ENV)
+        if log and os.environ.get("TORCHELASTIC_ERROR_FILE") and os.environ.get("TANDEMRL_TRACEBACK") != "1":
+            print(f"error: {first_line(err, with_type=True)} (traceback in {log})", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
         raise
