@@ -30,7 +30,7 @@ FIGURES = [
     "episodes in flight: at most 16 per rank ((max_head_offpolicyness 1 + 1) x 8 prompts per rank; "
     "set rollout.max_concurrent_rollouts to cap)",
     "trainer: 2 fsdp ranks (data-parallel 2, tensor 1, pipeline 1)",
-    "server watchdog (local launcher): a server silent 60s is reported, 900s stops the run "
+    "server watchdog: a server silent 60s is reported, 900s stops the run "
     "(launcher.server_stall_warn, launcher.server_stall_limit)",
     "servers: 1 vllm, 1 devices each, on devices of their own",
 ]

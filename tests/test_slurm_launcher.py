@@ -94,6 +94,8 @@ def test_sbatch_script_layout_and_settings(tiny_model_dir: str, tmp_path: Path) 
     assert "--gpus-per-task=2 --exact" in job and "-m tandemrl.launchers.serve --backend vllm" in job
     assert f"--model {tiny_model_dir} --tp 2 --pp 1" in job
     assert "export TANDEMRL_LLM_SERVER_ADDRS=" in job
+    # Each server step watches its server (tests/test_server_stall.py) and records a stall as the job's failure.
+    assert '--stall-warn 60 --stall-limit 900 --step "vllm-server-$i" --failed "$FAILED" &' in job
     # The servers' token is made when the job starts, never written to a file; the submitter's is not forwarded.
     assert 'export TANDEMRL_SERVER_TOKEN="$(' in job and "submitter-token" not in job
     assert "--nodes=2 --ntasks-per-node=1" in job and "--gpus-per-task=8" in job

@@ -76,6 +76,7 @@ from tandemrl.launchers.ray_nodes import (
     node_label,
     read_settings,
 )
+from tandemrl.launchers.server_watch import StallBounds, StallClock, stall_error, stall_warning
 from tandemrl.utils.cli import first_line
 from tandemrl.utils.lifeline import lifeline_command
 
@@ -125,6 +126,7 @@ class ServerHost:
         os.environ.update(env)
         self._server: Any = None
         self._offset = 0
+        self._stall: tuple[str, float] | None = None  # the watch's latest finding, until taken
 
     def start(
         self,
@@ -156,6 +158,27 @@ class ServerHost:
 
     def wait_healthy(self, timeout: float) -> float:
         return self._server.wait_healthy(timeout=timeout)
+
+    def watch(self, warn: float, limit: float) -> None:
+        """Probe the server's health route from here on (``server_watch.StallClock``); ``take_stall`` reports."""
+        bounds = StallBounds(warn, limit)
+        clock = StallClock(bounds)
+
+        def run() -> None:
+            while self._server is not None and self._server.is_running():
+                event = clock.observe(self._server.is_answering(timeout=min(5.0, bounds.every)))
+                if event is not None:
+                    self._stall = event
+                    if event[0] == "stop":
+                        return
+                time.sleep(bounds.every)
+
+        threading.Thread(target=run, daemon=True, name="stall-watch").start()
+
+    def take_stall(self) -> tuple[str, float] | None:
+        """("warn" | "stop", silent seconds) found since the last call, or None."""
+        event, self._stall = self._stall, None
+        return event
 
     def node(self) -> dict[str, Any]:
         """Where this server landed (``where``) and its server process's pid."""
@@ -263,6 +286,7 @@ class _Member:
     rc: int | None = None
     ended: float = 0.0
     node: dict[str, Any] = field(default_factory=dict)  # where(): node id, IP, actor pid
+    address: str = ""  # a server's host:port
 
 
 @dataclass
@@ -403,6 +427,8 @@ def _start_servers(
             f"{PLACEMENT_TIMEOUT:.0f}s; cluster resources: {ray.cluster_resources()}"
         )
     addrs = ray.get(starts)
+    for m, address in zip(trial.servers, addrs, strict=True):
+        m.address = address
     nodes = ray.nodes()
     for m, info in zip(trial.servers, ray.get([m.actor.node.remote() for m in trial.servers]), strict=True):
         m.node = {**info, "resources": custom_resources(info["node_id"], nodes)}
@@ -413,6 +439,7 @@ def _start_servers(
         for ref in done:
             pending.pop(ref)
             ray.get(ref)  # raises the server's error (exited, not healthy in time)
+    ray.get([m.actor.watch.remote(spec.server_stall_warn, spec.server_stall_limit) for m in trial.servers])
     return addrs
 
 
@@ -528,14 +555,24 @@ def _record_placement(trial: _Trial, run_dir: Path) -> None:
         print(f"[launcher] placement over {len(nodes)} nodes: {where_}", flush=True)
 
 
-def _supervise(trial: _Trial, run_dir: Path) -> tuple[int, str]:
-    """Stream output until every rank exits 0, or the first rank/server failure."""
+def _supervise(trial: _Trial, run_dir: Path, spec: LaunchSpec) -> tuple[int, str]:
+    """Stream output until every rank exits 0, or the first rank/server failure (a server that stopped
+    answering its health route past ``launcher.server_stall_limit`` included)."""
+    import ray
+
     members = trial.ranks + trial.servers
+    bounds = StallBounds(spec.server_stall_warn, spec.server_stall_limit)
     while True:
         _drain(members)
         for m in trial.servers:
             if m.rc is not None:
                 return 1, f"{m.name} exited with code {m.rc} during training (log: {run_dir / (m.name + '.log')})"
+        for m, event in zip(trial.servers, ray.get([m.actor.take_stall.remote() for m in trial.servers]), strict=True):
+            who = f"{spec.allocation.gen_backend} server {m.address}"
+            if event is not None and event[0] == "stop":
+                return 1, stall_error(who, event[1])
+            if event is not None:
+                print(f"[launcher] {stall_warning(who, event[1], bounds)}", flush=True)
         failed = [m for m in trial.ranks if m.rc not in (None, 0)]
         if failed:  # the first to exit is the cause; the others died of its absence
             m = min(failed, key=lambda m: m.ended)
@@ -570,7 +607,7 @@ def run_trial(script: str, config_path: str | None, overrides: list[str], spec: 
         args = [os.path.abspath(script)] + (["--config", config] if config else []) + kept
         _start_ranks(trial, env, gpus, args, plan)
         _record_placement(trial, run_dir)
-        return _supervise(trial, run_dir)
+        return _supervise(trial, run_dir, spec)
 
     def body_unwrapped(run_dir: Path) -> tuple[int, str]:
         try:

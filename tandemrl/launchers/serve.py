@@ -2,13 +2,19 @@
 
     python -m tandemrl.launchers.serve --backend vllm --model PATH --host NODE --port 8000 \
         --log RUN_DIR/vllm-server-0.log --ready RUN_DIR/servers/0.addr [--tp 1] [--pp 1] [--timeout 600] \
-        [--extra JSON] [--request-log RUN_DIR/vllm-server-0-requests.jsonl]
+        [--extra JSON] [--request-log RUN_DIR/vllm-server-0-requests.jsonl] \
+        [--stall-warn 60 --stall-limit 900 --step vllm-server-0 --failed RUN_DIR/job-ID.failed]
 
 The Slurm launcher's sbatch script starts one of these per server with ``srun``. It waits
 until the server is healthy and then writes ``host:port`` to ``--ready`` (atomically), so
 the job script on another node can collect the addresses from the shared run directory.
 It exits non-zero with a one-line error if the server exits or is not healthy in time, and
 stops the server's whole process group on SIGTERM/SIGINT.
+
+While it serves, it probes the server's health route (``server_watch.StallClock``): a server silent for
+``--stall-warn`` seconds is reported once; past ``--stall-limit`` the server is stopped, the step is recorded
+as the job's failure in ``--failed`` (step, what, log: the job script's format) and the job is cancelled
+(``scancel $SLURM_JOB_ID``), so ``--wait`` names the stalled server instead of the trainer timing out.
 """
 
 from __future__ import annotations
@@ -16,10 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import subprocess
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 from tandemrl.inference.server_auth import TOKEN_ENV
+from tandemrl.launchers.server_watch import StallBounds, StallClock, stall_error, stall_warning
 from tandemrl.utils.cli import first_line, signals_interrupt
 
 
@@ -36,7 +47,45 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to become healthy")
     p.add_argument("--extra", default="{}", help="JSON object of extra server flags")
     p.add_argument("--request-log", default=None, help="file the server appends each request to (vLLM only)")
-    return p.parse_args(argv)
+    p.add_argument("--stall-warn", type=float, default=60.0, help="seconds without an answer before one warning")
+    p.add_argument("--stall-limit", type=float, default=900.0, help="seconds without an answer that stop the job")
+    p.add_argument("--step", default="server", help="this step's name in the job's failure record")
+    p.add_argument("--failed", default=None, help="the job's failure record (written if absent) on a stall")
+    args = p.parse_args(argv)
+    if not 0 < args.stall_warn < args.stall_limit:
+        p.error(f"need 0 < --stall-warn ({args.stall_warn:g}) < --stall-limit ({args.stall_limit:g})")
+    return args
+
+
+def supervise(server: Any, args: argparse.Namespace) -> int:
+    """Until the server exits (1, one line) or stays silent past ``--stall-limit`` (1, recorded, job cancelled)."""
+    bounds = StallBounds(args.stall_warn, args.stall_limit)
+    clock = StallClock(bounds)
+    who = f"{args.backend} server {server.address}"
+    while server.is_running():
+        event = clock.observe(server.is_answering(timeout=min(5.0, bounds.every)))
+        if event is not None and event[0] == "warn":
+            print(f"[serve] {stall_warning(who, event[1], bounds)}", flush=True)
+        elif event is not None:
+            error = stall_error(who, event[1])
+            print(f"error: {error}", file=sys.stderr, flush=True)
+            _record_failure(args, error.removesuffix(": stopped").removeprefix(f"{who} "))
+            return 1
+        time.sleep(bounds.every)
+    print(f"error: {who} exited with code {server.proc.returncode}", file=sys.stderr, flush=True)
+    return 1
+
+
+def _record_failure(args: argparse.Namespace, what: str) -> None:
+    """The job's first failure (if none is recorded yet), then cancel the job so the trainer stops too."""
+    if args.failed and not os.path.exists(args.failed):
+        tmp = Path(f"{args.failed}.{os.getpid()}.tmp")
+        tmp.write_text(f"{args.step}\t{what}\t{args.log}\n")
+        os.replace(tmp, args.failed)
+    job = os.environ.get("SLURM_JOB_ID")
+    scancel = shutil.which("scancel")
+    if job and scancel:
+        subprocess.run([scancel, job], capture_output=True, check=False)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -66,11 +115,7 @@ def serve(args: argparse.Namespace) -> int:
                 f.write(server.address + "\n")
             os.replace(tmp, args.ready)
             print(f"[serve] {args.backend} healthy at {server.address}", flush=True)
-            while server.is_running():
-                time.sleep(2)
-            code = server.proc.returncode
-            print(f"error: {args.backend} server on {server.address} exited with code {code}", file=sys.stderr)
-            return 1
+            return supervise(server, args)
         except KeyboardInterrupt:
             return 0
         except Exception as err:

@@ -1,4 +1,5 @@
-"""Wait for a trainer while watching the inference servers it uses.
+"""Wait for a trainer while watching the inference servers it uses (the local launcher); the stall clock
+that the Ray launcher's server actors and the Slurm job's server steps (``launchers.serve``) run too.
 
 A server that exits mid-run is reported at once on one line. A server that lives but stops answering its
 health route (hung, SIGSTOPped, swapping) is reported once after ``launcher.server_stall_warn`` seconds,
@@ -44,33 +45,64 @@ class StallBounds:
         return max(0.5, min(5.0, self.warn / 3))
 
 
+class StallClock:
+    """One server's silence: feed it every health probe's answer; it says when to warn and when to stop.
+
+    Shared by the local launcher (a thread here), the Ray launcher (each server's actor) and the Slurm job
+    (``launchers.serve``), so a stalled server reads the same under every launcher.
+    """
+
+    def __init__(self, bounds: StallBounds, now: float | None = None) -> None:
+        self.bounds = bounds
+        self.last_ok = time.monotonic() if now is None else now
+        self.warned = False
+
+    def observe(self, answering: bool, now: float | None = None) -> tuple[str, float] | None:
+        """("warn", silent seconds) once per silence past ``warn``; ("stop", silent seconds) past ``limit``."""
+        now = time.monotonic() if now is None else now
+        if answering:
+            self.last_ok, self.warned = now, False
+            return None
+        silent = now - self.last_ok
+        if silent > self.bounds.limit:
+            return "stop", silent
+        if silent > self.bounds.warn and not self.warned:
+            self.warned = True
+            return "warn", silent
+        return None
+
+
+def stall_warning(who: str, silent: float, bounds: StallBounds) -> str:
+    """The one line about a server silent for ``silent`` seconds: which, since when, what waits on it."""
+    since = time.strftime("%H:%M:%S", time.localtime(time.time() - silent))
+    return (
+        f"{who} has not answered for {silent:.0f}s (since {since}); the trainer's generation requests and weight "
+        f"updates wait on it; the run stops after {bounds.limit:.0f}s (launcher.server_stall_limit)"
+    )
+
+
+def stall_error(who: str, silent: float) -> str:
+    """The run's one-line cause when a server stayed silent past the limit."""
+    return f"{who} has not answered for {silent:.0f}s (launcher.server_stall_limit): stopped"
+
+
 def _watch_stalls(
     servers: Sequence[WatchedServer], backend: str, bounds: StallBounds, events: queue.Queue, done: threading.Event
 ) -> None:
     """Probe every live server every ``bounds.every`` s; report a stall once, post ("stall", i) past the limit."""
-    last_ok = [time.monotonic()] * len(servers)
-    warned = [False] * len(servers)
+    clocks = [StallClock(bounds) for _ in servers]
     while not done.wait(bounds.every):
         for i, server in enumerate(servers):
             if server.proc.poll() is not None:
                 continue  # a dead server is the other watcher's
-            now = time.monotonic()
-            if server.is_answering(timeout=min(5.0, bounds.every)):
-                last_ok[i], warned[i] = now, False
+            event = clocks[i].observe(server.is_answering(timeout=min(5.0, bounds.every)))
+            if event is None:
                 continue
-            silent = now - last_ok[i]
-            if silent > bounds.limit:
-                events.put((("stall", i), round(silent)))
+            what, silent = event
+            if what == "stop":
+                events.put((("stall", i), silent))
                 return
-            if silent > bounds.warn and not warned[i]:
-                warned[i] = True
-                since = time.strftime("%H:%M:%S", time.localtime(time.time() - silent))
-                print(
-                    f"[launcher] {backend} server {server.address} has not answered for {silent:.0f}s (since {since}); "
-                    f"the trainer's generation requests and weight updates wait on it; the run stops after "
-                    f"{bounds.limit:.0f}s (launcher.server_stall_limit)",
-                    flush=True,
-                )
+            print(f"[launcher] {stall_warning(f'{backend} server {server.address}', silent, bounds)}", flush=True)
 
 
 def _notify(events: queue.Queue, key: object, proc: subprocess.Popen) -> None:
@@ -120,8 +152,7 @@ def _wait_events(
             return rc, None
         if isinstance(key, tuple) and key[0] == "stall":
             stop_trainer()
-            address = servers[key[1]].address
-            return 1, f"{backend} server {address} has not answered for {rc}s (launcher.server_stall_limit): stopped"
+            return 1, stall_error(f"{backend} server {servers[key[1]].address}", rc)
         if isinstance(key, tuple):
             stop_trainer()
             return 1, f"auxiliary server {key[0]} at {key[1]} {exit_status(rc)}: the run needs it"

@@ -336,7 +336,9 @@ def _server_lines(spec: LaunchSpec, settings: SlurmSettings, layout: Layout) -> 
         f"  port=$(({settings.server_port} + i % {layout.servers_per_node}))",
         f'  srun --job-name="{gen.backend}-server-$i" --nodes=1 --ntasks=1 --nodelist="$node" {step} \\',
         f"    {cmd} \\",
-        f'    --host "$node" --port "$port" --log "{log}" --ready "$RUN_DIR/servers/$i.addr"{request_log} &',
+        f'    --host "$node" --port "$port" --log "{log}" --ready "$RUN_DIR/servers/$i.addr"{request_log} \\',
+        f"    --stall-warn {spec.server_stall_warn:g} --stall-limit {spec.server_stall_limit:g} "
+        f'--step "{gen.backend}-server-$i" --failed "$FAILED" &',
         "  SERVER_STEPS+=($!)",
         "done",
         f"deadline=$((SECONDS + {int(spec.server_timeout) + 60}))",
