@@ -36,8 +36,15 @@ def test_a_share_over_the_window_spends_the_budget_only_once_the_window_is_full(
     assert lines[:4] == [None] * 4  # the window of 4 is not full before the 4th, which did not drop
     assert lines[4] is not None and "3 of the last 4 groups were dropped (rollout.max_dropped_share=0.5)" in lines[4]
     assert "4 of 5 groups dropped so far, most often workflow returned None (4 times)" in lines[4]
-    with pytest.raises(ValueError, match="0 < max_dropped_share <= 1"):
-        FailureBudget(1, 0.0, 4)
+    with pytest.raises(ValueError, match="0 <= max_dropped_share <= 1"):
+        FailureBudget(1, 1.5, 4)
+
+
+def test_a_share_of_zero_stops_at_the_first_drop_of_a_full_window() -> None:
+    budget = FailureBudget(max_consecutive=0, max_share=0.0, window=3)
+    assert [budget.record(d, []) for d in (False, True, False)][:2] == [None, None]  # window not full before the 3rd
+    line = budget.record(True, [])
+    assert line is not None and "2 of the last 3 groups were dropped (rollout.max_dropped_share=0)" in line
 
 
 class AlwaysFailing(ToyWorkflow):

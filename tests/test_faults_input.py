@@ -60,6 +60,8 @@ def _one_line(err: BaseException) -> str:
         ({"train_dataset": {"batch_size": -8}}, None, "'train_dataset.batch_size' in {yaml} must be >= 1, got -8"),
         ({"gconfig": {"max_new_tokens": 0}}, None, "'gconfig.max_new_tokens' in {yaml} must be >= 1, got 0"),
         ({}, "rollout.max_head_offpolicyness=-1", "'rollout.max_head_offpolicyness' on the command line"),
+        ({}, "rollout.max_dropped_share=1.5", "('rollout.max_dropped_share=1.5') must be <= 1.0, got 1.5"),
+        ({}, "rollout.drop_window=0", "('rollout.drop_window=0') must be >= 1, got 0"),
         ({"allocation_mode": "vllm:d1+fsdp:d2"}, "train_dataset.batch_size=7", "must be a multiple of 2"),
         ({"gconfig": {"n_samples": 4}}, "actor.group_size=3", "'actor.group_size' on the command line"),
         ({}, "actor.ppo_n_minibatches=9", "'actor.ppo_n_minibatches' on the command line"),

@@ -341,7 +341,7 @@ def _translate(err: OmegaConfBaseException, schema: type, where: str | None, ori
 
 
 def _check_field_values(obj: Any, prefix: str, origins: _Origins) -> None:
-    """Enforce the ``choices`` and ``min`` metadata of schema fields, which OmegaConf itself ignores."""
+    """Enforce the ``choices``, ``min`` and ``max`` metadata of schema fields, which OmegaConf itself ignores."""
     if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
         return
     for f in dataclasses.fields(obj):
@@ -354,6 +354,9 @@ def _check_field_values(obj: Any, prefix: str, origins: _Origins) -> None:
         low = f.metadata.get("min")
         if low is not None and isinstance(value, (int, float)) and value < low:
             raise ConfigError(f"Config key '{key}' {origins.where(key)} must be >= {low}, got {_show(value)}")
+        high = f.metadata.get("max")
+        if high is not None and isinstance(value, (int, float)) and value > high:
+            raise ConfigError(f"Config key '{key}' {origins.where(key)} must be <= {high}, got {_show(value)}")
         _check_field_values(value, key, origins)
 
 

@@ -61,7 +61,10 @@ class InferenceEngineConfig:
         default=0.5,
         metadata={
             "help": "Stop the run when more than this share of the last drop_window finished groups were dropped "
-            "by failures; 1.0 turns this check off.",
+            "by failures; 1.0 turns this check off, 0.0 stops at the first dropped group once drop_window groups "
+            "finished.",
+            "min": 0.0,
+            "max": 1.0,
         },
     )
     drop_window: int = field(

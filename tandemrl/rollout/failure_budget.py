@@ -22,9 +22,9 @@ class FailureBudget:
     """``record`` each finished episode; it returns the one-line reason once the budget is spent."""
 
     def __init__(self, max_consecutive: int, max_share: float, window: int) -> None:
-        if max_consecutive < 0 or not 0.0 < max_share <= 1.0 or window < 1:
+        if max_consecutive < 0 or not 0.0 <= max_share <= 1.0 or window < 1:
             raise ValueError(
-                f"failure budget: need max_consecutive_drops >= 0, 0 < max_dropped_share <= 1, drop_window >= 1; "
+                f"failure budget: need max_consecutive_drops >= 0, 0 <= max_dropped_share <= 1, drop_window >= 1; "
                 f"got {max_consecutive}, {max_share}, {window}"
             )
         self.max_consecutive, self.max_share, self.window = max_consecutive, max_share, window
