@@ -127,7 +127,9 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8, help="Prompts per step (train_dataset.batch_size).")
     p.add_argument("--latency", default="lognormal,0.5,5.0", help="Tool latency: lognormal,MEDIAN,P99 | fixed,S")
     p.add_argument("--seed", type=int, default=0, help="Seed of the tool latencies.")
-    p.add_argument("--agent-tokens", type=int, default=64, help="gconfig.max_new_tokens of the agentic runs.")
+    # The forced call alone takes 61-64 tokens of the tiny tokenizer under the regex: 64 cut most calls short
+    # (no tool call parsed, the session split in two), as the first run of this script showed.
+    p.add_argument("--agent-tokens", type=int, default=128, help="gconfig.max_new_tokens of the agentic runs.")
     p.add_argument("--tail", default="16,1.2", help="Long tail: Pareto minimum tokens and tail index alpha.")
     p.add_argument("--tail-cap", type=int, default=512, help="gconfig.max_new_tokens (the cap of the draws).")
     args, extra = p.parse_known_args()

@@ -31,6 +31,7 @@ from tandemrl.rollout.distributed import collect
 from tandemrl.rollout.executor import ShouldAcceptFn, WorkflowExecutor
 from tandemrl.rollout.ledger import Ledger, LedgerTotals, Tally
 from tandemrl.rollout.weights import WeightPusher, WeightReceiver
+from tandemrl.rollout.whole_groups import WholeGroups
 from tandemrl.utils import stats_tracker
 
 # Evaluation trains on nothing it generates, so no staleness bound applies to it.
@@ -83,6 +84,7 @@ class RolloutController:
             )
             self._eval_executor = WorkflowExecutor(eval_config, client, consumer_batch_size, deterministic)
         self._destroyed = False
+        self._wrapped: dict[tuple[int, int], WholeGroups] = {}  # (workflow id, group rows) -> its WholeGroups
         try:
             for executor in self._executors():
                 executor.initialize()
@@ -100,6 +102,16 @@ class RolloutController:
             )
 
     # ------------------------------------------------------------------ batches
+    def _whole(self, workflow: RolloutWorkflow, granularity: int) -> RolloutWorkflow:
+        """``workflow`` wrapped in ``WholeGroups`` for groups of ``granularity`` > 1 (one wrapper per workflow)."""
+        if granularity <= 1 or isinstance(workflow, WholeGroups):
+            return workflow
+        key = (id(workflow), granularity)
+        wrapped = self._wrapped.get(key)
+        if wrapped is None or wrapped.workflow is not workflow:
+            wrapped = self._wrapped[key] = WholeGroups(workflow, granularity)
+        return wrapped
+
     def _collect(self, what: str, produce: Callable[[], TensorDict], granularity: int | None) -> TensorDict:
         self._require_live(what)
         return collect(self.engine, produce, granularity)
@@ -112,8 +124,11 @@ class RolloutController:
         granularity: int = 1,
         timeout: float | None = None,
     ) -> TensorDict:
-        """Synchronous rollout of this replica's ``rows``, then DP redistribution (groups of ``granularity`` kept whole)."""
-        ex = self._executor
+        """Synchronous rollout of this replica's ``rows``, then DP redistribution (groups of ``granularity`` kept whole).
+
+        With ``granularity`` > 1 an episode that does not return exactly that many rows drops its group
+        (``rollout.whole_groups``)."""
+        ex, workflow = self._executor, self._whole(workflow, granularity)
         return self._collect(
             "rollout_batch", lambda: ex.rollout_batch(rows, workflow, should_accept_fn, timeout), granularity
         )
@@ -126,8 +141,9 @@ class RolloutController:
         granularity: int = 1,
         timeout: float | None = None,
     ) -> TensorDict:
-        """Asynchronous rollout (bounded staleness), then DP redistribution (groups kept whole)."""
-        ex = self._executor
+        """Asynchronous rollout (bounded staleness), then DP redistribution (groups kept whole; episodes of
+        another size than ``granularity`` drop their group, as in :meth:`rollout_batch`)."""
+        ex, workflow = self._executor, self._whole(workflow, granularity)
         return self._collect(
             "prepare_batch", lambda: ex.prepare_batch(dataloader, workflow, should_accept_fn, timeout), granularity
         )

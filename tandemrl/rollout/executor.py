@@ -54,6 +54,7 @@ from tandemrl.rollout.failure_budget import FailureBudget, FailureBudgetExceeded
 from tandemrl.rollout.ledger import Ledger, LedgerTotals, Tally, tally_of, total
 from tandemrl.rollout.staleness import RolloutStat, StalenessManager
 from tandemrl.rollout.task_runner import AsyncTaskRunner
+from tandemrl.rollout.whole_groups import workflow_name
 from tandemrl.utils import stats_tracker
 from tandemrl.utils.cli import first_line
 
@@ -284,7 +285,7 @@ class WorkflowExecutor:
                 self._running[rid] = _Running(version, task.tag, task.order)
                 self._cond.notify_all()  # prepare_batch refills the input queue
             if self.tracing:
-                logger.info("rollout %d started at version %d (%s)", rid, version, type(task.workflow).__name__)
+                logger.info("rollout %d started at version %d (%s)", rid, version, workflow_name(task.workflow))
             ctx = rollout_key_context(task.key)
             noted = notes_in(ctx)
             held = stats_tracker.hold_in(ctx)
@@ -374,7 +375,7 @@ class WorkflowExecutor:
             logger.warning(
                 "rollout %d: %s raised %s (%s; %d failures so far)",
                 rid,
-                type(task.workflow).__name__,
+                workflow_name(task.workflow),
                 first_line(exc, with_type=True),  # type: ignore[arg-type]
                 "re-raised at the next wait()" if self.error_policy == "raise" else "dropped",
                 self._n_failed,
