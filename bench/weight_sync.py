@@ -41,7 +41,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--bucket-mb", type=int, default=512, help="WeightUpdateMeta.bucket_size_mb.")
     ap.add_argument("--lr", type=float, default=1e-5, help="AdamW lr of the step before each delta update.")
     ap.add_argument("--rounds", type=int, default=3, help="Timed updates per mode.")
-    ap.add_argument("--in-flight", type=int, default=None, help="Broadcasts queued at once (weights.MAX_IN_FLIGHT).")
+    ap.add_argument(
+        "--in-flight", type=int, default=None, help="Broadcasts queued at once (tandemrl.weights.push.MAX_IN_FLIGHT)."
+    )
     ap.add_argument("--modes", nargs="+", default=["none", "xor", "sparse"], choices=["none", "xor", "sparse"])
     a = ap.parse_args(argv)
     if a.rounds < 1:
@@ -86,8 +88,8 @@ def changed_fraction(before: list[Any], after: list[Any], dtype: Any) -> float:
 
 def pack_seconds(engine: Any, bucket_mb: int) -> float:
     """Export and pack every bucket, sending nothing."""
-    from tandemrl.inference.weight_group import pack_bucket
-    from tandemrl.rollout.weights import bucket_plan
+    from tandemrl.weights.push import bucket_plan
+    from tandemrl.weights.wire import pack_bucket
 
     start = time.perf_counter()
     params = engine.iter_hf_params()
@@ -115,7 +117,6 @@ def run(a: argparse.Namespace) -> None:
     import torch
 
     from tandemrl.api.allocation import AllocationMode
-    from tandemrl.api.inference import WeightUpdateMeta
     from tandemrl.api.types import FinetuneSpec
     from tandemrl.configs.engine import OptimizerConfig, TrainEngineConfig
     from tandemrl.configs.rollout import InferenceEngineConfig
@@ -125,11 +126,11 @@ def run(a: argparse.Namespace) -> None:
     from tandemrl.inference.server import launch_server
     from tandemrl.inference.vllm import VLLMBackend
     from tandemrl.rollout.controller import RolloutController
+    from tandemrl.weights import push
+    from tandemrl.weights.plan import collective_update
 
     if a.in_flight is not None:
-        from tandemrl.rollout import weights
-
-        weights.MAX_IN_FLIGHT = a.in_flight
+        push.MAX_IN_FLIGHT = a.in_flight
     model = build_model(a)
     server = launch_server(VLLMBackend(), model, extra={"max_model_len": 512, "dtype": a.server_dtype})
     print(f"starting vLLM on {model} (log {server.log_file}) ...", flush=True)
@@ -145,7 +146,7 @@ def run(a: argparse.Namespace) -> None:
         print(f"server healthy after {server.wait_healthy(900):.0f}s; {n_params / 1e6:.1f}M parameters", flush=True)
         client = RemoteVLLMEngine(InferenceEngineConfig(request_retries=0, setup_timeout=60.0, request_timeout=600.0))
         client.initialize([server.address])
-        meta = WeightUpdateMeta.from_fsdp_collective(
+        meta = collective_update(
             AllocationMode.from_str("vllm:d1+fsdp:d1"), group_addr="127.0.0.1", comm_backend="gloo",
             bucket_size_mb=a.bucket_mb, anchor_every=10**6, dtype=a.send_dtype,
         )  # fmt: skip

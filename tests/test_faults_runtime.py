@@ -263,13 +263,13 @@ def test_weight_update_group_listens_on_loopback_only_and_a_busy_port_is_one_lin
     import torch
     from utils import free_port
 
-    from tandemrl.inference.weight_group import create_trainer_weight_group, destroy_weight_group, join_weight_group
+    from tandemrl.weights.group import destroy_group, host_group, join_group
 
     port = free_port()
     box: dict[str, object] = {}
-    head = threading.Thread(target=lambda: box.update(pg=create_trainer_weight_group("127.0.0.1", port, 2, "gloo", 60)))
+    head = threading.Thread(target=lambda: box.update(pg=host_group("127.0.0.1", port, 2, "gloo", 60)))
     head.start()
-    server_side = join_weight_group("127.0.0.1", port, 2, 1, "gloo", 60)
+    server_side = join_group("127.0.0.1", port, 2, 1, "gloo", 60)
     head.join(timeout=60)
     try:
         assert _listening(port) == {"127.0.0.1"}
@@ -278,8 +278,8 @@ def test_weight_update_group_listens_on_loopback_only_and_a_busy_port_is_one_lin
         server_side.broadcast(t, 0).wait()
         assert t.tolist() == [0.0, 1.0, 2.0]
     finally:
-        destroy_weight_group(server_side)
-        destroy_weight_group(box.get("pg"))  # type: ignore[arg-type]
+        destroy_group(server_side)
+        destroy_group(box.get("pg"))  # type: ignore[arg-type]
 
     import socket
 
@@ -288,7 +288,7 @@ def test_weight_update_group_listens_on_loopback_only_and_a_busy_port_is_one_lin
         busy.listen(1)
         taken = busy.getsockname()[1]
         with pytest.raises(OSError) as e:  # the bind error itself: no peer wait, no 60 s timeout in between
-            create_trainer_weight_group("127.0.0.1", taken, 2, "gloo", 60)
+            host_group("127.0.0.1", taken, 2, "gloo", 60)
     assert str(e.value) == f"[Errno 98] weight-update group: cannot listen on 127.0.0.1:{taken}: Address already in use"
 
 

@@ -22,13 +22,12 @@ from tandemrl.api import (
     VersionSpan,
     WeightUpdateMeta,
 )
-from tandemrl.api.allocation import AllocationMode
 from tandemrl.api.types import ParallelStrategy
 from tandemrl.configs.rollout import GenerationHyperparameters
 from tandemrl.inference import BadServerPayload, get_backend
 from tandemrl.inference.sglang import SGLangBackend
 from tandemrl.inference.vllm import WORKER_EXTENSION, VLLMBackend
-from tandemrl.inference.weight_group import parse_buckets_json
+from tandemrl.weights.wire import parse_buckets_json
 
 PROMPT = [5, 17, 42, 99]
 SAMPLED = GenerationHyperparameters(
@@ -82,35 +81,6 @@ def test_chunk_token_versions_fill_unlabelled_tokens_with_fallback() -> None:
     )  # token 4 is in no span
     assert chunk.token_versions(fallback=3) == [3, 3, 4, 4, 3]
     assert GenerateChunk([1, 2], [0.0, 0.0], "stop").token_versions(fallback=7) == [7, 7]
-
-
-@pytest.mark.parametrize(
-    "spec, world_size",
-    [("vllm:d2t2+fsdp:d4", 5), ("sglang:d4+fsdp:d4", 5), ("vllm:d1+fsdp:d1", 2), ("vllm:d2p2+megatron:d2p2", 5)],
-)
-def test_from_fsdp_collective_world_size(spec: str, world_size: int) -> None:
-    meta = WeightUpdateMeta.from_fsdp_collective(AllocationMode.from_str(spec), group_addr="10.1.2.3", group_port=4567)
-    assert (meta.type, meta.world_size, meta.group_addr, meta.group_port) == (
-        "collective",
-        world_size,
-        "10.1.2.3",
-        4567,
-    )
-    assert meta.path is None and meta.version is None
-
-
-def test_from_fsdp_collective_defaults_pick_port_and_backend() -> None:
-    import torch
-
-    meta = WeightUpdateMeta.from_fsdp_collective(AllocationMode.from_str("vllm:d1+fsdp:d1"))
-    assert 0 < meta.group_port < 65536 and meta.group_addr
-    assert meta.comm_backend == ("nccl" if torch.cuda.is_available() else "gloo")
-
-
-def test_from_fsdp_collective_needs_an_inference_component() -> None:
-    with pytest.raises(ValueError) as exc:
-        WeightUpdateMeta.from_fsdp_collective(AllocationMode.from_str("fsdp:d2"))
-    assert_one_line_error(exc, "no inference component")
 
 
 def test_from_disk_path_and_version() -> None:

@@ -33,13 +33,8 @@ from vllm_server import VLLMTestServer, perturbed_model, restore_original
 from tandemrl.api.inference import HttpRequest, ModelRequest, WeightUpdateMeta
 from tandemrl.configs.rollout import InferenceEngineConfig
 from tandemrl.inference.remote import RemoteVLLMEngine
-from tandemrl.inference.weight_group import (
-    broadcast_buckets,
-    create_trainer_weight_group,
-    destroy_weight_group,
-    pack_bucket,
-    split_buckets,
-)
+from tandemrl.weights.group import destroy_group, host_group
+from tandemrl.weights.wire import broadcast_buckets, pack_bucket, split_buckets
 
 NEW_TOKENS = 8
 MIN_SHIFT = 0.5  # the new weights move some greedy logprob by more than this (measured: several nats)
@@ -139,7 +134,7 @@ def joined_group(engine: RemoteVLLMEngine, new: torch.nn.Module) -> Iterator[Cal
     of a 2-rank gloo group with the server, joined before the yield and left after it."""
     meta = WeightUpdateMeta(type="collective", group_port=free_port(), world_size=2, comm_backend="gloo", version=1)
     joined = engine.init_weights_update_group(meta)
-    pg = create_trainer_weight_group(meta.group_addr, meta.group_port, meta.world_size, meta.comm_backend, 120)
+    pg = host_group(meta.group_addr, meta.group_port, meta.world_size, meta.comm_backend, 120)
     try:
         joined.result(timeout=120)
         buckets = list(split_buckets(new.state_dict().items(), bucket_bytes=1 << 20))
@@ -152,7 +147,7 @@ def joined_group(engine: RemoteVLLMEngine, new: torch.nn.Module) -> Iterator[Cal
         yield update
     finally:
         engine.leave_weights_update_group(meta).result(timeout=120)
-        destroy_weight_group(pg)
+        destroy_group(pg)
 
 
 def push_by_broadcast(engine: RemoteVLLMEngine, model_dir: str, out: Path) -> None:

@@ -31,12 +31,10 @@ from vllm_server import (
 from tandemrl.api.inference import HttpRequest, ModelRequest, WeightUpdateMeta
 from tandemrl.api.types import ParallelStrategy
 from tandemrl.inference.server import ServerError, launch_server
-from tandemrl.inference.weight_group import (
+from tandemrl.weights.group import destroy_group, host_group, join_group
+from tandemrl.weights.wire import (
     broadcast_buckets,
     buckets_to_json,
-    create_trainer_weight_group,
-    destroy_weight_group,
-    join_weight_group,
     pack_bucket,
     parse_buckets_json,
     receive_buckets,
@@ -110,16 +108,16 @@ def test_weight_group_broadcasts_buckets_over_gloo() -> None:
     port, got = free_port(), {}
 
     def server_rank() -> None:
-        pg = join_weight_group("127.0.0.1", port, 2, 1, "gloo", timeout_s=60)
+        pg = join_group("127.0.0.1", port, 2, 1, "gloo", timeout_s=60)
         got.update(receive_buckets(pg, parse_buckets_json(meta_json), "cpu"))
-        destroy_weight_group(pg)
+        destroy_group(pg)
 
     th = threading.Thread(target=server_rank, daemon=True)
     th.start()
-    pg = create_trainer_weight_group("127.0.0.1", port, 2, "gloo", timeout_s=60)
+    pg = host_group("127.0.0.1", port, 2, "gloo", timeout_s=60)
     broadcast_buckets(pg, buckets)
     th.join(60)
-    destroy_weight_group(pg)
+    destroy_group(pg)
     assert set(got) == set(state)
     for name, want in state.items():
         assert got[name].dtype == want.dtype and torch.equal(got[name], want), name
@@ -127,7 +125,7 @@ def test_weight_group_broadcasts_buckets_over_gloo() -> None:
 
 def test_join_rejects_rank_zero() -> None:
     with pytest.raises(ValueError, match="rank 0 must be in 1..1"):
-        join_weight_group("127.0.0.1", free_port(), 2, 0)
+        join_group("127.0.0.1", free_port(), 2, 0)
 
 
 # ------------------------------------------------------------------------ launcher (fast)
@@ -267,7 +265,7 @@ def test_collective_update_bucketed(vllm_server: VLLMTestServer, tiny_model_dir:
 
     # The server's join blocks until rank 0 (this process, the "trainer") creates the group.
     th, box = server.call_in_thread(b.build_init_weight_group(meta, rank_offset=1))
-    pg = create_trainer_weight_group(meta.group_addr, port, meta.world_size, meta.comm_backend, timeout_s=120)
+    pg = host_group(meta.group_addr, port, meta.world_size, meta.comm_backend, timeout_s=120)
     assert join(th, box)["results"][0]["rank"] == 1
     try:
         # bf16 like a trainer would send; small buckets so several broadcasts happen.
@@ -299,7 +297,7 @@ def test_collective_update_bucketed(vllm_server: VLLMTestServer, tiny_model_dir:
         assert server.generate(ref_new.prompt, N).output_tokens == before.output_tokens
     finally:
         server.call(HttpRequest("POST", "/collective_rpc", {"method": "tandemrl_destroy_weight_group"}, 60.0))
-        destroy_weight_group(pg)
+        destroy_group(pg)
         restore_original(server)
 
 

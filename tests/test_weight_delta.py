@@ -1,4 +1,4 @@
-"""Delta encoding of weight buckets (tandemrl.inference.weight_delta): hand values, round trips, errors.
+"""Delta encoding of weight buckets (tandemrl.weights.delta): hand values, round trips, errors.
 
 The receive side runs over a real 2-rank gloo weight-update group (two threads of this process).
 """
@@ -13,13 +13,9 @@ import torch
 from utils import free_port
 
 from tandemrl.api.inference import ParamSpec
-from tandemrl.inference import weight_delta as wd
-from tandemrl.inference.weight_group import (
-    create_trainer_weight_group,
-    destroy_weight_group,
-    join_weight_group,
-    pack_bucket,
-)
+from tandemrl.weights import delta as wd
+from tandemrl.weights.group import destroy_group, host_group, join_group
+from tandemrl.weights.wire import pack_bucket
 
 MASK64 = (1 << 64) - 1
 
@@ -137,13 +133,13 @@ class Receiver(threading.Thread):
         self.got: list[tuple[str, torch.Tensor]] = []
 
     def run(self) -> None:
-        pg = join_weight_group("127.0.0.1", self.port, 2, 1, "gloo", timeout_s=60)
+        pg = join_group("127.0.0.1", self.port, 2, 1, "gloo", timeout_s=60)
         try:
             self.got = [(n, t.clone()) for n, t in wd.receive_delta_buckets(pg, [self.specs], "cpu", self.base)]
         except BaseException as e:  # noqa: BLE001 - inspected by the test
             self.error = e
         finally:
-            destroy_weight_group(pg)
+            destroy_group(pg)
 
 
 def send(
@@ -152,7 +148,7 @@ def send(
     port = free_port()
     rx = Receiver(port, specs, base)
     rx.start()
-    pg = create_trainer_weight_group("127.0.0.1", port, 2, "gloo", timeout_s=60)
+    pg = host_group("127.0.0.1", port, 2, "gloo", timeout_s=60)
     try:
         payload = wd.encode(kind, new, old)
         ck = h.get("checksum", wd.checksum(new))
@@ -161,7 +157,7 @@ def send(
         rx.join(60)
         assert not rx.is_alive()
     finally:
-        destroy_weight_group(pg)
+        destroy_group(pg)
     return rx
 
 

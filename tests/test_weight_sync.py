@@ -52,14 +52,9 @@ from tandemrl.configs.rollout import InferenceEngineConfig
 from tandemrl.inference.http import HttpClient
 from tandemrl.inference.remote import RemoteVLLMEngine, ServerUnavailableError
 from tandemrl.inference.server import ServerProcess
-from tandemrl.inference.weight_group import (
-    broadcast_buckets,
-    create_trainer_weight_group,
-    destroy_weight_group,
-    pack_bucket,
-    split_buckets,
-)
 from tandemrl.rollout.executor import WorkflowExecutor
+from tandemrl.weights.group import destroy_group, host_group
+from tandemrl.weights.wire import broadcast_buckets, pack_bucket, split_buckets
 
 WORKER = Path(__file__).resolve().parent / "workers" / "sync_checks.py"
 WORKER_ENV = {"TANDEMRL_DIST_TIMEOUT": "300"}  # a hung collective fails after 5 min, not 30
@@ -312,7 +307,7 @@ def test_failed_update_is_clear_and_server_stays_updatable(vllm_server: VLLMTest
     buckets = list(split_buckets(state.items(), bucket_bytes=150_000))
     assert len(buckets) >= 3 and not any("bogus" in name for name, _ in buckets[-1])
     th, box = server.call_in_thread(b.build_init_weight_group(meta, rank_offset=1))
-    pg = create_trainer_weight_group(meta.group_addr, port, meta.world_size, meta.comm_backend, timeout_s=120)
+    pg = host_group(meta.group_addr, port, meta.world_size, meta.comm_backend, timeout_s=120)
     try:
         join(th, box)
         server.call(b.build_pause())
@@ -324,7 +319,7 @@ def test_failed_update_is_clear_and_server_stays_updatable(vllm_server: VLLMTest
         assert_greedy_matches(server.generate(ref.prompt, 12), ref)
     finally:
         server.call(HttpRequest("POST", "/collective_rpc", {"method": "tandemrl_destroy_weight_group"}, 60.0))
-        destroy_weight_group(pg)
+        destroy_group(pg)
         restore_session_server(server, label)
 
 

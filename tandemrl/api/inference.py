@@ -7,16 +7,11 @@ client, trainers) can share them cheaply.
 from __future__ import annotations
 
 import os
-import socket
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from tandemrl.api.generation import GenerationHyperparameters
-from tandemrl.api.net import free_port
-
-if TYPE_CHECKING:
-    from tandemrl.api.allocation import AllocationMode
 
 StopReason = Literal["stop", "length", "abort", "tool_calls"]
 HttpMethod = Literal["GET", "POST"]
@@ -119,14 +114,14 @@ class WeightUpdateMeta:
     "disk": the trainer writes an HF safetensors directory at ``path`` and each server
     reloads it. "collective": the trainer head (rank 0) broadcasts tensors to every
     inference rank over a process group of ``world_size`` ranks rendezvousing at
-    ``group_addr:group_port``.
+    ``group_addr:group_port`` (``tandemrl.weights.plan.collective_update`` builds one).
 
     ``dtype`` (collective only): cast floating-point tensors to this torch dtype (e.g.
     "bfloat16", what a bf16 server casts to on load anyway) before sending; None sends the
     engine's export dtype.
 
     ``delta`` (collective only): "none" broadcasts every bucket whole; "xor" / "sparse" send
-    each bucket as its change against the previous update (``tandemrl.inference.weight_delta``),
+    each bucket as its change against the previous update (``tandemrl.weights.delta``),
     with a whole "anchor" update first and then every ``anchor_every`` updates. ``delta_tag``
     and ``delta_base`` are set per update by the trainer (this update's id and the id the
     delta applies to; ``delta_base`` None means an anchor).
@@ -189,49 +184,3 @@ class WeightUpdateMeta:
         parts = [p for p in (experiment_name, trial_name) if p]
         path = os.path.join(path_root, *parts, "weight_update")
         return cls(type="disk", path=path, bucket_size_mb=bucket_size_mb)
-
-    @classmethod
-    def from_fsdp_collective(
-        cls,
-        allocation_mode: AllocationMode,
-        group_addr: str | None = None,
-        group_port: int | None = None,
-        group_name: str = "tandemrl_weight_update",
-        bucket_size_mb: int = 512,
-        comm_backend: str | None = None,
-        delta: Literal["none", "xor", "sparse"] = "none",
-        anchor_every: int = 10,
-        dtype: str | None = None,
-    ) -> WeightUpdateMeta:
-        """Collective update: 1 trainer head + every inference rank of ``allocation_mode.gen``.
-
-        Unset address/port pick this host's IP and a free port; unset ``comm_backend`` is
-        nccl when CUDA is available, else gloo.
-        """
-        gen = allocation_mode.gen
-        if gen is None:
-            raise ValueError(f"allocation_mode {allocation_mode} has no inference component for a collective update")
-        if comm_backend is None:
-            import torch
-
-            comm_backend = "nccl" if torch.cuda.is_available() else "gloo"
-        return cls(
-            type="collective",
-            bucket_size_mb=bucket_size_mb,
-            group_addr=group_addr or _host_ip(),
-            group_port=group_port or free_port(),
-            group_name=group_name,
-            world_size=1 + gen.world_size,
-            comm_backend=comm_backend,
-            delta=delta,
-            anchor_every=anchor_every,
-            dtype=dtype,
-        )
-
-
-def _host_ip() -> str:
-    """An address other hosts can reach this one at; loopback if resolution fails."""
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"

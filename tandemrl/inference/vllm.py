@@ -51,7 +51,7 @@ from tandemrl.inference.backend import (
     require_list,
     server_error,
 )
-from tandemrl.inference.weight_group import buckets_to_json
+from tandemrl.weights.wire import buckets_to_json
 
 if TYPE_CHECKING:
     from tandemrl.api.types import ParallelStrategy
@@ -275,14 +275,14 @@ class VLLMBackend(TimeoutsMixin):
         """ONE RPC receiving every bucket: the extension reads the broadcasts in order inside the call.
 
         The metadata is the multi-bucket ``[[[name, dtype, shape], ...], ...]`` JSON of
-        ``tandemrl.inference.weight_group``, so one update costs one HTTP round trip per server
+        ``tandemrl.weights.wire``, so one update costs one HTTP round trip per server
         however many buckets it has.
         """
         if meta.type != "collective":
             raise ValueError(f"{self.name}: build_update_from_collective needs a 'collective' WeightUpdateMeta")
         check_buckets(buckets, self.name)
         kwargs = {"meta_json": buckets_to_json(buckets)}
-        if meta.delta != "none":  # every bucket comes with a header broadcast (tandemrl.inference.weight_delta)
+        if meta.delta != "none":  # every bucket comes with a header broadcast (tandemrl.weights.delta)
             if not meta.delta_tag:
                 raise ValueError(f"{self.name}: a delta update needs WeightUpdateMeta.delta_tag")
             kwargs.update(delta=meta.delta, tag=meta.delta_tag, base=meta.delta_base or "")

@@ -12,7 +12,7 @@ plain ``load_weights`` cannot load into; ``reload_weights`` restores the checkpo
 parameters, loads, then re-runs the repacking. On GPU it is equally correct.
 
 The broadcast wire format and the process-group rendezvous are defined (and documented)
-in ``tandemrl.inference.weight_group``, which the trainer uses for its side.
+in ``tandemrl.weights.wire`` and ``tandemrl.weights.group``, which the trainer uses for its side.
 """
 
 from __future__ import annotations
@@ -24,15 +24,9 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from tandemrl.inference.weight_delta import receive_delta_buckets
-from tandemrl.inference.weight_group import (
-    DEFAULT_TIMEOUT_S,
-    destroy_weight_group,
-    join_weight_group,
-    parse_buckets_json,
-    receive_buckets,
-    unpack_bucket,
-)
+from tandemrl.weights.delta import receive_delta_buckets
+from tandemrl.weights.group import DEFAULT_TIMEOUT_S, destroy_group, join_group
+from tandemrl.weights.wire import parse_buckets_json, receive_buckets, unpack_bucket
 
 if TYPE_CHECKING:
     import torch
@@ -46,7 +40,7 @@ class TandemWorkerExtension:
     # Every attribute name here must be new to vLLM's Worker (vLLM asserts no clash).
     _tandemrl_pg: Any = None
     _tandemrl_pg_device: Any = None
-    _tandemrl_delta_base: Any = None  # flat buckets of the last delta-mode update (weight_delta)
+    _tandemrl_delta_base: Any = None  # flat buckets of the last delta-mode update (weights.delta)
     _tandemrl_delta_tag: str | None = None  # that update's id
     _tandemrl_delta_specs: Any = None  # its buckets' specs
 
@@ -89,11 +83,11 @@ class TandemWorkerExtension:
         """
         if backend is None:
             backend = "nccl" if getattr(self.device, "type", "cpu") == "cuda" else "gloo"
-        destroy_weight_group(self._tandemrl_pg)  # re-joining replaces an old group
+        destroy_group(self._tandemrl_pg)  # re-joining replaces an old group
         my_rank = int(rank) + int(self.rank)
         timeout_s = float(timeout) if timeout is not None else DEFAULT_TIMEOUT_S
         start = time.perf_counter()
-        self._tandemrl_pg = join_weight_group(host, int(port), int(world_size), my_rank, backend, timeout_s)
+        self._tandemrl_pg = join_group(host, int(port), int(world_size), my_rank, backend, timeout_s)
         self._tandemrl_pg_device = "cpu" if backend == "gloo" else self.device
         return {"rank": my_rank, "backend": backend, "seconds": round(time.perf_counter() - start, 4)}
 
@@ -193,7 +187,7 @@ class TandemWorkerExtension:
             raise
 
     def tandemrl_destroy_weight_group(self) -> dict[str, Any]:
-        destroy_weight_group(self._tandemrl_pg)
+        destroy_group(self._tandemrl_pg)
         self._tandemrl_pg = None
         return {"destroyed": True}
 

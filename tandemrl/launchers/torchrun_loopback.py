@@ -2,7 +2,7 @@
 
 ``python -m tandemrl.launchers.torchrun_loopback [torchrun args]`` is torchrun, except that every TCPStore it
 hosts on this machine (the c10d rendezvous store of ``--standalone``, the workers' store) is handed a socket
-bound to 127.0.0.1, the way ``tandemrl.inference.weight_group`` hosts its store: TCPStore's own server
+bound to 127.0.0.1, the way ``tandemrl.weights.group`` hosts its store: TCPStore's own server
 listens on every interface, where anything that can reach the host could join or read the rendezvous.
 Only for one-node runs (the local launcher); multi-node rendezvous must listen where the other nodes are.
 When torchrun stops it exits with the code alone: after a signal with 128 + its number, silently; after

@@ -30,9 +30,9 @@ from tandemrl.configs.rollout import InferenceEngineConfig
 from tandemrl.rollout.distributed import collect
 from tandemrl.rollout.executor import ShouldAcceptFn, WorkflowExecutor
 from tandemrl.rollout.ledger import Ledger, LedgerTotals, Tally
-from tandemrl.rollout.weights import WeightPusher, WeightReceiver
 from tandemrl.rollout.whole_groups import WholeGroups
 from tandemrl.utils import stats_tracker
+from tandemrl.weights.push import WeightPusher, WeightReceiver
 
 # Evaluation trains on nothing it generates, so no staleness bound applies to it.
 UNBOUNDED_STALENESS = 10**6

@@ -70,6 +70,7 @@ from tandemrl.trainers.stats_logger import StatsLogger
 from tandemrl.trainers.time_split import add_step_timings, format_time_split
 from tandemrl.trainers.turns import TurnTaker
 from tandemrl.utils import stats_tracker
+from tandemrl.weights.plan import collective_update
 from tandemrl.workflows.rlvr import RLVRWorkflow
 
 # train_step(batch, global_step): compute whatever the algorithm needs and update the engines. A step
@@ -88,7 +89,7 @@ def weight_update_meta(config: GRPOConfig, alloc: AllocationMode) -> WeightUpdat
                 raise ValueError(f"{key}={getattr(config, key)!r} needs weight_update_mode=collective (got disk)")
         meta = WeightUpdateMeta.from_disk(config.cluster.fileroot, config.experiment_name, config.trial_name)
     else:
-        meta = WeightUpdateMeta.from_fsdp_collective(
+        meta = collective_update(
             alloc,
             group_addr="127.0.0.1" if config.cluster.n_nodes == 1 else None,
             delta=cast(Any, config.weight_update_delta),

@@ -46,6 +46,7 @@ from tandemrl.engines.base import init_default_process_group
 from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.inference.remote import RemoteVLLMEngine
 from tandemrl.rollout.controller import RolloutController
+from tandemrl.weights.plan import collective_update
 
 Samples = dict[float, list[ModelResponse]]
 
@@ -86,7 +87,7 @@ def run_cell(args: argparse.Namespace, cell: dict[str, Any]) -> dict[str, Any]:
     rank, vocab = dist.get_rank(), int(engine.model_config.vocab_size)
     disk = WeightUpdateMeta.from_disk(os.path.join(args.out, cell["name"]), "sync", "disk")
     alloc = AllocationMode.from_str(f"vllm:d1+{cell['allocation']}")
-    box = [WeightUpdateMeta.from_fsdp_collective(alloc, group_addr="127.0.0.1", bucket_size_mb=1)]
+    box = [collective_update(alloc, group_addr="127.0.0.1", bucket_size_mb=1)]
     dist.broadcast_object_list(box, src=0)  # one rendezvous port for every rank
     collective = box[0]
     controller = RolloutController(rollout, engine, rollout.config, disk)

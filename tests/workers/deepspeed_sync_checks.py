@@ -40,8 +40,9 @@ from tandemrl.configs.engine import DeepSpeedEngineConfig, OptimizerConfig, Trai
 from tandemrl.engines.deepspeed import DeepSpeedEngine
 from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.inference.remote import RemoteVLLMEngine
-from tandemrl.inference.weight_group import parse_buckets_json
 from tandemrl.rollout.controller import RolloutController
+from tandemrl.weights.plan import collective_update
+from tandemrl.weights.wire import parse_buckets_json
 
 
 def make_engine(model: str, lr: float) -> DeepSpeedEngine:
@@ -106,7 +107,7 @@ def main(args: argparse.Namespace) -> None:
     with open(args.prompts) as f:
         prompts = json.load(f)
     disk = WeightUpdateMeta.from_disk(os.path.join(args.out, "sync"), "weight_sync", "disk")
-    collective = WeightUpdateMeta.from_fsdp_collective(
+    collective = collective_update(
         AllocationMode.from_str("vllm:d1+deepspeed:d2"), group_addr="127.0.0.1", comm_backend="gloo", bucket_size_mb=1
     )
     box = [collective]

@@ -48,9 +48,10 @@ from tandemrl.engines.registry import engine_class
 from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.inference.http import HttpClient, InferenceServerError
 from tandemrl.inference.remote import RemoteVLLMEngine
-from tandemrl.inference.weight_group import parse_buckets_json
 from tandemrl.models.functional import gather_logprobs, next_token_labels
 from tandemrl.rollout.controller import RolloutController
+from tandemrl.weights.plan import collective_update
+from tandemrl.weights.wire import parse_buckets_json
 
 GREEDY_TOKENS = 12  # greedy continuation length compared with transformers
 
@@ -256,7 +257,7 @@ def update(args: argparse.Namespace) -> None:
     if args.sync == "disk":
         meta = WeightUpdateMeta.from_disk(os.path.join(args.out, "sync"), "weight_sync", "disk")
     else:
-        meta = WeightUpdateMeta.from_fsdp_collective(
+        meta = collective_update(
             AllocationMode.from_str("vllm:d1+fsdp:d2"),
             group_addr="127.0.0.1",
             comm_backend="gloo",
@@ -326,7 +327,7 @@ def delta(args: argparse.Namespace) -> None:
     rollout = make_rollout(args.addr)
     rank = dist.get_rank()
     prompts = [[5 + i, 17, 42, 99, 7 + 3 * i] for i in range(4)]
-    meta = WeightUpdateMeta.from_fsdp_collective(
+    meta = collective_update(
         AllocationMode.from_str("vllm:d1+fsdp:d2"), group_addr="127.0.0.1", comm_backend="gloo",
         bucket_size_mb=1, delta="xor", anchor_every=3,
     )  # fmt: skip
@@ -391,7 +392,7 @@ def leave(args: argparse.Namespace) -> None:
     engine = make_engine(args.model, lr=args.lr, allocation="fsdp:d1")
     client = FailFirstReceive()
     rollout = make_rollout(args.addr, client)
-    meta = WeightUpdateMeta.from_fsdp_collective(
+    meta = collective_update(
         AllocationMode.from_str("vllm:d1+fsdp:d1"), group_addr="127.0.0.1", comm_backend="gloo", bucket_size_mb=1
     )
     controller = RolloutController(rollout, engine, rollout.config, meta)

@@ -1,8 +1,10 @@
 """Pushing the trainer's weights to the inference servers: by disk or by bucketed broadcast.
 
 Written once for every backend: a training engine only exports (``save`` in HF format,
-``hf_param_specs`` and ``iter_hf_params``). Trainer rank 0 talks to the servers and, for
-collective updates, hosts the weight-update group (its TCP store and port) until ``close``.
+``hf_param_specs`` and ``iter_hf_params``). Trainer rank 0 talks to the servers through a
+``WeightReceiver`` and, for collective updates, hosts the weight-update group
+(``tandemrl.weights.group``: its TCP store and port) until ``close``; the buckets go out in
+``tandemrl.weights.wire``'s format, or as ``tandemrl.weights.delta`` changes.
 """
 
 from __future__ import annotations
@@ -23,20 +25,14 @@ import torch.distributed as dist
 from tandemrl.api.engine import TrainEngine
 from tandemrl.api.inference import ParamSpec, WeightUpdateMeta
 from tandemrl.api.types import SaveLoadMeta
-from tandemrl.inference import weight_delta
-from tandemrl.inference.weight_group import (
-    bucket_layout,
-    create_trainer_weight_group,
-    destroy_weight_group,
-    pack_bucket,
-    split_buckets,
-    to_dtype,
-)
 from tandemrl.utils import stats_tracker
+from tandemrl.weights import delta
+from tandemrl.weights.group import destroy_group, host_group
+from tandemrl.weights.wire import bucket_layout, pack_bucket, split_buckets, to_dtype
 
-# Broadcasts queued at once: the next bucket is packed (and encoded) while the previous one is on the wire.
 logger = logging.getLogger(__name__)
 
+# Broadcasts queued at once: the next bucket is packed (and encoded) while the previous one is on the wire.
 MAX_IN_FLIGHT = 4
 LEAVE_TIMEOUT_S = 60.0  # how long a failed update waits for the servers to leave the weight group
 
@@ -117,7 +113,7 @@ class WeightPusher:
     def __init__(self, engine: TrainEngine, client: WeightReceiver) -> None:
         self.engine = engine
         self.client = client
-        self._weight_group: Any = None
+        self._group: Any = None
         self._delta = _DeltaState()
         self._send_adapter: bool | None = None  # decided at the first disk push (docs/lora.md)
         self.last_stats: SyncStats | None = None  # rank 0's figures of the last push
@@ -184,17 +180,18 @@ class WeightPusher:
         """
         plan = bucket_plan(self.engine.hf_param_specs(), meta.bucket_size_mb, meta.dtype)
         sender = self._is_sender()
-        delta = meta.delta != "none"
-        anchor = delta and self._delta.anchor_due(plan, meta.anchor_every)
-        if delta and sender:
+        deltas = meta.delta != "none"
+        anchor = deltas and self._delta.anchor_due(plan, meta.anchor_every)
+        if deltas and sender:
             meta = dataclasses.replace(meta, delta_tag=uuid.uuid4().hex, delta_base=None if anchor else self._delta.tag)
             if anchor:
                 self._delta.sent = []  # freed before the new copy is built
         stream = None
         try:
-            if sender:
-                self._join_group(meta)
-                stream = _Broadcasts(self, self.client.update_weights_from_distributed(meta, plan), meta)
+            if sender:  # the group in no local: a failed update's traceback holds this frame, not its port
+                stream = _Broadcasts(
+                    self, self._host_group(meta), self.client.update_weights_from_distributed(meta, plan), meta
+                )
             params = self.engine.iter_hf_params()
             for b, bucket in enumerate(plan):
                 tensors = [next(params) for _ in bucket]
@@ -208,8 +205,8 @@ class WeightPusher:
                     raise RuntimeError(f"push_weights: iter_hf_params disagrees with hf_param_specs: {got}")
                 flat = flat.to(self._comm_device(meta))
                 stats.full_bytes += flat.numel()
-                if delta:
-                    self._send_delta(b, bucket, flat, weight_delta.KINDS[meta.delta], stream, stats)
+                if deltas:
+                    self._send_delta(b, bucket, flat, delta.KINDS[meta.delta], stream, stats)
                 else:
                     stream.send(flat)
                     stats.bytes += flat.numel()
@@ -218,7 +215,7 @@ class WeightPusher:
         except BaseException:
             self._delta.reset()
             raise
-        if delta and sender:
+        if deltas and sender:
             assert meta.delta_tag is not None
             self._delta.commit(plan, meta.delta_tag, anchor)
 
@@ -226,38 +223,38 @@ class WeightPusher:
         self, b: int, specs: list[ParamSpec], flat: torch.Tensor, kind: int, stream: _Broadcasts, stats: SyncStats
     ) -> None:
         """Header and payload of bucket ``b``: its change against the last-sent copy, or whole if smaller."""
-        payload, used = flat, weight_delta.FULL
+        payload, used = flat, delta.FULL
         if b < len(self._delta.sent):
             base = self._delta.sent[b]
             sizes = [(o, n, to_dtype(s.dtype).itemsize) for s, (o, n) in zip(specs, bucket_layout(specs), strict=True)]
-            stats.changed += weight_delta.changed_elements(flat, base, sizes)
+            stats.changed += delta.changed_elements(flat, base, sizes)
             stats.elements += sum(n // size for _, n, size in sizes)
-            encoded = weight_delta.encode(kind, flat, base)
+            encoded = delta.encode(kind, flat, base)
             if encoded.numel() < flat.numel():
                 payload, used = encoded, kind
             self._delta.sent[b] = flat
         else:
             self._delta.sent.append(flat)
-        head = weight_delta.header(used, payload.numel(), weight_delta.checksum(flat), flat.device)
+        head = delta.header(used, payload.numel(), delta.checksum(flat), flat.device)
         stream.send(head)
         stream.send(payload)
         stats.bytes += head.numel() * head.element_size() + payload.numel()
 
-    def _join_group(self, meta: WeightUpdateMeta) -> None:
-        if self._weight_group is None:
+    def _host_group(self, meta: WeightUpdateMeta) -> Any:
+        """The weight-update group, built on first use: the servers are asked to join while rank 0 hosts it."""
+        if self._group is None:
             joined = self.client.init_weights_update_group(meta)
-            self._weight_group = create_trainer_weight_group(
-                meta.group_addr, meta.group_port, meta.world_size, meta.comm_backend
-            )
+            self._group = host_group(meta.group_addr, meta.group_port, meta.world_size, meta.comm_backend)
             joined.result()
+        return self._group
 
     def _comm_device(self, meta: WeightUpdateMeta) -> torch.device:
         return self.engine.device if meta.comm_backend == "nccl" else torch.device("cpu")
 
     def close(self) -> None:
         """Close the weight-update group (rank 0 frees its store and port); the next push opens a new one."""
-        group, self._weight_group = self._weight_group, None
-        destroy_weight_group(group)
+        group, self._group = self._group, None
+        destroy_group(group)
         self._delta.reset()  # the servers' copies belong to that group's updates
 
 
@@ -271,12 +268,12 @@ class _Broadcasts:
     requests) never joins the next broadcast: waiting on it would block until the group's timeout.
     """
 
-    def __init__(self, pusher: WeightPusher, servers: Future[None], meta: WeightUpdateMeta) -> None:
-        self.pusher, self.servers, self.meta = pusher, servers, meta
+    def __init__(self, pusher: WeightPusher, group: Any, servers: Future[None], meta: WeightUpdateMeta) -> None:
+        self.pusher, self.group, self.servers, self.meta = pusher, group, servers, meta
         self.pending: deque[tuple[Any, torch.Tensor]] = deque()
 
     def send(self, t: torch.Tensor) -> None:
-        self.pending.append((self.pusher._weight_group.broadcast(t, 0), t))  # t stays alive until sent
+        self.pending.append((self.group.broadcast(t, 0), t))  # t stays alive until sent
         while len(self.pending) > MAX_IN_FLIGHT:
             self._wait(self.pending.popleft()[0])
 
@@ -308,6 +305,6 @@ class _Broadcasts:
             self.pusher.client.leave_weights_update_group(self.meta).result(LEAVE_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - the update's own error is the one to report
             logger.warning("weight update failed; asking the servers to leave the weight group also failed: %s", e)
-        group, self.pusher._weight_group = self.pusher._weight_group, None
+        self.group = None  # the error holds this object (see _wait), so not the group
         self.pending.clear()
-        destroy_weight_group(group)  # frees rank 0's store and port for the next group
+        self.pusher.close()  # frees rank 0's store and port for the next group

@@ -1,6 +1,6 @@
 """Delta encoding of weight buckets against the last-sent copy, and the bucket checksum.
 
-Pure torch on flat ``uint8`` buckets (``tandemrl.inference.weight_group``'s wire format,
+Pure torch on flat ``uint8`` buckets (``tandemrl.weights.wire``'s format,
 whose length is a multiple of 64 bytes), on any device. The trainer encodes each bucket
 against the copy it sent last; the server, holding the same copy, decodes in place and
 checks the checksum of the result, so a mismatch is an error, never a silent corruption.
@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from tandemrl.api.inference import ParamSpec
-from tandemrl.inference.weight_group import bucket_nbytes, unpack_bucket
+from tandemrl.weights.wire import bucket_nbytes, unpack_bucket
 
 if TYPE_CHECKING:
     import torch
