@@ -83,7 +83,6 @@ def main(argv: list[str]) -> None:
         batch = pad_sequences_to_tensors(next(batches), pad_id)
         with stats_tracker.record_timing("train_step"):
             stats = sft.train_lm(batch)
-            engine.step_lr_scheduler()
         with stats_tracker.record_timing("save"):
             saver.save(engine, epoch, step, global_step, tokenizer=tokenizer, last=global_step == total_steps - 1)
         if valid_dl is not None:

@@ -119,11 +119,9 @@ def ppo_train_step(actor: PPOActor, ref: PPOActor | None = None, critic: PPOCrit
         with stats_tracker.record_timing("train_step"), stats_tracker.scope("actor"):
             batch = actor.compute_advantages(batch)
             actor.ppo_update(batch)
-            actor.engine.step_lr_scheduler()
         if critic is not None:
             with stats_tracker.record_timing("critic_train_step"), stats_tracker.scope("critic"):
                 critic.ppo_update(batch)
-                critic.engine.step_lr_scheduler()
 
     if config.mask_no_eos:
         step.untrained_rows = actor.truncated_rows  # type: ignore[attr-defined]
@@ -136,7 +134,6 @@ def reinforce_train_step(actor: ReinforceActor) -> TrainStep:
     def step(batch: TensorDict, global_step: int) -> None:
         with stats_tracker.record_timing("train_step"), stats_tracker.scope("actor"):
             actor.train_reinforce(cast(RolloutBatch, batch))
-            actor.engine.step_lr_scheduler()
 
     return step
 
