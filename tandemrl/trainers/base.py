@@ -11,7 +11,7 @@ trainer is a context manager: leaving the ``with`` block normally closes it.
 from __future__ import annotations
 
 from types import TracebackType
-from typing import Generic, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar
 
 import torch.distributed as dist
 
@@ -31,6 +31,9 @@ from tandemrl.trainers.recover import RecoverHandler
 from tandemrl.trainers.saver import Saver
 from tandemrl.trainers.stats_logger import StatsLogger
 
+if TYPE_CHECKING:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
 C = TypeVar("C", bound=BaseExperimentConfig)
 
 
@@ -39,7 +42,12 @@ class TrainerBase(Generic[C]):
 
     config: C
     alloc: AllocationMode
+    tokenizer: Any
+    train_dl: StatefulDataLoader
+    valid_dl: StatefulDataLoader | None
+    ft_spec: FinetuneSpec
     _main_engine: TrainEngine  # the trained model's engine, destroyed last
+    _extra_engines: list[TrainEngine]  # more engines on the training ranks (RL: reference, critic)
 
     def _build_engine_and_data(self, model: TrainEngineConfig, key: str) -> TrainEngine:
         """The engine of ``model`` (its path resolved and named ``key`` in errors) on the allocation's training
@@ -68,7 +76,7 @@ class TrainerBase(Generic[C]):
         )
         engine.initialize(None, self.ft_spec)
         self._main_engine = engine
-        self._extra_engines: list[TrainEngine] = []
+        self._extra_engines = []
         return engine
 
     def _build_bookkeeping(self) -> None:
