@@ -88,7 +88,6 @@ def run_sft(backend: str, model: str) -> dict[str, Any]:
         sync(engine.device)
         t0 = time.perf_counter()
         stats = sft.train_lm(batch)
-        engine.step_lr_scheduler()
         sync(engine.device)
         times.append(time.perf_counter() - t0)
         losses.append(stats["loss"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import cast
 
 import torch
@@ -40,7 +40,7 @@ from tandemrl.algorithms.rewards import (
 )
 from tandemrl.algorithms.truncation import Truncation, policy_logprobs, replay_of
 from tandemrl.algorithms.value_loss import value_loss
-from tandemrl.api.engine import TrainEngine
+from tandemrl.api.engine import LossFn, TrainEngine
 from tandemrl.api.types import ROUTED_EXPERTS, RolloutBatch, TensorDict
 from tandemrl.configs.ppo import PPOActorConfig, PPOCriticConfig
 from tandemrl.models.functional import next_token_labels
@@ -405,7 +405,8 @@ class PPOActor:
                 stats_tracker.stat("n_tokens", ReduceType.AVG, multi_version_tokens=vs["multi_version"].float())
 
     def ppo_update(self, batch: PPOBatch) -> list[dict[str, float]]:
-        """``ppo_n_epochs`` passes over ``ppo_n_minibatches`` minibatches (whole groups); one step each.
+        """``ppo_n_epochs`` passes over ``ppo_n_minibatches`` minibatches (whole groups); one optimizer step each,
+        one trainer step in all (``engine.train_minibatches``: the LR schedule advances once, after the last).
 
         The ratio's old policy (:func:`~tandemrl.algorithms.offpolicy.old_policy_logp`) is the
         behaviour logprobs when ``offpolicy_correction`` is ``none`` (PPO against the sampler,
@@ -445,18 +446,19 @@ class PPOActor:
             return aggregation_weight(mb["action_mask"], mode, mb["cu_seqlens"])
 
         free_prox = prox is None and self.correction.active  # one_step here (checked above)
-        results = []
+
+        def steps() -> Iterator[tuple[TensorDict, LossFn]]:
+            for epoch in range(cfg.ppo_n_epochs):
+                for i, mb in enumerate(split_minibatches(data, cfg.ppo_n_minibatches, cfg.group_size)):
+                    # Each token's mismatch once: the first epoch (recomputed), else the first step.
+                    first = epoch == 0 and (prox is not None or i == 0)
+                    yield mb, functools.partial(self._loss, forward_is_proximal=free_prox, mismatch=first)
+
         self.engine.train()
         with stats_tracker.scope("ppo_actor"):
             self._record_batch(batch)
             with stats_tracker.scope("update"):
-                for epoch in range(cfg.ppo_n_epochs):
-                    for i, mb in enumerate(split_minibatches(data, cfg.ppo_n_minibatches, cfg.group_size)):
-                        # Each token's mismatch once: the first epoch (recomputed), else the first step.
-                        first = epoch == 0 and (prox is not None or i == 0)
-                        loss_fn = functools.partial(self._loss, forward_is_proximal=free_prox, mismatch=first)
-                        results.append(self.engine.train_batch(mb, loss_fn, weight))
-        return results
+                return self.engine.train_minibatches(steps(), weight)
 
 
 class PPOCritic:
@@ -484,7 +486,8 @@ class PPOCritic:
         return loss
 
     def ppo_update(self, batch: PPOBatch) -> list[dict[str, float]]:
-        """Fit ``returns`` (from the actor's compute_advantages) starting from ``values``; one step per minibatch."""
+        """Fit ``returns`` (from the actor's compute_advantages) starting from ``values``; one optimizer step per
+        minibatch and epoch, one trainer step of the critic's LR schedule in all."""
         cfg = self.config
         hint = " (set batch['values'] = compute_values(batch), then batch = actor.compute_advantages(batch))"
         require_fields(batch, ("values", "returns", "action_mask"), "PPOCritic.ppo_update", hint)
@@ -495,13 +498,11 @@ class PPOCritic:
             "returns": batch["returns"],
             "old_values": batch["values"],
         }
-        results = []
+        minibatches = split_minibatches(data, cfg.ppo_n_minibatches, cfg.group_size)
+        steps = [(mb, self._loss) for _ in range(cfg.ppo_n_epochs) for mb in minibatches]
         self.engine.train()
-        with stats_tracker.scope("ppo_critic"):
-            for _ in range(cfg.ppo_n_epochs):
-                for mb in split_minibatches(data, cfg.ppo_n_minibatches, cfg.group_size):
-                    results.append(self.engine.train_batch(mb, self._loss, lambda m: int(m["action_mask"].sum())))
-        return results
+        with stats_tracker.scope("ppo_critic"):  # one trainer step of the critic's schedule
+            return self.engine.train_minibatches(steps, lambda m: int(m["action_mask"].sum()))
 
 
 def _record_correction(

@@ -7,7 +7,7 @@ they run unchanged on FSDP2, Megatron-core and DeepSpeed.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -69,7 +69,15 @@ class TrainEngine(ABC):
 
     @abstractmethod
     def train_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
-        """One optimizer step on this rank's share of a padded batch; returns step stats."""
+        """One trainer step of one optimizer step on this rank's share of a padded batch, after which the LR
+        schedule advances one step; returns the step stats (their ``lr`` is the one the step used)."""
+
+    @abstractmethod
+    def train_minibatches(
+        self, minibatches: Iterable[tuple[TensorDict, LossFn]], loss_weight_fn: LossWeightFn
+    ) -> list[dict[str, float]]:
+        """One trainer step of several optimizer steps: one per ``(minibatch, loss_fn)``, in order, all at the
+        same learning rate; then the LR schedule advances one step. Returns each optimizer step's stats."""
 
     @abstractmethod
     def eval_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> torch.Tensor:
@@ -84,9 +92,6 @@ class TrainEngine(ABC):
         aggregate_fn: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Per-token outputs of the model (``post_hook`` applied) in the padded layout, on the batch's device."""
-
-    @abstractmethod
-    def step_lr_scheduler(self) -> None: ...
 
     @abstractmethod
     def save(self, meta: SaveLoadMeta) -> None: ...

@@ -4,6 +4,12 @@ weighting, optimizer and LR schedule, versioning, HF export and checkpoint bookk
 Public methods hold the guards and the shared algorithm; a backend implements only the
 ``_hooks`` (process groups, build, forward on a packed micro-batch, backward, optimizer step,
 full weights, its own checkpoint files) and the weight-export pair ``hf_param_specs``/``iter_hf_params``.
+
+The LR schedule is stepped here, by the public updates, never by an algorithm or a loop: each call of
+``train_batch`` (one optimizer step) or ``train_minibatches`` (one optimizer step per minibatch, e.g.
+PPO's minibatches times epochs) is one trainer step; every optimizer step in it uses the same lr, and the
+schedule advances once when the call ends. So the lr of global step ``k`` is ``lr * lr_lambda(k)``
+whatever number of optimizer steps the algorithm takes in it, on every backend.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import logging
 import math
 import os
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -307,6 +313,40 @@ class BaseTrainEngine(TrainEngine):
         return self
 
     def train_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
+        """One trainer step: one optimizer step (see :meth:`_update`), then the LR schedule advances one step."""
+        self._require_trainable("train_batch")
+        stats = self._update(batch, loss_fn, loss_weight_fn)
+        self._advance_lr_schedule()
+        return stats
+
+    def train_minibatches(
+        self, minibatches: Iterable[tuple[TensorDict, LossFn]], loss_weight_fn: LossWeightFn
+    ) -> list[dict[str, float]]:
+        """One trainer step of several optimizer steps (PPO's minibatches and epochs): one :meth:`_update` per
+        ``(minibatch, loss_fn)`` in order, all at the schedule's current lr, then the schedule advances once.
+
+        The LR schedule counts trainer steps, not optimizer steps: it is sized by ``ft_spec.total_train_steps``
+        and every public update (this or :meth:`train_batch`) is one trainer step, so no algorithm or loop steps
+        it. A skipped update (no trainable token, non-finite gradient) still ends its trainer step.
+        """
+        self._require_trainable("train_minibatches")
+        stats = [self._update(mb, loss_fn, loss_weight_fn) for mb, loss_fn in minibatches]
+        if not stats:
+            raise ValueError("train_minibatches: no minibatch to train on (one trainer step needs at least one)")
+        self._advance_lr_schedule()
+        return stats
+
+    def _require_trainable(self, what: str) -> None:
+        self._require_initialized(what)
+        if self.optimizer is None:
+            raise RuntimeError(f"{type(self).__name__}.{what}(): engine was built without an optimizer")
+
+    def _advance_lr_schedule(self) -> None:
+        """The end of a trainer step: the next one trains at the schedule's next lr."""
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+
+    def _update(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
         """One optimizer step whose gradient does not depend on micro-batch or DP splits.
 
         Each micro-batch loss is weighted by ``loss_weight_fn(mb) / global_weight``; the
@@ -314,9 +354,7 @@ class BaseTrainEngine(TrainEngine):
         over DP ranks by the backend, hence the extra ``dp_world_size`` factor. Records the
         times ``timeperf/<scope>/fwd_bwd`` and ``timeperf/<scope>/optimizer_step``.
         """
-        self._require_initialized("train_batch")
-        if self.optimizer is None:
-            raise RuntimeError(f"{type(self).__name__}.train_batch(): engine was built without an optimizer")
+        assert self.optimizer is not None
         self.train()
         mbs = self._split(batch)
         weights = self._weights(mbs, loss_weight_fn)
@@ -387,11 +425,6 @@ class BaseTrainEngine(TrainEngine):
         if list(output_seqlens) != lens:
             raise ValueError(f"forward: output_seqlens {list(output_seqlens)} do not match batch lengths {lens}")
         return padded[batch["attention_mask"].bool().to(padded.device)]
-
-    def step_lr_scheduler(self) -> None:
-        self._require_initialized("step_lr_scheduler")
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
 
     def save(self, meta: SaveLoadMeta) -> None:
         """Collective: every rank calls it. "hf" exports weights, "dcp" saves everything to resume."""

@@ -45,28 +45,23 @@ from tandemrl.algorithms.reinforce import ReinforceActor
 from tandemrl.api.allocation import AllocationMode
 from tandemrl.api.engine import TrainEngine
 from tandemrl.api.inference import WeightUpdateMeta
-from tandemrl.api.types import FinetuneSpec, RolloutBatch, TensorDict
+from tandemrl.api.types import RolloutBatch, TensorDict
 from tandemrl.api.workflow import RolloutWorkflow
 from tandemrl.configs import GRPOConfig
 from tandemrl.configs.engine import TrainEngineConfig
 from tandemrl.configs.experiment import async_enabled
-from tandemrl.configs.loader import save_config
-from tandemrl.data.loader import create_dataloader, cycle_batches, dataset_from_config
+from tandemrl.data.loader import cycle_batches
 from tandemrl.engines.registry import make_engine
-from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.inference.remote import remote_engine_for
-from tandemrl.models.hf import load_hf_tokenizer, model_context_length
 from tandemrl.models.resolve import resolve_model_path
 from tandemrl.rewards.runner import RewardFn
 from tandemrl.rollout.controller import RolloutController
 from tandemrl.rollout.ledger import LedgerTotals, Tally
-from tandemrl.trainers.evaluator import Evaluator
+from tandemrl.trainers.base import TrainerBase
 from tandemrl.trainers.heldout import HeldoutEval
 from tandemrl.trainers.pipeline_metrics import pipeline_shares, record_staleness
 from tandemrl.trainers.prompt_log import log_prompt_ids
-from tandemrl.trainers.recover import RecoverHandler
-from tandemrl.trainers.saver import Saver, final_outputs_line
-from tandemrl.trainers.stats_logger import StatsLogger
+from tandemrl.trainers.saver import final_outputs_line
 from tandemrl.trainers.time_split import add_step_timings, format_time_split
 from tandemrl.trainers.turns import TurnTaker
 from tandemrl.utils import stats_tracker
@@ -120,11 +115,9 @@ def ppo_train_step(actor: PPOActor, ref: PPOActor | None = None, critic: PPOCrit
         with stats_tracker.record_timing("train_step"), stats_tracker.scope("actor"):
             batch = actor.compute_advantages(batch)
             actor.ppo_update(batch)
-            actor.engine.step_lr_scheduler()
         if critic is not None:
             with stats_tracker.record_timing("critic_train_step"), stats_tracker.scope("critic"):
                 critic.ppo_update(batch)
-                critic.engine.step_lr_scheduler()
 
     if config.mask_no_eos:
         step.untrained_rows = actor.truncated_rows  # type: ignore[attr-defined]
@@ -137,7 +130,6 @@ def reinforce_train_step(actor: ReinforceActor) -> TrainStep:
     def step(batch: TensorDict, global_step: int) -> None:
         with stats_tracker.record_timing("train_step"), stats_tracker.scope("actor"):
             actor.train_reinforce(cast(RolloutBatch, batch))
-            actor.engine.step_lr_scheduler()
 
     return step
 
@@ -160,11 +152,12 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
-class RLTrainer:
+class RLTrainer(TrainerBase[GRPOConfig]):
     """Builds the pieces of an RL run from a GRPOConfig (or subclass) and runs the shared loop.
 
     ``actor`` is the policy's TrainEngine (backend from ``allocation_mode``); the script composes
-    its algorithm with it, e.g. ``PPOActor(config.actor, trainer.actor)``.
+    its algorithm with it, e.g. ``PPOActor(config.actor, trainer.actor)``. The engine, data, saver,
+    evaluator, recover handler and logger are built as for SFT (``tandemrl.trainers.base``).
     """
 
     def __init__(self, config: GRPOConfig, name: str = "grpo") -> None:
@@ -172,29 +165,7 @@ class RLTrainer:
         if alloc.train is None or alloc.gen is None:
             raise ValueError(f"allocation_mode: '{config.allocation_mode}' needs an inference and a training component")
         self.config, self.alloc, self.name = config, alloc, name
-        model = config.actor.engine
-        model.path = resolve_model_path(model.path, "actor.engine.path", corpus_path=config.train_dataset.path)
-
-        self.actor = make_engine(alloc.train_backend, model)
-        self.actor.create_process_group(alloc.train.strategy)
-        rank, world = self.actor.data_parallel_rank, self.actor.data_parallel_world_size
-        self.tokenizer = load_hf_tokenizer(config.tokenizer_path or model.path)
-
-        context = model_context_length(model.path)
-        train_ds = dataset_from_config(config.train_dataset, self.tokenizer, rank, world, context)
-        self.train_dl = create_dataloader(train_ds, config.train_dataset, rank, world, seed=config.seed)
-        self.valid_dl = None
-        if config.valid_dataset is not None:
-            valid_ds = dataset_from_config(config.valid_dataset, self.tokenizer, rank, world, context)
-            self.valid_dl = create_dataloader(valid_ds, config.valid_dataset, rank, world, seed=config.seed)
-        self.ft_spec = FinetuneSpec(
-            total_train_epochs=config.total_train_epochs,
-            dataset_size=len(train_ds) * world,
-            train_batch_size=config.train_dataset.batch_size,
-            total_train_steps_override=config.total_train_steps,
-        )
-        self.actor.initialize(None, self.ft_spec)
-        self._extra_engines: list[TrainEngine] = []
+        self.actor = self._build_engine_and_data(config.actor.engine, "actor.engine.path")
         self._reward_service: Any = None  # a RemoteReward, closed with the trainer
 
         # Each trainer rank runs its own client; servers come from the launcher's environment.
@@ -209,22 +180,18 @@ class RLTrainer:
             config.rollout,
             self.meta,
             eval_stats_name=eval_stats,
-            consumer_batch_size=config.train_dataset.batch_size // world,
+            consumer_batch_size=config.train_dataset.batch_size // self.actor.data_parallel_world_size,
             deterministic=config.deterministic,
         )
         stop = sorted({*config.gconfig.stop_token_ids, self.tokenizer.eos_token_id})
         self.gconfig = config.gconfig.new(stop_token_ids=stop)
 
-        self.saver = Saver(config.saver, self.ft_spec)
-        self.evaluator = Evaluator(config.evaluator, self.ft_spec)
-        self.recover = RecoverHandler(config.recover, self.ft_spec)
+        self._build_bookkeeping()
         self._named_engines: dict[str, Any] = {"actor": self.actor}
-        self.logger = StatsLogger(config.stats_logger, self.ft_spec)
         self.heldout = HeldoutEval(config.heldout_eval, self.tokenizer)
         # Colocated ('|'): the servers sleep during each train_step (turns.py); async is refused at load.
         self.turns = TurnTaker(self.client, alloc.colocated(alloc.gen, alloc.train), self.logger.log_dir)
-        if dist.get_rank() == 0:
-            save_config(config, f"{self.logger.log_dir}/config.yaml")
+        self._save_config()
         self.summary = RunSummary()
 
     # ------------------------------------------------------------------ parts
@@ -455,8 +422,7 @@ class RLTrainer:
     def _print_summary(self) -> None:
         if dist.get_rank() != 0:
             return
-        s, cfg = self.summary, self.config.saver
-        root = self.saver.get_save_root(cfg.fileroot, cfg.experiment_name, cfg.trial_name)
+        s, root = self.summary, self._checkpoint_root()
         secs = max(s.seconds, 1e-9)
         k = max(1, len(s.rewards) // 4)
         head, tail = s.rewards[:k] or [0.0], s.rewards[-k:] or [0.0]
@@ -475,14 +441,9 @@ class RLTrainer:
         self.logger.draw_curves()  # its path printed before the run's last line, the final model's
         print(final_outputs_line(self.name, self.saver.last_path, self.recover), flush=True)
 
-    def close(self) -> None:
-        """Stop rollout (its weight-update group too) and the client; release every engine and the process group."""
-        self.logger.close()
+    def _close_services(self) -> None:
+        """Stop rollout (its weight-update group too), the client and the reward service (before the engines)."""
         self.rollout.destroy()
         self.client.destroy()
         if self._reward_service is not None:
             self._reward_service.close()
-        for engine in self._extra_engines:
-            engine.destroy()
-        self.actor.destroy()
-        destroy_process_groups()

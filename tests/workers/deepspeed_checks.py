@@ -61,9 +61,7 @@ def engine(
 
 
 def step(e: DeepSpeedEngine, seed: int) -> dict[str, float]:
-    stats = LMEngine(e).train_lm(rank_slice(make_batch(seed)))
-    e.step_lr_scheduler()
-    return stats
+    return LMEngine(e).train_lm(rank_slice(make_batch(seed)))
 
 
 def nan_loss(logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -57,7 +57,6 @@ def run_backend(model: str, allocation: str, extra: dict, batch: dict) -> dict:
         step_batch["prox_logp"] = actor.proximal_logp(step_batch)
         step_batch = actor.compute_advantages(step_batch)
         losses.append(actor.ppo_update(step_batch)[0]["loss"])
-        engine.step_lr_scheduler()
         gaps.append(squared_gap(actor, share))
     engine.destroy()
     return {"engine": type(engine).__name__, "losses": losses, "gaps": gaps}

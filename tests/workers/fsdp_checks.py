@@ -115,7 +115,6 @@ def checkpoint(args: argparse.Namespace) -> None:
     e = engine(args.model, MicroBatchSpec(n_mbs=2))
     for step in range(2):
         LMEngine(e).train_lm(rank_slice(make_batch(200 + step)))
-        e.step_lr_scheduler()
     e.set_version(2)
     e.save(SaveLoadMeta(path=os.path.join(args.out, "hf"), weight_format="hf", tokenizer_path=args.tokenizer))
     e.save(SaveLoadMeta(path=os.path.join(args.out, "dcp"), weight_format="dcp", with_optim=True))
@@ -124,7 +123,6 @@ def checkpoint(args: argparse.Namespace) -> None:
     losses = []
     for step in range(3):
         losses.append(LMEngine(e).train_lm(rank_slice(make_batch(300 + step)))["loss"])
-        e.step_lr_scheduler()
     if dist.get_rank() == 0:
         torch.save({"losses": losses, "logits": logits, "probe": probe}, os.path.join(args.out, "continued.pt"))
 
@@ -177,7 +175,6 @@ def resume(args: argparse.Namespace) -> None:
     losses = []
     for step in range(3):
         losses.append(LMEngine(e).train_lm(rank_slice(make_batch(300 + step)))["loss"])
-        e.step_lr_scheduler()
     if dist.get_rank() == 0:
         torch.save({"losses": losses}, os.path.join(args.out, "resumed.pt"))
 

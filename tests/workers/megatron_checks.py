@@ -59,9 +59,7 @@ def engine(
 
 
 def step(e: MegatronEngine, seed: int) -> dict[str, float]:
-    stats = LMEngine(e).train_lm(dp_slice(e, make_batch(seed)))
-    e.step_lr_scheduler()
-    return stats
+    return LMEngine(e).train_lm(dp_slice(e, make_batch(seed)))
 
 
 def train() -> None:

@@ -67,7 +67,6 @@ def run(allocation: str, model: str, n_mbs: int, batch_fn: Any, export: bool = F
     steps = []
     for seed in SEEDS:
         stats = LMEngine(e).train_lm(dp_slice(e, batch_fn(seed)))
-        e.step_lr_scheduler()
         steps.append({**stats, "exported": e.export_stats()})
     out: dict[str, Any] = {"steps": steps}
     if export:

@@ -121,7 +121,6 @@ def run_critic(case: dict[str, Any], model: str, out_dir: str) -> dict[str, Any]
         batch["values"] = critic.compute_values(batch)
         batch = gae.compute_advantages(batch)
         (stats,) = critic.ppo_update(batch)
-        e.step_lr_scheduler()
         out["critic_values_sum"].append(dp_sum(e, batch["values"] * batch["attention_mask"]))
         out["critic_loss"].append(stats["loss"])
         out["critic_grad_norm"].append(stats["grad_norm"])
@@ -166,7 +165,6 @@ def run_case(case: dict[str, Any], model: str) -> dict[str, list[float]]:
     sft = LMEngine(e)
     for step in range(SFT_STEPS):
         stats = sft.train_lm(dp_slice(e, make_batch(500 + step)))
-        e.step_lr_scheduler()
         out["sft_loss"].append(stats["loss"])
         out["sft_grad_norm"].append(stats["grad_norm"])
     for step in range(PPO_STEPS):
@@ -174,7 +172,6 @@ def run_case(case: dict[str, Any], model: str) -> dict[str, list[float]]:
         batch["prox_logp"] = actor.compute_logp(batch)
         batch = actor.compute_advantages(batch)
         (stats,) = actor.ppo_update(batch)
-        e.step_lr_scheduler()
         out["ppo_logp_sum"].append(dp_sum(e, batch["prox_logp"]))
         out["ppo_loss"].append(stats["loss"])
         out["ppo_grad_norm"].append(stats["grad_norm"])

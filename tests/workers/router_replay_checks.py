@@ -165,7 +165,6 @@ def main() -> None:
     train = {**batch, "action_mask": action, "advantages": adv}
     for step in range(STEPS):
         e.train_batch(train, pg_loss, lambda mb: int(mb["action_mask"].sum()))
-        e.step_lr_scheduler()
         if step == 0:
             out["replay_used_train"] = probe.take()
     probe.take()
