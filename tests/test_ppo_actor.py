@@ -77,6 +77,23 @@ def test_grpo_sequence_vs_token_statistics() -> None:
     assert b["advantages"][1, 1].item() == pytest.approx(-0.75)
 
 
+def test_share_of_groups_with_a_non_zero_advantage_is_logged() -> None:
+    """The batch stats carry the share of groups whose advantages are not all 0 (curves.png's signal panel)."""
+    from tandemrl.utils import stats_tracker
+
+    actor = _actor(adv_norm=NormConfig(mean_level="group", std_level="group", unit="sequence"))
+    b = actor.compute_advantages(_batch())  # group [1, 0] carries signal; group [1, 1] does not
+    stats_tracker.export_all()  # start from an empty tracker
+    with stats_tracker.scope("ppo_actor"):
+        actor._record_batch(b)
+    out = stats_tracker.export_all()
+    assert out["ppo_actor/groups_with_signal"] == pytest.approx(0.5) and out["ppo_actor/n_groups"] == 2.0
+    b["advantages"] = torch.zeros_like(b["advantages"])
+    with stats_tracker.scope("ppo_actor"):
+        actor._record_batch(b)
+    assert stats_tracker.export_all()["ppo_actor/groups_with_signal"] == 0.0
+
+
 def test_kl_reward_and_shaping() -> None:
     b = _batch()
     b["ref_logp"] = torch.full((4, 6), -1.0)

@@ -124,6 +124,18 @@ def normalization_stats(
     return baseline, scale
 
 
+def groups_with_signal(advantages: torch.Tensor, action: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Per group of ``group_size`` consecutive rows: True if any action token has a non-zero advantage.
+
+    A GRPO group whose samples all earned the same reward normalizes to advantage 0 everywhere
+    and moves nothing; the share of True is the share of groups that carried a gradient signal.
+    A batch that is not a whole number of groups is taken row by row.
+    """
+    rows = ((advantages != 0) & action.bool()).reshape(advantages.shape[0], -1).any(dim=1)
+    g = group_size if group_size >= 1 and rows.numel() % group_size == 0 else 1
+    return rows.view(-1, g).any(dim=1)
+
+
 def normalize_advantages(x: torch.Tensor, mask: torch.Tensor, **kwargs: object) -> torch.Tensor:
     """``(x - baseline) / scale`` with the statistics of :func:`normalization_stats` (kwargs); 0 off-mask."""
     baseline, scale = normalization_stats(x, mask, **kwargs)  # type: ignore[arg-type]

@@ -17,7 +17,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
-from tandemrl.algorithms.advantages import gae, normalization_stats, normalize_advantages
+from tandemrl.algorithms.advantages import gae, groups_with_signal, normalization_stats, normalize_advantages
 from tandemrl.algorithms.aggregation import aggregate_loss, aggregation_weight
 from tandemrl.algorithms.constrained import forced_actions, mostly_forced
 from tandemrl.algorithms.kl import kl_estimate, kl_penalty_rewards
@@ -397,6 +397,9 @@ class PPOActor:
             returns=batch["returns"],
             kl_rewards=batch["kl_rewards"],
         )
+        signal = groups_with_signal(batch["advantages"], action, self.config.group_size)
+        stats_tracker.denominator(n_groups=torch.ones_like(signal))
+        stats_tracker.stat("n_groups", ReduceType.AVG, groups_with_signal=signal.float())
         if "versions" in batch:  # staleness per sample, and generations that spanned a weight update
             vs = version_stats(shift_left(batch["versions"], fill=-1), action, self.engine.get_version())
             with stats_tracker.scope("offpolicy"):
