@@ -124,3 +124,39 @@ def test_plot_skips_empty_and_names_bad_line(tmp_path: Path):
     path.write_text('{"step": 1, "rollout/reward": 1.0}\nnot json\n')
     with pytest.raises(ValueError, match=r"stats.jsonl:2: not a JSON line"):
         plot_curves(str(path))
+
+
+def test_curves_show_heldout_truncation_and_signal(tmp_path: Path) -> None:
+    """curves.png's panels: held-out before/after (from the files HeldoutEval writes, with their intervals)
+    at the weight versions scored, the truncation rate and the share of groups with a non-zero advantage."""
+    from tandemrl.configs.utils import HeldoutEvalConfig
+    from tandemrl.trainers.heldout import HeldoutEval, HeldoutScore
+    from tandemrl.trainers.plots import curve_panels, plot_curves
+    from tandemrl.workflows.gsm8k_eval import EvalResult, wilson_interval
+
+    logger = StatsLogger(_config(tmp_path), None)
+    for i, (trunc, signal) in enumerate([(0.5, 0.25), (0.25, 0.75), (0.0, 1.0)]):
+        stats = {"rollout/reward": 0.1 * i, "rollout/truncated": trunc, "actor/ppo_actor/groups_with_signal": signal}
+        logger.commit(0, i, i, stats)
+    logger.close()
+    heldout = HeldoutEval(
+        HeldoutEvalConfig(
+            n=0, path="unused", experiment_name="exp", trial_name="trial0", fileroot=str(tmp_path / "root")
+        ),
+        None,
+    )
+    for tag, version, correct in (("before", 0, 20), ("after", 3, 90)):
+        low, high = wilson_interval(correct, 200)
+        result = EvalResult(200, correct, correct / 200, low, high, 128, True, 1.0)
+        heldout._write(HeldoutScore(tag, version, result))
+    jsonl = str(Path(logger.log_dir) / "stats.jsonl")
+    panels = dict(curve_panels(jsonl))
+    accuracy = dict(panels["greedy accuracy"])
+    _, steps, values, intervals = accuracy["held-out, 200 questions (95% interval)"]
+    assert steps == [0, 3] and values == [0.1, 0.45]
+    assert intervals == [wilson_interval(20, 200), wilson_interval(90, 200)]
+    (_, (key, steps, values, _)), *_ = panels["truncation rate (samples at max_new_tokens)"]
+    assert (key, steps, values) == ("rollout/truncated", [1, 2, 3], [0.5, 0.25, 0.0])
+    (_, (key, steps, values, _)), *_ = panels["groups with a non-zero advantage (share)"]
+    assert (key, values) == ("actor/ppo_actor/groups_with_signal", [0.25, 0.75, 1.0])
+    assert plot_curves(jsonl) == str(Path(logger.log_dir) / "curves.png")
