@@ -308,6 +308,7 @@ YAML_SCHEMAS = {
     EXAMPLES / "arith_sft.yaml": SFTConfig,
     EXAMPLES / "gsm8k_grpo.yaml": GRPOConfig,
     EXAMPLES / "gsm8k_grpo_smollm2.yaml": GRPOConfig,
+    EXAMPLES / "arith_grpo_smollm2.yaml": GRPOConfig,
     EXAMPLES / "gsm8k_judge.yaml": GRPOConfig,
     EXAMPLES / "arith_grpo.yaml": GRPOConfig,
     EXAMPLES / "gsm8k_remax.yaml": GRPOConfig,

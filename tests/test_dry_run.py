@@ -100,15 +100,22 @@ def test_a_guard_stops_the_dry_run_with_its_line(tiny_model_dir: str, gsm8k_dir:
     assert "resolved config" not in proc.stdout and not (tmp_path / "runs").exists()
 
 
-def test_main_job_config_dry_run(gsm8k_dir: str, tmp_path: Path) -> None:
-    """scripts/main.sh's config as shipped: it loads, passes the guards and names the real model."""
+@pytest.mark.parametrize("job", ["arith", "gsm8k"])
+def test_main_job_config_dry_run(job: str, gsm8k_dir: str, tmp_path: Path) -> None:
+    """scripts/main.sh's configs as shipped (the arithmetic main job, and --gsm8k): each loads, passes the
+    guards and names the real model, on the data main.sh gives it (arith: tandemrl.data.arith's output)."""
+    config, data, heldout = "examples/gsm8k_grpo_smollm2.yaml", gsm8k_dir, 200
+    if job == "arith":
+        config, data, heldout = "examples/arith_grpo_smollm2.yaml", str(tmp_path / "arith"), 300
+        subprocess.run([sys.executable, "-m", "tandemrl.data.arith", "--out", data, "--difficulty", "1"], check=True)
     cmd = [sys.executable, "-m", "tandemrl.launchers.local", "examples/gsm8k_grpo.py", "--config"]
-    cmd += ["examples/gsm8k_grpo_smollm2.yaml", "--dry-run", f"train_dataset.path={gsm8k_dir}"]
+    cmd += [config, "--dry-run", f"train_dataset.path={data}"]
     cmd += [f"cluster.fileroot={tmp_path / 'runs'}"]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "samples per step: 64 (x gconfig.n_samples 8)" in proc.stdout, proc.stdout[:3000]
     text = proc.stdout.split("resolved config:\n", 1)[1]
     resolved = yaml.safe_load("\n".join(line for line in text.splitlines() if not line.startswith("[launcher]")))
-    assert resolved["actor"]["engine"]["path"] == "smollm2-135m" and resolved["heldout_eval"]["n"] == 200
+    assert resolved["actor"]["engine"]["path"] == "smollm2-135m" and resolved["heldout_eval"]["n"] == heldout
+    assert resolved["heldout_eval"]["path"] == data
     assert not (tmp_path / "runs").exists()
