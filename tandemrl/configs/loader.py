@@ -61,6 +61,7 @@ __all__ = [
     "list_presets",
     "load_config",
     "preset_path",
+    "read_yaml",
     "register_configs",
     "save_config",
 ]
@@ -341,7 +342,7 @@ def _translate(err: OmegaConfBaseException, schema: type, where: str | None, ori
 
 
 def _check_field_values(obj: Any, prefix: str, origins: _Origins) -> None:
-    """Enforce the ``choices``, ``min`` and ``max`` metadata of schema fields, which OmegaConf itself ignores."""
+    """Enforce the ``choices``, ``min``, ``gt`` (exclusive minimum) and ``max`` metadata of schema fields, which OmegaConf itself ignores."""
     if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
         return
     for f in dataclasses.fields(obj):
@@ -354,6 +355,9 @@ def _check_field_values(obj: Any, prefix: str, origins: _Origins) -> None:
         low = f.metadata.get("min")
         if low is not None and isinstance(value, (int, float)) and value < low:
             raise ConfigError(f"Config key '{key}' {origins.where(key)} must be >= {low}, got {_show(value)}")
+        above = f.metadata.get("gt")
+        if above is not None and isinstance(value, (int, float)) and value <= above:
+            raise ConfigError(f"Config key '{key}' {origins.where(key)} must be > {above}, got {_show(value)}")
         high = f.metadata.get("max")
         if high is not None and isinstance(value, (int, float)) and value > high:
             raise ConfigError(f"Config key '{key}' {origins.where(key)} must be <= {high}, got {_show(value)}")
@@ -388,7 +392,7 @@ def _resolve_config_arg(arg: str) -> tuple[Path, str]:
     return path.resolve(), arg
 
 
-def _read_yaml(path: Path, shown: str) -> dict[str, Any]:
+def read_yaml(path: Path, shown: str) -> dict[str, Any]:
     """Load a YAML file as a plain mapping; syntax errors are reported with their line."""
     try:
         loaded = OmegaConf.load(path)
@@ -592,7 +596,7 @@ def load_config(argv: list[str], schema: type[T]) -> tuple[T, str]:
     config_path = ""
     if config_arg is not None:
         path, shown = _resolve_config_arg(config_arg)
-        cfg = _merge(cfg, _read_yaml(path, shown), schema, f"in {shown}", origins)
+        cfg = _merge(cfg, read_yaml(path, shown), schema, f"in {shown}", origins)
         config_path = str(path)
     if overrides:
         register_configs()
