@@ -343,6 +343,19 @@ def test_yaml_syntax_error_is_the_launchers_one_line(tmp_path: Path) -> None:
     ), proc.stdout
 
 
+def test_bad_data_under_a_tiny_model_is_named_in_data_words(gsm8k_dir: str, tmp_path: Path) -> None:
+    """``tiny:qwen2`` trains its tokenizer on the run's data: the launcher checks that data first, so a file
+    without one usable row is reported as a data error (file, row, field), not as a tokenizer that cannot train."""
+    data = tmp_path / "data"
+    _write_rows(data, [{"prompt": "2+3?", "response": "5"}] * 4)
+    shutil.copy(Path(gsm8k_dir) / "test.jsonl", data / "test.jsonl")
+    args = ["examples/gsm8k_grpo.py", "--config", "examples/gsm8k_grpo.yaml", f"train_dataset.path={data}"]
+    proc = _launch([*args, "actor.engine.path=tiny:qwen2", f"cluster.fileroot={tmp_path / 'runs'}"], timeout=300)
+    assert proc.returncode == 2, proc.stdout
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last == f"error: {data}/train.jsonl: row 0: required field 'question' is missing", last
+
+
 @pytest.mark.slow
 def test_error_on_a_rank_is_the_launchers_last_line(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
     """A prompt over max_length with on_too_long=error is found on the trainer ranks (it needs the tokenizer):
