@@ -82,7 +82,8 @@ def supervise(server: Any, args: argparse.Namespace) -> int:
     from tandemrl.inference.server import crash_cause
 
     cause = crash_cause(server.log_file)
-    print(f"error: {who} exited with code {server.proc.returncode}" + (f": {cause}" if cause else ""), file=sys.stderr)
+    line = f"error: {who} exited with code {server.proc.returncode}" + (f": {cause}" if cause else "")
+    print(line, file=sys.stderr, flush=True)
     return 1
 
 
