@@ -88,7 +88,8 @@ SEQ = [5, 17, 42, 99, 7, 23, 61, 88, 12, 30, 44, 71]
 
 def test_supervised_steps_lower_the_loss_and_futures_resolve_in_submission_order(served: Tinker) -> None:
     """Two fwd/bwd + optim pairs submitted before any result is read: the second forward_backward saw the
-    first optim_step (its loss is lower), and a third forward after them is lower still."""
+    first optim_step (its loss is lower), and a third forward after them is lower still. save_state then
+    load_state (and a new client from that state) bring back the saved adapter after a further step."""
     tc = served.client().create_lora_training_client(base_model=served.base, rank=4).result()
     data = [_datum(SEQ, weights=[1.0] * (len(SEQ) - 1))]
     adam = types.AdamParams(learning_rate=5e-3)
@@ -99,7 +100,17 @@ def test_supervised_steps_lower_the_loss_and_futures_resolve_in_submission_order
     after = -sum(_logprobs(tc, data)[0])
     assert second.metrics["loss:sum"] < first.metrics["loss:sum"]
     assert after < second.metrics["loss:sum"]
+
+    saved = tc.save_state("sl-2").result().path
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(adam).result()
+    assert -sum(_logprobs(tc, data)[0]) < after  # a third step moved on from the checkpoint
+    tc.load_state(saved).result()
+    assert -sum(_logprobs(tc, data)[0]) == pytest.approx(after, abs=1e-4)  # back to the checkpoint
     _unload(tc)
+    resumed = served.client().create_training_client_from_state_with_optimizer(saved).result()
+    assert -sum(_logprobs(resumed, data)[0]) == pytest.approx(after, abs=1e-4)
+    _unload(resumed)
 
 
 def test_two_lora_clients_train_independently_and_is_follows_the_advantage(served: Tinker) -> None:
@@ -167,8 +178,8 @@ def test_errors_are_the_sdks_typed_errors_with_one_line(served: Tinker) -> None:
     sc = served.client()
     with pytest.raises(tinker.NotFoundError, match="base_model: 'nope' is not served here"):
         sc.create_lora_training_client(base_model="nope", rank=4).result()
-    with pytest.raises(tinker.NotFoundError, match="model_path: no saved weights 'tinker://run-nope/"):
-        sc.create_sampling_client(model_path="tinker://run-nope/sampler_weights/x").result()
+    with pytest.raises(tinker.NotFoundError, match="model_path: no saved weights 'tinker://nope:train:0/"):
+        sc.create_sampling_client(model_path="tinker://nope:train:0/sampler_weights/x").result()
     gone = sc.create_lora_training_client(base_model=served.base, rank=4).result()
     _unload(gone)
     with pytest.raises(tinker.NotFoundError, match=f"model_id: unknown model '{gone.model_id}'") as err:

@@ -9,6 +9,7 @@ in submission order; samples run concurrently against vLLM.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import uuid
 from collections.abc import Awaitable, Callable
@@ -43,6 +44,13 @@ class ModelInfo:
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
+
+
+def adapter_shape(directory: str) -> tuple[int, tuple[str, ...]]:
+    """(rank, target module names) of a saved adapter."""
+    with open(os.path.join(directory, "adapter_config.json")) as f:
+        config = json.load(f)
+    return int(config["r"]), tuple(config["target_modules"])
 
 
 class TinkerService:
@@ -92,6 +100,7 @@ class TinkerService:
         done, _ = await asyncio.wait([fut], timeout=wait_s)
         if not done:
             return {"type": "try_again", "request_id": rid, "queue_state": "active"}
+        self.futures.pop(rid, None)  # a result is fetched once
         err = fut.exception()
         if err is not None:
             category = "user" if isinstance(err, ValueError) else "server"
@@ -113,13 +122,7 @@ class TinkerService:
         if not 1 <= rank <= self.trainer.max_rank:
             raise UserError(f"lora_config.rank: {rank} is outside 1..{self.trainer.max_rank} (--max-lora-rank)")
         targets = targets_of(bool(lora.get("train_attn", True)), bool(lora.get("train_mlp", True)))
-        if len(self.models) >= self.max_adapters:
-            raise UserError(
-                f"create_model: {len(self.models)} LoRA training clients are live, the cap (--max-adapters); "
-                "unload one first"
-            )
-        model_id = "run-" + uuid.uuid4().hex[:12]
-        self.models[model_id] = ModelInfo(str(body.get("session_id")), rank)
+        model_id = self._new_model(body, rank)
         seed = lora.get("seed")
 
         def create() -> Result:
@@ -127,6 +130,22 @@ class TinkerService:
             return Result(json={"type": "create_model", "model_id": model_id})
 
         return self._train(create)
+
+    def _new_model(self, body: dict[str, Any], rank: int) -> str:
+        """Register a training client under the id the SDK derives: ``<session>:train:<model_seq_id>``."""
+        if len(self.models) >= self.max_adapters:
+            raise UserError(
+                f"create_model: {len(self.models)} LoRA training clients are live, the cap (--max-adapters); "
+                "unload one first"
+            )
+        session_id = str(body.get("session_id"))
+        if session_id not in self.sessions:
+            raise NotFound(f"session_id: unknown session {session_id!r}")
+        model_id = f"{session_id}:train:{int(body.get('model_seq_id', 0))}"
+        if model_id in self.models:
+            raise UserError(f"model_seq_id: model {model_id!r} exists already")
+        self.models[model_id] = ModelInfo(session_id, rank)
+        return model_id
 
     def get_info(self, model_id: str) -> dict[str, Any]:
         info = self.model(model_id)
@@ -191,14 +210,23 @@ class TinkerService:
         return self._train(run)
 
     def load_weights(self, body: dict[str, Any]) -> dict[str, Any]:
-        model_id = str(body.get("model_id"))
-        self.model(model_id)
+        """Into an existing model (``model_id``), or into a new one (``session_id`` + ``model_seq_id``)."""
         path = str(body.get("path"))
         if path not in self.checkpoints:
             raise NotFound(f"path: no checkpoint {path!r} on this server")
         directory, optimizer = self.checkpoints[path], bool(body.get("optimizer"))
+        created: tuple[int, tuple[str, ...]] | None = None
+        if body.get("model_id") is not None:
+            model_id = str(body["model_id"])
+            self.model(model_id)
+        else:
+            self.check_base(body.get("base_model"))
+            rank, targets = adapter_shape(directory)
+            model_id, created = self._new_model(body, rank), (rank, targets)
 
         def run() -> Result:
+            if created is not None:
+                self.trainer.add(model_id, created[0], created[1], None)
             self.trainer.load_state(model_id, directory, optimizer)
             return Result(json={"type": "load_weights", "path": path, "model_id": model_id})
 
