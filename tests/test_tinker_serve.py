@@ -63,12 +63,20 @@ def served(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
             if proc.poll() is not None:
                 raise RuntimeError(f"tinker-serve exited: {(tmp / 'tinker.log').read_text()[-3000:]}")
             time.sleep(0.5)
-        os.environ["TINKER_TELEMETRY"] = "0"
-        yield Tinker(url, key_file.read_text(), vllm.base_url, tiny_model_dir, tmp / "ckpt", proc)
+        telemetry = os.environ.get("TINKER_TELEMETRY")
+        os.environ["TINKER_TELEMETRY"] = "0"  # this process's SDK clients send none
+        try:
+            yield Tinker(url, key_file.read_text(), vllm.base_url, tiny_model_dir, tmp / "ckpt", proc)
+        finally:
+            if telemetry is None:
+                os.environ.pop("TINKER_TELEMETRY")
+            else:
+                os.environ["TINKER_TELEMETRY"] = telemetry
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(60)
+            log.close()
         vllm.stop()
 
 
