@@ -44,6 +44,7 @@ TIERS: dict[str, str] = {
     "test_reward_service.py": "unit",
     "test_rewards.py": "unit",
     "test_server_args.py": "unit",
+    "test_signal.py": "unit",
     "test_staleness.py": "unit",
     "test_stats_logger.py": "unit",
     "test_tiers.py": "unit",
