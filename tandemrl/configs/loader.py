@@ -17,7 +17,7 @@ import re
 import tempfile
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from pathlib import Path
 from typing import Any, TypeVar
@@ -32,7 +32,8 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from tandemrl.configs.checks import InputsChecked, check_only, configs_seen, first_problem
+from tandemrl.api.allocation import BackendShape
+from tandemrl.configs.checks import InputsChecked, check_only, configs_seen, first_problem, parse_allocation
 from tandemrl.configs.data import DatasetConfig
 from tandemrl.configs.distill import DistillActorConfig, DistillConfig
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
@@ -59,7 +60,7 @@ __all__ = [
     "config_to_dict",
     "exit_on_config_error",
     "list_presets",
-    "load_config",
+    "read_config",
     "preset_path",
     "register_configs",
     "save_config",
@@ -569,17 +570,20 @@ def register_configs() -> None:
         store.store(group=group, name=name, node=node)
 
 
-def load_config(argv: list[str], schema: type[T]) -> tuple[T, str]:
+def read_config(argv: list[str], schema: type[T], backends: Sequence[Mapping[str, BackendShape]]) -> tuple[T, str]:
     """Build a ``schema`` instance from ``argv`` (without the program name).
 
     ``argv`` holds an optional ``--config FILE.yaml`` (or ``--config preset:NAME``) and hydra-style
     overrides.  Returns the dataclass with interpolations resolved, and the absolute YAML path ("" if none).
+    ``allocation_mode`` is parsed once, against ``backends`` (the registries' ``SHAPES``), and the value
+    kept on the config (``configs.experiment.parsed_allocation``). Scripts call
+    ``tandemrl.trainers.entry.load_config``, which passes the registries.
     Values must also fit together (``tandemrl.configs.checks.first_problem``). With
     ``TANDEMRL_CHECK_ONLY=1`` (the launchers' pre-flight) it raises ``InputsChecked`` instead of
     returning; scripts load through ``tandemrl.trainers.entry``, which then checks the inputs too.
     """
     if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
-        raise TypeError(f"load_config needs a dataclass schema, got {schema!r}")
+        raise TypeError(f"read_config needs a dataclass schema, got {schema!r}")
     if check_only():
         configs_seen[0] += 1
     config_arg, overrides = _split_argv(list(argv))
@@ -604,7 +608,7 @@ def load_config(argv: list[str], schema: type[T]) -> tuple[T, str]:
     except OmegaConfBaseException as err:
         raise _translate(err, schema, None, origins) from None
     _check_field_values(obj, "", origins)
-    problem = first_problem(obj)
+    problem = parse_allocation(obj, backends) or first_problem(obj)
     if problem is not None:
         key, message = problem
         raise ConfigError(f"Config key '{key}' {origins.where(key)} {message}")

@@ -12,6 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandemrl.api.allocation import AllocationMode
+from tandemrl.engines.registry import SHAPES as TRAINING_SHAPES
+from tandemrl.inference.registry import SHAPES as INFERENCE_SHAPES
+
+# The backends allocation_mode may name: the two registries' rows, as shapes their classes declare.
+BACKEND_TABLES = (TRAINING_SHAPES, INFERENCE_SHAPES)
 
 # Keys that may hold the policy model, in the order they are looked for.
 MODEL_KEYS = ("actor.engine.path", "model.path")
@@ -97,7 +102,7 @@ def read_launch_spec(config_path: str | None, overrides: list[str]) -> LaunchSpe
     alloc_str = _get(cfg, "allocation_mode")
     if not alloc_str:
         raise ValueError(f"allocation_mode is not set in {config_path or 'the overrides'}")
-    alloc = AllocationMode.from_str(str(alloc_str))
+    alloc = AllocationMode.from_str(str(alloc_str), *BACKEND_TABLES)
     if alloc.train is None:
         raise ValueError(f"allocation_mode '{alloc_str}' has no training component")
     model_key, model_path = MODEL_KEYS[0], ""
@@ -151,7 +156,10 @@ def _aux_servers(cfg: Any, alloc: AllocationMode) -> list[AuxServer]:
         raise ValueError("config key 'aux_servers' must map server names to {path, server_args}")
     paths = {str(name): str(v.get("path") or "") for name, v in table.items()}
     problem = service_problem(
-        str(alloc), paths, str(_get(cfg, "reward_service.judge", "")), str(_get(cfg, "reward_service.url", ""))
+        AllocationMode(alloc.components, str(alloc)),
+        paths,
+        str(_get(cfg, "reward_service.judge", "")),
+        str(_get(cfg, "reward_service.url", "")),
     )
     if problem is not None:
         raise ValueError(f"config key '{problem[0]}' {problem[1]}")
