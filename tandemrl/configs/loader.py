@@ -61,6 +61,7 @@ __all__ = [
     "exit_on_config_error",
     "list_presets",
     "read_config",
+    "read_known_keys",
     "preset_path",
     "register_configs",
     "save_config",
@@ -615,6 +616,45 @@ def read_config(argv: list[str], schema: type[T], backends: Sequence[Mapping[str
     if check_only():
         raise InputsChecked(config_path, obj)
     return typing.cast(T, obj), config_path
+
+
+def _known(data: Any, annotation: Any) -> Any:
+    """``data`` without the keys ``annotation`` (a dataclass, or a dict of them) lacks, at any depth."""
+    inner, _ = _unwrap_optional(annotation)
+    if not isinstance(data, Mapping) or not dataclasses.is_dataclass(inner):
+        return data
+    fields = _field_types(inner)
+    return {k: _known(v, fields[k]) for k, v in data.items() if isinstance(k, str) and k in fields}
+
+
+def read_known_keys(argv: list[str], schema: type[T], backends: Sequence[Mapping[str, BackendShape]]) -> T:
+    """The part of a script's config that ``schema`` declares, typed and checked as :func:`read_config` does.
+
+    For a reader that knows only some of a script's keys (the launchers): keys ``schema`` lacks are
+    left out instead of refused, and values are not checked against each other (the script's own
+    pre-flight does both). ``allocation_mode`` is parsed against ``backends`` and kept, as there.
+    """
+    config_arg, overrides = _split_argv(list(argv))
+    origins = _Origins()
+    cfg = OmegaConf.structured(schema)
+    if config_arg is not None:
+        path, shown = _resolve_config_arg(config_arg)
+        cfg = _merge(cfg, _known(_read_yaml(path, shown), schema), schema, f"in {shown}", origins)
+    if overrides:
+        register_configs()
+    for token in overrides:
+        key = token.lstrip("+~").split("=", 1)[0]
+        if _annotation_at(schema, key) is not None:
+            cfg = _apply_override(cfg, token, schema, origins)
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as err:
+        raise _translate(err, schema, None, origins) from None
+    _check_field_values(obj, "", origins)
+    problem = parse_allocation(obj, backends)
+    if problem is not None:
+        raise ConfigError(f"Config key '{problem[0]}' {origins.where(problem[0])} {problem[1]}")
+    return typing.cast(T, obj)
 
 
 F = TypeVar("F", bound=Callable[..., Any])
