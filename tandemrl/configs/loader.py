@@ -587,35 +587,20 @@ def read_config(argv: list[str], schema: type[T], backends: Sequence[Mapping[str
         raise TypeError(f"read_config needs a dataclass schema, got {schema!r}")
     if check_only():
         configs_seen[0] += 1
-    config_arg, overrides = _split_argv(list(argv))
-    origins = _Origins()
-    try:
-        cfg = OmegaConf.structured(schema)
-    except OmegaConfBaseException as err:
-        raise ConfigError(f"Schema {schema.__name__} is not a valid structured config: {_first_line(err)}") from None
-
-    config_path = ""
-    if config_arg is not None:
-        path, shown = _resolve_config_arg(config_arg)
-        cfg = _merge(cfg, _read_yaml(path, shown), schema, f"in {shown}", origins)
-        config_path = str(path)
-    if overrides:
-        register_configs()
-    for token in overrides:
-        cfg = _apply_override(cfg, token, schema, origins)
-
-    try:
-        obj = OmegaConf.to_object(cfg)
-    except OmegaConfBaseException as err:
-        raise _translate(err, schema, None, origins) from None
-    _check_field_values(obj, "", origins)
-    problem = parse_allocation(obj, backends) or first_problem(obj)
-    if problem is not None:
-        key, message = problem
-        raise ConfigError(f"Config key '{key}' {origins.where(key)} {message}")
+    obj, config_path = _build(argv, schema, backends, known_only=False)
     if check_only():
         raise InputsChecked(config_path, obj)
-    return typing.cast(T, obj), config_path
+    return obj, config_path
+
+
+def read_known_keys(argv: list[str], schema: type[T], backends: Sequence[Mapping[str, BackendShape]]) -> T:
+    """The part of a script's config that ``schema`` declares, typed and checked as :func:`read_config` does.
+
+    For a reader that knows only some of a script's keys (the launchers): keys ``schema`` lacks are
+    left out instead of refused, and values are not checked against each other (the script's own
+    pre-flight does both). ``allocation_mode`` is parsed against ``backends`` and kept, as there.
+    """
+    return _build(argv, schema, backends, known_only=True)[0]
 
 
 def _known(data: Any, annotation: Any) -> Any:
@@ -627,34 +612,40 @@ def _known(data: Any, annotation: Any) -> Any:
     return {k: _known(v, fields[k]) for k, v in data.items() if isinstance(k, str) and k in fields}
 
 
-def read_known_keys(argv: list[str], schema: type[T], backends: Sequence[Mapping[str, BackendShape]]) -> T:
-    """The part of a script's config that ``schema`` declares, typed and checked as :func:`read_config` does.
-
-    For a reader that knows only some of a script's keys (the launchers): keys ``schema`` lacks are
-    left out instead of refused, and values are not checked against each other (the script's own
-    pre-flight does both). ``allocation_mode`` is parsed against ``backends`` and kept, as there.
-    """
+def _build(
+    argv: list[str], schema: type[T], backends: Sequence[Mapping[str, BackendShape]], known_only: bool
+) -> tuple[T, str]:
+    """Defaults < YAML < overrides, typed and checked; ``known_only`` drops the keys ``schema`` lacks and
+    skips the checks of values against each other."""
     config_arg, overrides = _split_argv(list(argv))
     origins = _Origins()
-    cfg = OmegaConf.structured(schema)
+    try:
+        cfg = OmegaConf.structured(schema)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"Schema {schema.__name__} is not a valid structured config: {_first_line(err)}") from None
+
+    config_path = ""
     if config_arg is not None:
         path, shown = _resolve_config_arg(config_arg)
-        cfg = _merge(cfg, _known(_read_yaml(path, shown), schema), schema, f"in {shown}", origins)
+        data = _read_yaml(path, shown)
+        cfg = _merge(cfg, _known(data, schema) if known_only else data, schema, f"in {shown}", origins)
+        config_path = str(path)
     if overrides:
         register_configs()
     for token in overrides:
-        key = token.lstrip("+~").split("=", 1)[0]
-        if _annotation_at(schema, key) is not None:
+        if not known_only or _annotation_at(schema, token.lstrip("+~").split("=", 1)[0]) is not None:
             cfg = _apply_override(cfg, token, schema, origins)
+
     try:
         obj = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as err:
         raise _translate(err, schema, None, origins) from None
     _check_field_values(obj, "", origins)
-    problem = parse_allocation(obj, backends)
+    problem = parse_allocation(obj, backends) or (None if known_only else first_problem(obj))
     if problem is not None:
-        raise ConfigError(f"Config key '{problem[0]}' {origins.where(problem[0])} {problem[1]}")
-    return typing.cast(T, obj)
+        key, message = problem
+        raise ConfigError(f"Config key '{key}' {origins.where(key)} {message}")
+    return typing.cast(T, obj), config_path
 
 
 F = TypeVar("F", bound=Callable[..., Any])
