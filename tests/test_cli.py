@@ -29,9 +29,11 @@ def test_eval_help_comes_from_the_eval_module() -> None:
 
 def test_bad_commands_are_one_line_errors() -> None:
     for args, needle in (
-        (("trian",), "error: unknown command 'trian' (one of: run, ray, slurm, eval, serve, bench)"),
+        (("trian",), "error: unknown command 'trian' (one of: run, ray, slurm, eval, serve, tinker-serve, bench)"),
         (("bench", "nope"), "error: bench 'nope': no "),
         (("bench",), "error: tandemrl bench NAME [args]: give a bench name"),
+        (("tinker-serve", "--model", "/nope"), "error: --model: model directory not found: /nope"),
+        (("tinker-serve", "--model", "x", "--api-key", "k"), "error: --api-key: the tinker SDK accepts only keys"),
     ):
         proc = _tandemrl(*args)
         assert proc.returncode == 2 and proc.stderr.startswith(needle) and proc.stderr.count("\n") == 1, proc.stderr
