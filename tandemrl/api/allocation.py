@@ -40,7 +40,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from tandemrl.api.types import ParallelStrategy
 
@@ -73,7 +73,7 @@ class LazyShapes(Mapping[str, BackendShape]):
     """A registry's rows (name -> ``"module:Class"`` or a class) seen as shapes: a row's class is
     imported, and its declared ``parallel_dims`` / ``moe_hybrid`` read, only when that name is looked up."""
 
-    def __init__(self, kind: Literal["training", "inference"], rows: Mapping[str, object], load: Callable[[str], type]):
+    def __init__(self, kind: Literal["training", "inference"], rows: Mapping[str, object], load: Callable[[str], Any]):
         self._kind, self._rows, self._load = kind, rows, load
 
     def __getitem__(self, name: str) -> BackendShape:
