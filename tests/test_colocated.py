@@ -23,7 +23,7 @@ from tandemrl.inference.remote import RemoteInfEngine
 from tandemrl.inference.request_log import read_request_log
 from tandemrl.inference.sglang import SGLangBackend
 from tandemrl.inference.vllm import VLLMBackend
-from tandemrl.launchers.placement import RankSlot, plan_colocated, plan_placement
+from tandemrl.launchers.placement import RankSlot, oversubscription, plan_colocated, plan_placement
 from tandemrl.trainers.entry import parse_allocation
 from tandemrl.trainers.turns import TURNS_FILE
 
@@ -36,6 +36,17 @@ def test_cpu_disaggregated_keeps_one_thread_per_rank_and_vllm_binding() -> None:
     assert not plan.colocated
     assert plan.server_env == [{}] and plan.server_flags == {}
     assert plan.trainer_env == {"OMP_NUM_THREADS": "1"}
+
+
+def test_more_cpu_devices_than_cores_is_one_warning() -> None:
+    """4 devices apart (1 server + 3 trainer ranks) on 2 cores: a warning naming both counts; none when they
+    fit, on GPUs, or colocated (the sides take turns on the same cores by design)."""
+    crowded = oversubscription(parse_allocation("vllm:d1+fsdp:d3"), [], [0, 1])
+    assert crowded is not None and "\n" not in crowded
+    assert crowded.startswith("allocation_mode 'vllm:d1+fsdp:d3' places 4 CPU devices (one process each) on 2 cores")
+    assert oversubscription(parse_allocation("vllm:d1+fsdp:d1"), [], [0, 1]) is None
+    assert oversubscription(parse_allocation("vllm:d1+fsdp:d3"), ["0", "1", "2", "3"], [0, 1]) is None
+    assert oversubscription(parse_allocation("vllm:d2|fsdp:d2"), [], [0, 1]) is None
 
 
 @pytest.mark.parametrize(

@@ -122,11 +122,12 @@ def _groups_fit(config: Any, dp: int) -> Problem | None:
                 f"(train_dataset.batch_size={train.batch_size} / {dp} data-parallel ranks "
                 f"x gconfig.n_samples={gconfig.n_samples})",
             )
-        if cfg.ppo_n_minibatches > per_rank // cfg.group_size:
+        groups = per_rank // cfg.group_size
+        if cfg.ppo_n_minibatches > groups or groups % cfg.ppo_n_minibatches:
             return (
                 f"{key}.ppo_n_minibatches",
-                f"must be at most the {per_rank // cfg.group_size} groups of group_size={cfg.group_size} "
-                f"in each rank's batch of {per_rank} sequences, got {cfg.ppo_n_minibatches}",
+                f"must divide the {groups} groups of group_size={cfg.group_size} in each rank's batch of "
+                f"{per_rank} sequences into equal minibatches, got {cfg.ppo_n_minibatches}",
             )
     return None
 

@@ -113,6 +113,15 @@ class GRPOConfig(BaseExperimentConfig):
         default=10,
         metadata={"help": "With weight_update_delta: send every N-th update whole (an anchor).", "min": 1},
     )
+    warn_no_signal_steps: int = field(
+        default=3,
+        metadata={
+            "help": "Warn once when this many steps in a row carried no learning signal (every advantage 0, or "
+            "grad_norm 0): no group had samples with different rewards, so the model does not change. The "
+            "closing line counts such steps either way. 0 turns the warning off.",
+            "min": 0,
+        },
+    )
     gconfig: GenerationHyperparameters = field(default_factory=GenerationHyperparameters)
     rollout: InferenceEngineConfig = field(default_factory=InferenceEngineConfig)
     actor: PPOActorConfig = field(default_factory=PPOActorConfig)

@@ -63,6 +63,7 @@ __all__ = [
     "read_config",
     "read_known_keys",
     "preset_path",
+    "read_yaml",
     "register_configs",
     "save_config",
 ]
@@ -343,7 +344,7 @@ def _translate(err: OmegaConfBaseException, schema: type, where: str | None, ori
 
 
 def _check_field_values(obj: Any, prefix: str, origins: _Origins) -> None:
-    """Enforce the ``choices``, ``min`` and ``max`` metadata of schema fields, which OmegaConf itself ignores."""
+    """Enforce the ``choices``, ``min``, ``gt`` (exclusive minimum) and ``max`` metadata of schema fields, which OmegaConf itself ignores."""
     if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
         return
     for f in dataclasses.fields(obj):
@@ -356,6 +357,9 @@ def _check_field_values(obj: Any, prefix: str, origins: _Origins) -> None:
         low = f.metadata.get("min")
         if low is not None and isinstance(value, (int, float)) and value < low:
             raise ConfigError(f"Config key '{key}' {origins.where(key)} must be >= {low}, got {_show(value)}")
+        above = f.metadata.get("gt")
+        if above is not None and isinstance(value, (int, float)) and value <= above:
+            raise ConfigError(f"Config key '{key}' {origins.where(key)} must be > {above}, got {_show(value)}")
         high = f.metadata.get("max")
         if high is not None and isinstance(value, (int, float)) and value > high:
             raise ConfigError(f"Config key '{key}' {origins.where(key)} must be <= {high}, got {_show(value)}")
@@ -390,7 +394,7 @@ def _resolve_config_arg(arg: str) -> tuple[Path, str]:
     return path.resolve(), arg
 
 
-def _read_yaml(path: Path, shown: str) -> dict[str, Any]:
+def read_yaml(path: Path, shown: str) -> dict[str, Any]:
     """Load a YAML file as a plain mapping; syntax errors are reported with their line."""
     try:
         loaded = OmegaConf.load(path)
@@ -627,7 +631,7 @@ def _build(
     config_path = ""
     if config_arg is not None:
         path, shown = _resolve_config_arg(config_arg)
-        data = _read_yaml(path, shown)
+        data = read_yaml(path, shown)
         cfg = _merge(cfg, _known(data, schema) if known_only else data, schema, f"in {shown}", origins)
         config_path = str(path)
     if overrides:

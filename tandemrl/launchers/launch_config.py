@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from tandemrl.api.allocation import AllocationMode
@@ -81,14 +82,14 @@ class LaunchSpec:
 def _load(config_path: str | None, overrides: list[str]) -> Any:
     from omegaconf import OmegaConf
 
-    from tandemrl.configs.loader import PRESET_PREFIX, preset_path
+    from tandemrl.configs.loader import PRESET_PREFIX, preset_path, read_yaml
 
     base = OmegaConf.create()
     if config_path:
         path = preset_path(config_path[len(PRESET_PREFIX) :]) if config_path.startswith(PRESET_PREFIX) else config_path
         if not os.path.isfile(path):
             raise FileNotFoundError(f"config file not found: {config_path}")
-        base = OmegaConf.load(path)
+        base = OmegaConf.create(read_yaml(Path(path), config_path))  # a syntax error: one line with its line
     dotlist = [o.lstrip("+") for o in overrides if "=" in o and not o.startswith("~")]
     try:
         return OmegaConf.merge(base, OmegaConf.from_dotlist(dotlist))

@@ -10,6 +10,7 @@ those checks need ``data`` and ``models``.
 
 from __future__ import annotations
 
+import os
 from typing import Any, TypeVar, cast
 
 from tandemrl.api.allocation import AllocationMode
@@ -20,6 +21,7 @@ from tandemrl.configs.loader import ConfigError, read_config
 from tandemrl.data.loader import check_dataset_inputs
 from tandemrl.engines.registry import SHAPES as TRAINING_SHAPES
 from tandemrl.inference.registry import SHAPES as INFERENCE_SHAPES
+from tandemrl.models.hf import check_tokenizer_dir
 from tandemrl.models.resolve import resolve_model_path
 from tandemrl.trainers.determinism import enable_determinism
 from tandemrl.utils.cli import exit_with_error
@@ -61,14 +63,34 @@ def _at(config: Any, key: str) -> Any:
     return config
 
 
+def _check_servers(config: Any) -> None:
+    """An RL config generates on inference servers: an allocation_mode without them cannot run."""
+    from tandemrl.api.allocation import AllocationMode
+    from tandemrl.configs.experiment import GRPOConfig
+
+    if not isinstance(config, GRPOConfig):
+        return
+    mode = config.allocation_mode
+    if AllocationMode.from_str(mode).gen is None:
+        raise ValueError(
+            f"allocation_mode: '{mode}' has no inference component, but {type(config).__name__} generates its "
+            f"samples on inference servers: e.g. 'vllm:d1+{mode}' (servers apart) or 'vllm:d1|{mode}' (colocated)"
+        )
+
+
 def check_inputs(config: Any) -> None:
     """Model paths and dataset files the config points to; raises one line naming the key or file."""
+    _check_servers(config)
     for key in _ENGINE_KEYS:
         path = getattr(_at(config, key), "path", None)
         if not isinstance(path, str):
             continue
         if path or key in _REQUIRED_ENGINES:
             resolve_model_path(path, f"{key}.path", build=False)  # tiny: / smollm2: checked, not built
+        tokenizer = getattr(_at(config, key), "tokenizer_path", "")
+        if tokenizer:
+            check_tokenizer_dir(tokenizer, f"{key}.tokenizer_path")
+    _check_run_tokenizer(config)
     for key in _DATASET_KEYS:
         ds = getattr(config, key, None)
         if isinstance(ds, DatasetConfig):
@@ -76,6 +98,18 @@ def check_inputs(config: Any) -> None:
                 check_dataset_inputs(ds)
             except FileNotFoundError as err:
                 raise FileNotFoundError(f"{key}.path: {err}") from None
+
+
+def _check_run_tokenizer(config: Any) -> None:
+    """The tokenizer the trainer loads: ``tokenizer_path``, else the policy model's own directory."""
+    if getattr(config, "tokenizer_path", ""):
+        check_tokenizer_dir(config.tokenizer_path, "tokenizer_path")
+        return
+    for key in _REQUIRED_ENGINES:
+        path = getattr(_at(config, key), "path", None)
+        if isinstance(path, str) and path and os.path.isdir(os.path.expanduser(path)):
+            check_tokenizer_dir(path, f"{key}.path")
+            return
 
 
 def load_script_config(argv: list[str], schema: type[T]) -> tuple[T, str]:

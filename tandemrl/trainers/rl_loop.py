@@ -63,6 +63,7 @@ from tandemrl.trainers.heldout import HeldoutEval
 from tandemrl.trainers.pipeline_metrics import pipeline_shares, record_staleness
 from tandemrl.trainers.prompt_log import log_prompt_ids
 from tandemrl.trainers.saver import final_outputs_line
+from tandemrl.trainers.signal import SignalWatch
 from tandemrl.trainers.time_split import add_step_timings, format_time_split
 from tandemrl.trainers.turns import TurnTaker
 from tandemrl.utils import stats_tracker
@@ -194,6 +195,7 @@ class RLTrainer(TrainerBase[GRPOConfig]):
         self.turns = TurnTaker(self.client, alloc.colocated(alloc.gen, alloc.train), self.logger.log_dir)
         self._save_config()
         self.summary = RunSummary()
+        self.signal = SignalWatch(config.warn_no_signal_steps)
 
     # ------------------------------------------------------------------ parts
     def add_engine(self, engine_config: TrainEngineConfig, key: str) -> TrainEngine:
@@ -419,6 +421,9 @@ class RLTrainer(TrainerBase[GRPOConfig]):
         reward = stats.get("rollout/reward")
         if reward is not None:
             self.summary.rewards.append(reward)
+        warning = self.signal.observe(stats)
+        if warning is not None and dist.get_rank() == 0:
+            print(f"{self.name} {warning}", flush=True)
 
     def _print_summary(self) -> None:
         if dist.get_rank() != 0:
@@ -430,7 +435,8 @@ class RLTrainer(TrainerBase[GRPOConfig]):
         print(
             f"{self.name} done: {s.steps} steps in {secs:.0f} s; reward {_mean(head):.3f} (first steps) -> "
             f"{_mean(tail):.3f} (last steps); throughput {s.n_samples / secs:.2f} samples/s, "
-            f"{s.n_tokens / secs:.0f} generated tokens/s; logs in {self.logger.log_dir}; checkpoints under {root}",
+            f"{s.n_tokens / secs:.0f} generated tokens/s; logs in {self.logger.log_dir}; checkpoints under {root}"
+            + (f"; {self.signal.closing()}" if self.signal.closing() else ""),
             flush=True,
         )
         print(f"{self.name} {format_time_split(s.phase_seconds)}", flush=True)
