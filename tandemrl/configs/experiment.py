@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tandemrl.configs.data import DatasetConfig
 from tandemrl.configs.engine import TrainEngineConfig
@@ -17,6 +18,9 @@ from tandemrl.configs.utils import (
     SaverConfig,
     StatsLoggerConfig,
 )
+
+if TYPE_CHECKING:
+    from tandemrl.api.allocation import AllocationMode
 
 
 @dataclass
@@ -48,6 +52,22 @@ class BaseExperimentConfig:
     recover: RecoverConfig = field(default_factory=RecoverConfig)
     evaluator: EvaluatorConfig = field(default_factory=EvaluatorConfig)
     stats_logger: StatsLoggerConfig = field(default_factory=StatsLoggerConfig)
+
+
+_PARSED = "_parsed_allocation"  # where keep_allocation leaves the parse on a config object
+
+
+def keep_allocation(config: object, alloc: AllocationMode) -> None:
+    """Keep ``alloc``, the parse of ``config.allocation_mode``, on the config (the loader parses it once)."""
+    config.__dict__[_PARSED] = alloc
+
+
+def parsed_allocation(config: object) -> AllocationMode | None:
+    """The loader's parse of ``config.allocation_mode``; None if the config was not loaded or the string changed since."""
+    alloc: AllocationMode | None = config.__dict__.get(_PARSED)
+    if alloc is None or alloc.spec != getattr(config, "allocation_mode", None):
+        return None
+    return alloc
 
 
 @dataclass

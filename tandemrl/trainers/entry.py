@@ -1,6 +1,8 @@
 """A training script's entry: load its config, and in the launchers' pre-flight check what it points to.
 
-``load_script_config`` is ``tandemrl.configs.loader.load_config`` plus, in a check-only run
+``load_config`` is ``tandemrl.configs.loader.read_config`` with the backend registries, so
+``allocation_mode`` is parsed once, against the backends that exist (``allocation_of`` gives the
+typed value). ``load_script_config`` is ``load_config`` plus, in a check-only run
 (``TANDEMRL_CHECK_ONLY=1``, see ``tandemrl.launchers.check``), a look at the model directories
 and dataset files the config names before the script stops. It lives above ``configs`` because
 those checks need ``data`` and ``models``.
@@ -11,10 +13,14 @@ from __future__ import annotations
 import os
 from typing import Any, TypeVar, cast
 
+from tandemrl.api.allocation import AllocationMode
 from tandemrl.configs.checks import InputsChecked
 from tandemrl.configs.data import DatasetConfig
-from tandemrl.configs.loader import ConfigError, load_config
+from tandemrl.configs.experiment import keep_allocation, parsed_allocation
+from tandemrl.configs.loader import ConfigError, read_config
 from tandemrl.data.loader import check_dataset_inputs
+from tandemrl.engines.registry import SHAPES as TRAINING_SHAPES
+from tandemrl.inference.registry import SHAPES as INFERENCE_SHAPES
 from tandemrl.models.hf import check_tokenizer_dir
 from tandemrl.models.resolve import resolve_model_path
 from tandemrl.trainers.determinism import enable_determinism
@@ -26,6 +32,29 @@ T = TypeVar("T")
 _ENGINE_KEYS = ("actor.engine", "model", "ref", "critic.engine")
 _REQUIRED_ENGINES = ("actor.engine", "model")  # ref and critic default to the actor's path
 _DATASET_KEYS = ("train_dataset", "valid_dataset")
+
+
+# The backends allocation_mode may name: the two registries' rows, as shapes their classes declare.
+BACKEND_TABLES = (TRAINING_SHAPES, INFERENCE_SHAPES)
+
+
+def load_config(argv: list[str], schema: type[T]) -> tuple[T, str]:
+    """``read_config`` against the backend registries: the typed config and its YAML path ("" if none)."""
+    return read_config(argv, schema, BACKEND_TABLES)
+
+
+def parse_allocation(spec: str) -> AllocationMode:
+    """``spec`` parsed against the backend registries (``AllocationValidationError`` names a bad token)."""
+    return AllocationMode.from_str(spec, *BACKEND_TABLES)
+
+
+def allocation_of(config: Any) -> AllocationMode:
+    """The typed ``allocation_mode`` of ``config``: the loader's parse, else parsed now (and kept)."""
+    alloc = parsed_allocation(config)
+    if alloc is None:
+        alloc = parse_allocation(config.allocation_mode)
+        keep_allocation(config, alloc)
+    return alloc
 
 
 def _at(config: Any, key: str) -> Any:

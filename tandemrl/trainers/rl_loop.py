@@ -52,12 +52,13 @@ from tandemrl.configs.engine import TrainEngineConfig
 from tandemrl.configs.experiment import async_enabled
 from tandemrl.data.loader import cycle_batches
 from tandemrl.engines.registry import make_engine
-from tandemrl.inference.remote import remote_engine_for
+from tandemrl.inference.remote import RemoteInfEngine
 from tandemrl.models.resolve import resolve_model_path
 from tandemrl.rewards.runner import RewardFn
 from tandemrl.rollout.controller import RolloutController
 from tandemrl.rollout.ledger import LedgerTotals, Tally
 from tandemrl.trainers.base import TrainerBase
+from tandemrl.trainers.entry import allocation_of
 from tandemrl.trainers.heldout import HeldoutEval
 from tandemrl.trainers.pipeline_metrics import pipeline_shares, record_staleness
 from tandemrl.trainers.prompt_log import log_prompt_ids
@@ -162,7 +163,7 @@ class RLTrainer(TrainerBase[GRPOConfig]):
     """
 
     def __init__(self, config: GRPOConfig, name: str = "grpo") -> None:
-        alloc = AllocationMode.from_str(config.allocation_mode)
+        alloc = allocation_of(config)
         if alloc.train is None or alloc.gen is None:
             raise ValueError(f"allocation_mode: '{config.allocation_mode}' needs an inference and a training component")
         self.config, self.alloc, self.name = config, alloc, name
@@ -170,7 +171,7 @@ class RLTrainer(TrainerBase[GRPOConfig]):
         self._reward_service: Any = None  # a RemoteReward, closed with the trainer
 
         # Each trainer rank runs its own client; servers come from the launcher's environment.
-        self.client = remote_engine_for(alloc.gen_backend, config.rollout)
+        self.client = RemoteInfEngine.for_backend(alloc.gen_backend, config.rollout)
         self.client.initialize()
         self.meta = weight_update_meta(config, alloc)
         eval_stats = EVAL_STATS if self.valid_dl is not None else None
