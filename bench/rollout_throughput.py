@@ -138,7 +138,7 @@ def run(a: argparse.Namespace) -> None:
     from transformers import AutoConfig
 
     from tandemrl.configs.rollout import InferenceEngineConfig
-    from tandemrl.inference.remote import RemoteVLLMEngine
+    from tandemrl.inference.remote import RemoteInfEngine
 
     server = None
     model = a.model
@@ -162,7 +162,7 @@ def run(a: argparse.Namespace) -> None:
         prompts = make_prompts(a, vocab)
         # The rollout defaults (request_retries=3: the keep-alive session that generation uses in training;
         # request_retries=0 would open a new connection per request).
-        engine = RemoteVLLMEngine(InferenceEngineConfig(setup_timeout=60.0))
+        engine = RemoteInfEngine.for_backend("vllm", InferenceEngineConfig(setup_timeout=60.0))
         engine.initialize([addr])
         print(
             f"server {addr} model {model}\n{a.prompts} prompts x {a.prompt_len} tokens, {a.new_tokens} new tokens, "

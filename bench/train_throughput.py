@@ -42,7 +42,6 @@ import torch
 import torch.distributed as dist
 
 from tandemrl.algorithms.lm import LMEngine
-from tandemrl.api.allocation import AllocationMode
 from tandemrl.api.types import FinetuneSpec, TensorDict
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from tandemrl.engines.base import BaseTrainEngine
@@ -50,6 +49,7 @@ from tandemrl.engines.fsdp import FSDPEngine
 from tandemrl.engines.registry import make_engine
 from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.models.functional import gather_logprobs
+from tandemrl.trainers.entry import parse_allocation
 
 try:  # run as a script (python bench/train_throughput.py): bench/ is on sys.path
     from mfu import bf16_peak_flops, matmul_params, train_flops
@@ -196,7 +196,7 @@ def build_engine(
     )
     world = dist.get_world_size() if dist.is_initialized() else 1
     e = make_engine(a.backend, cfg)
-    e.create_process_group(AllocationMode.from_str(f"{a.backend}:d{world}").train.strategy)
+    e.create_process_group(parse_allocation(f"{a.backend}:d{world}").train.strategy)
     e.initialize(
         None, FinetuneSpec(total_train_epochs=1, dataset_size=n_steps * a.batch_size, train_batch_size=a.batch_size)
     )

@@ -204,7 +204,7 @@ def trl_args(w: Workload, output_dir: str, extra: list[str]) -> dict[str, Any]:
 def tandemrl_config(w: Workload, fileroot: str, extra: list[str]) -> Any:
     """The GRPOConfig the launcher will run, loaded by tandemrl's own config loader."""
     from tandemrl.configs import GRPOConfig
-    from tandemrl.configs.loader import load_config
+    from tandemrl.trainers.entry import load_config
 
     argv = ["--config", str(REPO / MAIN_JOB_CONFIG), *tandemrl_overrides(w, fileroot, extra)]
     return load_config(argv, GRPOConfig)[0]

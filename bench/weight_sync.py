@@ -116,16 +116,16 @@ def sft_step(engine: Any, vocab: int, seed: int) -> None:
 def run(a: argparse.Namespace) -> None:
     import torch
 
-    from tandemrl.api.allocation import AllocationMode
     from tandemrl.api.types import FinetuneSpec
     from tandemrl.configs.engine import OptimizerConfig, TrainEngineConfig
     from tandemrl.configs.rollout import InferenceEngineConfig
     from tandemrl.engines.registry import make_engine
     from tandemrl.engines.teardown import destroy_process_groups
-    from tandemrl.inference.remote import RemoteVLLMEngine
+    from tandemrl.inference.remote import RemoteInfEngine
     from tandemrl.inference.server import launch_server
     from tandemrl.inference.vllm import VLLMBackend
     from tandemrl.rollout.controller import RolloutController
+    from tandemrl.trainers.entry import parse_allocation
     from tandemrl.weights import push
     from tandemrl.weights.plan import collective_update
 
@@ -139,15 +139,17 @@ def run(a: argparse.Namespace) -> None:
         init_single_process_group()
         cfg = TrainEngineConfig(path=model, optimizer=OptimizerConfig(lr=a.lr, gradient_clipping=0.0))
         engine = make_engine("fsdp", cfg)
-        engine.create_process_group(AllocationMode.from_str("fsdp:d1").train.strategy)
+        engine.create_process_group(parse_allocation("fsdp:d1").train.strategy)
         engine.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=64, train_batch_size=8))
         n_params = sum(t.numel() for _, t in engine.iter_hf_params())
         vocab = int(engine.model_config.vocab_size)
         print(f"server healthy after {server.wait_healthy(900):.0f}s; {n_params / 1e6:.1f}M parameters", flush=True)
-        client = RemoteVLLMEngine(InferenceEngineConfig(request_retries=0, setup_timeout=60.0, request_timeout=600.0))
+        client = RemoteInfEngine.for_backend(
+            "vllm", InferenceEngineConfig(request_retries=0, setup_timeout=60.0, request_timeout=600.0)
+        )
         client.initialize([server.address])
         meta = collective_update(
-            AllocationMode.from_str("vllm:d1+fsdp:d1"), group_addr="127.0.0.1", comm_backend="gloo",
+            parse_allocation("vllm:d1+fsdp:d1"), group_addr="127.0.0.1", comm_backend="gloo",
             bucket_size_mb=a.bucket_mb, anchor_every=10**6, dtype=a.send_dtype,
         )  # fmt: skip
         controller = RolloutController(client, engine, client.config, meta)

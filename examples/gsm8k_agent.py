@@ -87,6 +87,8 @@ def main(argv: list[str]) -> None:
     config, _ = load_config_or_exit(argv, AgentGRPOConfig)
     trainer = RLTrainer(config, name="grpo-agent")
     actor = PPOActor(config.actor, trainer.actor)
+    # config.agent is the agent section (AgentConfig: proxy and episode settings); its field `agent` names the
+    # agent function, 'module:function' (agent.agent=my_pkg.agents:run on the command line); empty: this file's.
     agent = config.agent.agent or calculator_agent
     workflow = AgentWorkflow(agent, trainer.gconfig, trainer.tokenizer, config.agent)
     _, eval_workflow = trainer.rlvr_workflows(gsm8k_reward_fn)

@@ -163,13 +163,13 @@ def parity_vocab_skip(model: str) -> str:
 
 def parity_checks(n_dev: int) -> list[Check]:
     """The table's rows fitted to ``n_dev`` devices (see the module docstring)."""
-    from tandemrl.api.allocation import AllocationMode
+    from tandemrl.trainers.entry import parse_allocation
 
     out = []
     for case in parity_table()[0]:
         if case.get("model", "qwen2") != "qwen2":
             continue  # rows of another model (the tiny Llama) run in tests/test_backend_parity.py only
-        train = AllocationMode.from_str(case["allocation"]).train
+        train = parse_allocation(case["allocation"]).train
         assert train is not None, case
         row = {k: v for k, v in case.items() if k != "critic_export"}  # the export is checked by the test
         world, name = train.world_size, f"parity_{case['name']}"

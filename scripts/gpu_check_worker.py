@@ -56,11 +56,11 @@ def sft_batch(vocab: int, seed: int, n: int = 8, max_len: int = 128) -> dict[str
 
 
 def build_engine(allocation: str, cfg: Any, steps: int) -> Any:
-    from tandemrl.api.allocation import AllocationMode
     from tandemrl.api.types import FinetuneSpec
     from tandemrl.engines.registry import make_engine
+    from tandemrl.trainers.entry import parse_allocation
 
-    component = AllocationMode.from_str(allocation).train
+    component = parse_allocation(allocation).train
     assert component is not None, allocation
     engine = make_engine(component.backend, cfg)
     engine.create_process_group(component.strategy)

@@ -4,6 +4,7 @@
     tandemrl ray|slurm SCRIPT.py --config CONFIG.yaml [...]      # a Ray cluster / a Slurm job
     tandemrl eval DIR [...]                                      # GSM8K accuracy of a checkpoint
     tandemrl serve --backend vllm --model DIR [...]              # one inference server
+    tandemrl tinker-serve --model DIR [...]                      # the Tinker API (docs/tinker.md)
     tandemrl bench NAME [...]                                    # bench/NAME.py of this checkout
 
 Each command runs the module named below with the remaining arguments, exactly as
@@ -22,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "slurm": ("tandemrl.launchers.slurm", "submit a training script as a Slurm job"),
     "eval": ("tandemrl.eval", "greedy GSM8K accuracy of an HF checkpoint through vLLM"),
     "serve": ("tandemrl.launchers.serve", "start one inference server"),
+    "tinker-serve": ("tandemrl.tinker.serve", "serve the Tinker training/sampling API (docs/tinker.md)"),
     "bench": ("", "run bench/NAME.py of this checkout (tandemrl bench NAME [args])"),
 }
 
@@ -29,7 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 def usage() -> str:
     lines = ["usage: tandemrl COMMAND [args...]", "", "commands:"]
     lines += [
-        f"  {name:<6} {about}" + (f" (python -m {mod})" if mod else "") for name, (mod, about) in COMMANDS.items()
+        f"  {name:<12} {about}" + (f" (python -m {mod})" if mod else "") for name, (mod, about) in COMMANDS.items()
     ]
     lines += ["", "tandemrl COMMAND --help shows a command's options."]
     return "\n".join(lines)

@@ -8,10 +8,10 @@ import pytest
 
 from tandemrl.api.allocation import (
     AllocationComponent,
-    AllocationMode,
     AllocationValidationError,
 )
 from tandemrl.api.types import ParallelStrategy
+from tandemrl.trainers.entry import parse_allocation
 
 
 @dataclass
@@ -106,7 +106,7 @@ VALID: list[tuple[str, list[Want], int]] = [
 
 @pytest.mark.parametrize(("spec", "want", "total"), VALID, ids=[v[0].strip() for v in VALID])
 def test_valid_specs(spec: str, want: list[Want], total: int) -> None:
-    mode = AllocationMode.from_str(spec)
+    mode = parse_allocation(spec)
     assert len(mode.components) == len(want)
     for comp, w in zip(mode.components, want, strict=True):
         assert comp.backend == w.backend
@@ -126,9 +126,9 @@ def test_valid_specs(spec: str, want: list[Want], total: int) -> None:
 
 @pytest.mark.parametrize("spec", [v[0] for v in VALID], ids=[v[0].strip() for v in VALID])
 def test_round_trip(spec: str) -> None:
-    mode = AllocationMode.from_str(spec)
+    mode = parse_allocation(spec)
     text = str(mode)
-    again = AllocationMode.from_str(text)
+    again = parse_allocation(text)
     assert again == mode
     assert str(again) == text  # canonical form is a fixed point
 
@@ -181,7 +181,7 @@ INVALID: list[tuple[str, str]] = [
 @pytest.mark.parametrize(("spec", "needle"), INVALID, ids=[repr(v[0]) for v in INVALID])
 def test_invalid_specs(spec: str, needle: str) -> None:
     with pytest.raises(AllocationValidationError) as info:
-        AllocationMode.from_str(spec)
+        parse_allocation(spec)
     message = str(info.value)
     assert needle in message
     assert "\n" not in message
@@ -190,17 +190,17 @@ def test_invalid_specs(spec: str, needle: str) -> None:
 def test_error_is_value_error_and_rejects_non_strings() -> None:
     assert issubclass(AllocationValidationError, ValueError)
     with pytest.raises(ValueError, match="must be a string"):
-        AllocationMode.from_str(None)  # type: ignore[arg-type]
+        parse_allocation(None)  # type: ignore[arg-type]
 
 
 def test_multiline_input_still_gives_one_line_error() -> None:
     with pytest.raises(AllocationValidationError) as info:
-        AllocationMode.from_str("sglang:d2\n+\nfoo:d1")
+        parse_allocation("sglang:d2\n+\nfoo:d1")
     assert "\n" not in str(info.value) and "'foo'" in str(info.value)
 
 
 def test_get_names_and_colocation() -> None:
-    mode = AllocationMode.from_str("sglang[gen]:d2+fsdp[actor]:d4|fsdp[ref]:d2")
+    mode = parse_allocation("sglang[gen]:d2+fsdp[actor]:d4|fsdp[ref]:d2")
     actor, ref, gen = mode.get("actor"), mode.get("ref"), mode.get("gen")
     assert isinstance(actor, AllocationComponent)
     assert (actor.world_size, ref.world_size, gen.world_size) == (4, 2, 2)
@@ -213,23 +213,23 @@ def test_get_names_and_colocation() -> None:
 
 
 def test_single_kind_specs_have_no_other_side() -> None:
-    train_only = AllocationMode.from_str("fsdp:d2")
+    train_only = parse_allocation("fsdp:d2")
     assert train_only.gen is None and train_only.gen_backend is None and train_only.gen_world_size == 0
-    gen_only = AllocationMode.from_str("vllm:d2t2")
+    gen_only = parse_allocation("vllm:d2t2")
     assert gen_only.train is None and gen_only.train_backend is None and gen_only.train_world_size == 0
     assert gen_only.total_world_size == 4
 
 
 def test_canonical_form_is_explicit() -> None:
-    assert str(AllocationMode.from_str("sglang.d4p1t1+d4p1t1")) == "sglang:d4+fsdp:d4"
-    assert str(AllocationMode.from_str("d2p2t1")) == "megatron:d2p2"
-    hybrid = str(AllocationMode.from_str("megatron:(attn:d2p1t2c1|ffn:d1p1t2e2)"))
+    assert str(parse_allocation("sglang.d4p1t1+d4p1t1")) == "sglang:d4+fsdp:d4"
+    assert str(parse_allocation("d2p2t1")) == "megatron:d2p2"
+    hybrid = str(parse_allocation("megatron:(attn:d2p1t2c1|ffn:d1p1t2e2)"))
     assert hybrid == "megatron:(attn:d2t2|ffn:d1t2e2)"
-    assert str(AllocationMode.from_str("vllm:d1t1p1+fsdp[actor]:d2")) == "vllm:d1+fsdp[actor]:d2"
+    assert str(parse_allocation("vllm:d1t1p1+fsdp[actor]:d2")) == "vllm:d1+fsdp[actor]:d2"
 
 
 def test_hybrid_equivalent_to_plain_when_expert_tp_is_one() -> None:
     # Expert tensor parallel 1 means the ffn layout is fully implied by the plain form.
-    hybrid = AllocationMode.from_str("megatron:(attn:d4|ffn:d2e2)")
-    plain = AllocationMode.from_str("megatron:d4e2")
+    hybrid = parse_allocation("megatron:(attn:d4|ffn:d2e2)")
+    plain = parse_allocation("megatron:d4e2")
     assert hybrid == plain

@@ -20,7 +20,7 @@ import pytest
 import torch
 from utils import run_torchrun
 
-from tandemrl.api.allocation import AllocationMode
+from tandemrl.trainers.entry import parse_allocation
 
 WORKER = Path(__file__).parent / "workers" / "parity_checks.py"
 ENV = {"TANDEMRL_DIST_TIMEOUT": "120"}
@@ -66,7 +66,7 @@ def _launches() -> dict[str, list[dict[str, Any]]]:
     """Rows grouped by their ``launch`` key, in table order."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for case in CASES:
-        assert AllocationMode.from_str(case["allocation"]).train is not None, f"{case['name']}: no training component"
+        assert parse_allocation(case["allocation"]).train is not None, f"{case['name']}: no training component"
         groups.setdefault(case.get("launch", "shared"), []).append(case)
     return groups
 
@@ -77,8 +77,8 @@ def results(
 ) -> dict[str, dict[str, list[float]]]:
     out = tmp_path_factory.mktemp("parity")
     for cases in _launches().values():
-        nproc = AllocationMode.from_str(cases[0]["allocation"]).train_world_size
-        assert all(AllocationMode.from_str(c["allocation"]).train_world_size == nproc for c in cases)
+        nproc = parse_allocation(cases[0]["allocation"]).train_world_size
+        assert all(parse_allocation(c["allocation"]).train_world_size == nproc for c in cases)
         args = ["--cases", json.dumps(cases), "--model", tiny_model_dir, "--llama", tiny_llama_dir, "--out", out]
         run_torchrun(WORKER, nproc, args, env=ENV, timeout=600)
     return {c["name"]: torch.load(out / f"{c['name']}.pt") for c in CASES}

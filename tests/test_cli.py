@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 from utils import REPO_ROOT
 
@@ -29,10 +31,36 @@ def test_eval_help_comes_from_the_eval_module() -> None:
 
 def test_bad_commands_are_one_line_errors() -> None:
     for args, needle in (
-        (("trian",), "error: unknown command 'trian' (one of: run, ray, slurm, eval, serve, bench)"),
+        (("trian",), "error: unknown command 'trian' (one of: run, ray, slurm, eval, serve, tinker-serve, bench)"),
         (("bench", "nope"), "error: bench 'nope': no "),
         (("bench",), "error: tandemrl bench NAME [args]: give a bench name"),
+        (("tinker-serve", "--model", "/nope"), "error: --model: model directory not found: /nope"),
+        (("tinker-serve", "--model", "x", "--api-key", "k"), "error: --api-key: the tinker SDK accepts only keys"),
     ):
         proc = _tandemrl(*args)
         assert proc.returncode == 2 and proc.stderr.startswith(needle) and proc.stderr.count("\n") == 1, proc.stderr
     assert "vs_trl" in _tandemrl("bench", "nope").stderr  # the benches that exist are listed
+
+
+def _no_tokenizer_copy(model_dir: str, dest: Path) -> Path:
+    """A model directory with its config and weights but none of its tokenizer files."""
+    dest.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(Path(model_dir) / name, dest / name)
+    return dest
+
+
+def test_bad_eval_and_serve_arguments_are_one_line_errors(tiny_model_dir: str, tmp_path: Path) -> None:
+    """Bad arguments to ``eval`` and ``serve`` print one ``error:`` line (no usage block) and exit 2; a model
+    directory without a tokenizer is refused before any server starts (the server would log its start)."""
+    bare = _no_tokenizer_copy(tiny_model_dir, tmp_path / "bare")
+    for args, needle in (
+        (("eval", tiny_model_dir, "--n", "-5"), "error: python -m tandemrl.eval: --n must be >= 1, got -5"),
+        (("serve",), "error: tandemrl serve: the following arguments are required: --model"),
+        (("serve", "--model", str(tmp_path / "nope")), f"error: --model: model directory not found: {tmp_path}/nope"),
+        (("serve", "--model", str(bare)), f"error: --model: {bare} has no tokenizer (none of tokenizer.json"),
+        (("eval", str(bare), "--out", str(tmp_path / "r.json")), f"error: tokenizer: {bare} has no tokenizer"),
+    ):
+        proc = _tandemrl(*args)
+        assert proc.returncode == 2 and proc.stderr.startswith(needle) and proc.stderr.count("\n") == 1, proc.stderr
+        assert "server" not in proc.stdout, proc.stdout  # '[eval] vLLM server pid ...' / '[serve] ... starting'

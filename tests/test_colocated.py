@@ -16,15 +16,15 @@ from typing import Any
 import pytest
 from test_launcher import _grpo_args, _run
 
-from tandemrl.api.allocation import AllocationMode
 from tandemrl.api.inference import HttpRequest, ModelRequest, ModelResponse
 from tandemrl.configs.rollout import InferenceEngineConfig
 from tandemrl.inference.http import HttpClient
-from tandemrl.inference.remote import RemoteVLLMEngine
+from tandemrl.inference.remote import RemoteInfEngine
 from tandemrl.inference.request_log import read_request_log
 from tandemrl.inference.sglang import SGLangBackend
 from tandemrl.inference.vllm import VLLMBackend
-from tandemrl.launchers.placement import RankSlot, plan_colocated, plan_placement
+from tandemrl.launchers.placement import RankSlot, oversubscription, plan_colocated, plan_placement
+from tandemrl.trainers.entry import parse_allocation
 from tandemrl.trainers.turns import TURNS_FILE
 
 GENERATE = "/inference/v1/generate"
@@ -32,10 +32,21 @@ GENERATE = "/inference/v1/generate"
 
 # ---------------------------------------------------------------- placement plans (pure)
 def test_cpu_disaggregated_keeps_one_thread_per_rank_and_vllm_binding() -> None:
-    plan = plan_placement(AllocationMode.from_str("vllm:d1+fsdp:d2"), [], [0, 1, 2, 3])
+    plan = plan_placement(parse_allocation("vllm:d1+fsdp:d2"), [], [0, 1, 2, 3])
     assert not plan.colocated
     assert plan.server_env == [{}] and plan.server_flags == {}
     assert plan.trainer_env == {"OMP_NUM_THREADS": "1"}
+
+
+def test_more_cpu_devices_than_cores_is_one_warning() -> None:
+    """4 devices apart (1 server + 3 trainer ranks) on 2 cores: a warning naming both counts; none when they
+    fit, on GPUs, or colocated (the sides take turns on the same cores by design)."""
+    crowded = oversubscription(parse_allocation("vllm:d1+fsdp:d3"), [], [0, 1])
+    assert crowded is not None and "\n" not in crowded
+    assert crowded.startswith("allocation_mode 'vllm:d1+fsdp:d3' places 4 CPU devices (one process each) on 2 cores")
+    assert oversubscription(parse_allocation("vllm:d1+fsdp:d1"), [], [0, 1]) is None
+    assert oversubscription(parse_allocation("vllm:d1+fsdp:d3"), ["0", "1", "2", "3"], [0, 1]) is None
+    assert oversubscription(parse_allocation("vllm:d2|fsdp:d2"), [], [0, 1]) is None
 
 
 @pytest.mark.parametrize(
@@ -49,7 +60,7 @@ def test_cpu_disaggregated_keeps_one_thread_per_rank_and_vllm_binding() -> None:
     ],
 )
 def test_cpu_colocated_gives_each_side_every_core(mode: str, cpus: list[int], binds: list[str], threads: str) -> None:
-    plan = plan_placement(AllocationMode.from_str(mode), [], cpus)
+    plan = plan_placement(parse_allocation(mode), [], cpus)
     assert plan.colocated
     assert [env["VLLM_CPU_OMP_THREADS_BIND"] for env in plan.server_env] == binds
     assert plan.trainer_env == {"OMP_NUM_THREADS": threads}
@@ -57,21 +68,21 @@ def test_cpu_colocated_gives_each_side_every_core(mode: str, cpus: list[int], bi
 
 def test_gpu_placements_split_or_share_the_visible_devices() -> None:
     gpus = ["3", "5", "6", "7"]
-    apart = plan_placement(AllocationMode.from_str("vllm:d1t2+fsdp:d2"), gpus, [0])
+    apart = plan_placement(parse_allocation("vllm:d1t2+fsdp:d2"), gpus, [0])
     assert [e["CUDA_VISIBLE_DEVICES"] for e in apart.server_env] == ["3,5"]
     assert apart.trainer_env["CUDA_VISIBLE_DEVICES"] == "6,7" and apart.server_flags == {}
-    shared = plan_placement(AllocationMode.from_str("vllm:d2|fsdp:d2"), gpus, [0])
+    shared = plan_placement(parse_allocation("vllm:d2|fsdp:d2"), gpus, [0])
     assert [e["CUDA_VISIBLE_DEVICES"] for e in shared.server_env] == ["3", "5"]
     assert shared.trainer_env["CUDA_VISIBLE_DEVICES"] == "3,5"
     assert shared.server_flags["enable_sleep_mode"] is True and 0 < shared.server_flags["gpu_memory_utilization"] < 1
     with pytest.raises(ValueError, match=r"needs 4 GPUs \(disaggregated\) but 2 are visible"):
-        plan_placement(AllocationMode.from_str("vllm:d2+fsdp:d2"), ["0", "1"], [0])
+        plan_placement(parse_allocation("vllm:d2+fsdp:d2"), ["0", "1"], [0])
 
 
 def test_colocated_over_nodes_gives_each_server_its_ranks_devices() -> None:
     """Ray/Slurm: server i shares ranks i*tp*pp.. on their node; each node gets the one-machine plan."""
     ranks = [RankSlot("a", [g], []) for g in ("4", "5", "6", "7")] + [RankSlot("b", [str(g)], []) for g in range(4)]
-    plan = plan_colocated(AllocationMode.from_str("vllm:d4t2|fsdp:d8"), ranks)
+    plan = plan_colocated(parse_allocation("vllm:d4t2|fsdp:d8"), ranks)
     assert [(s.ranks, s.node, s.env["CUDA_VISIBLE_DEVICES"]) for s in plan.servers] == [
         ([0, 1], "a", "4,5"),
         ([2, 3], "a", "6,7"),
@@ -84,7 +95,7 @@ def test_colocated_over_nodes_gives_each_server_its_ranks_devices() -> None:
     )
     # CPU, one server for two nodes' ranks: it binds its node's cores; every rank splits its node's cores.
     cpu = [RankSlot(n, [], [0, 1, 2, 3]) for n in ("a", "a", "b", "b")]
-    plan = plan_colocated(AllocationMode.from_str("vllm:d1|fsdp:d4"), cpu)
+    plan = plan_colocated(parse_allocation("vllm:d1|fsdp:d4"), cpu)
     assert [(s.ranks, s.node, s.env) for s in plan.servers] == [([0], "a", {"VLLM_CPU_OMP_THREADS_BIND": "0,1,2,3"})]
     assert plan.trainer_env == {"a": {"OMP_NUM_THREADS": "2"}, "b": {"OMP_NUM_THREADS": "2"}}
     assert plan.server_flags == {}
@@ -92,10 +103,10 @@ def test_colocated_over_nodes_gives_each_server_its_ranks_devices() -> None:
 
 def test_colocated_over_nodes_refuses_servers_without_whole_ranks() -> None:
     with pytest.raises(ValueError, match=r"'vllm:d3\|fsdp:d2': 3 server devices but 2 trainer ranks"):
-        plan_colocated(AllocationMode.from_str("vllm:d3|fsdp:d2"), [RankSlot("a")] * 2)
+        plan_colocated(parse_allocation("vllm:d3|fsdp:d2"), [RankSlot("a")] * 2)
     three_and_three = [RankSlot(n, [str(i % 3)]) for i, n in enumerate("aaabbb")]
     with pytest.raises(ValueError, match=r"server 1 \(tp\*pp=2\) would share trainer ranks 2-3, which are not 2"):
-        plan_colocated(AllocationMode.from_str("vllm:d2t2|fsdp:d6"), three_and_three)
+        plan_colocated(parse_allocation("vllm:d2t2|fsdp:d6"), three_and_three)
 
 
 def test_sleep_and_wake_requests_per_backend() -> None:
@@ -124,7 +135,7 @@ def test_sleep_holds_generation_until_wake_up_on_real_vllm(vllm_server) -> None:
     """Level 1 (the GPU level; a CPU worker keeps its memory) aborts the running request, the server
     reports it is sleeping, and after wake_up the request finishes with its full length."""
     client = PathsClient()
-    engine = RemoteVLLMEngine(InferenceEngineConfig(setup_timeout=60), http_client=client)
+    engine = RemoteInfEngine.for_backend("vllm", InferenceEngineConfig(setup_timeout=60), http_client=client)
     engine.initialize([vllm_server.proc.address])
     n, prompt = 32, [9, 31, 77, 5, 120, 64]
     req = ModelRequest(input_ids=list(prompt), metadata={"ignore_eos": True})

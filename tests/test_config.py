@@ -18,13 +18,12 @@ from tandemrl.configs import (
     SFTConfig,
     config_to_dict,
     exit_on_config_error,
-    load_config,
     register_configs,
     save_config,
 )
 from tandemrl.configs.agent import AgentGRPOConfig
 from tandemrl.configs.loader import list_presets
-from tandemrl.trainers.entry import load_config_or_exit
+from tandemrl.trainers.entry import load_config, load_config_or_exit
 
 GRPO_YAML = {
     "experiment_name": "exp-a",

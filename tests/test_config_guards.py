@@ -73,7 +73,8 @@ def _error(*overrides: str) -> str:
         # batches that do not divide: ranks, groups, minibatches, rows, micro-batches
         (("allocation_mode=vllm:d1+fsdp:d3",), ("'train_dataset.batch_size' in ", "must be a multiple of 3")),
         (("actor.group_size=3",), ("'actor.group_size' on the command line", "must divide each rank's batch of 32")),
-        (("actor.ppo_n_minibatches=9",), ("'actor.ppo_n_minibatches' on the command line", "must be at most the 8")),
+        (("actor.ppo_n_minibatches=9",), ("'actor.ppo_n_minibatches' on the command line", "must divide the 8 groups")),
+        (("actor.ppo_n_minibatches=3",), ("'actor.ppo_n_minibatches' on the command line", "must divide the 8 groups")),
         (
             ("train_dataset.max_samples=4",),
             ("'train_dataset.max_samples' on the command line", "must be at least train_dataset.batch_size=8"),

@@ -12,9 +12,9 @@ import torch
 from tandemrl.algorithms.distill import DistillActor, reverse_kl_advantages
 from tandemrl.algorithms.ppo import PPOBatch
 from tandemrl.configs.distill import DistillActorConfig, DistillConfig
-from tandemrl.configs.loader import load_config
 from tandemrl.configs.ppo import NormConfig
 from tandemrl.models.make_tiny import DEFAULTS, parse_tiny_spec
+from tandemrl.trainers.entry import load_config
 
 
 def test_reverse_kl_advantages_hand_values() -> None:

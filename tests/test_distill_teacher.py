@@ -14,7 +14,7 @@ from vllm_server import VLLMTestServer, load_hf, perturbed_model
 
 from tandemrl.configs.rollout import GenerationHyperparameters, InferenceEngineConfig
 from tandemrl.inference.backend import BadServerPayload
-from tandemrl.inference.remote import RemoteInfEngine, RemoteVLLMEngine
+from tandemrl.inference.remote import RemoteInfEngine
 from tandemrl.inference.sglang import SGLangBackend
 from tandemrl.inference.vllm import VLLMBackend
 from tandemrl.models.hf import load_hf_tokenizer
@@ -107,7 +107,9 @@ def test_teacher_scored_workflow_adds_teacher_logprobs_on_generated_tokens(
 ) -> None:
     """Student and teacher are the same model here, so at temperature 1 the teacher's logprobs of
     the sampled tokens equal the sampler's own (up to bf16 batch effects): reverse KL ~ 0."""
-    student = RemoteVLLMEngine(InferenceEngineConfig(server_addrs=[_addr(vllm_server)], setup_timeout=60.0))
+    student = RemoteInfEngine.for_backend(
+        "vllm", InferenceEngineConfig(server_addrs=[_addr(vllm_server)], setup_timeout=60.0)
+    )
     student.initialize()
     gconfig = GenerationHyperparameters(n_samples=3, max_new_tokens=12, temperature=1.0)
     inner = RLVRWorkflow(_reward, gconfig, load_hf_tokenizer(vllm_server.model_dir))

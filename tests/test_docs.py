@@ -43,3 +43,48 @@ def test_doc_snippets_run(doc: str, tmp_path: Path) -> None:
         [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, f"docs/{doc} snippets failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+_EXCERPT = re.compile(r"^```py[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
+
+
+def _excerpts() -> list[tuple[str, int, str]]:
+    """(page, block number, body) of every ```py block of docs/*.md: training-script excerpts not run here."""
+    return [
+        (page.name, i, m.group(1))
+        for page in sorted((REPO_ROOT / "docs").glob("*.md"))
+        for i, m in enumerate(_EXCERPT.finditer(page.read_text(encoding="utf-8")), start=1)
+    ]
+
+
+def test_script_excerpts_compile_and_their_imports_resolve() -> None:
+    """Each ```py excerpt is valid python, and every ``from M import N`` / ``import M`` it shows names a module
+    and a name that exist (a renamed function or a wrong module path fails here, not in a user's script)."""
+    import ast
+    import importlib.util
+
+    excerpts = _excerpts()
+    assert len(excerpts) >= 5
+    imported = 0
+    for page, i, body in excerpts:
+        tree = ast.parse(body, filename=f"docs/{page} py block {i}")  # a SyntaxError names page and block
+        for node in ast.walk(tree):
+            names: list[tuple[str, list[str]]] = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [(node.module, [a.name for a in node.names if a.name != "*"])]
+            elif isinstance(node, ast.Import):
+                names = [(a.name, []) for a in node.names]
+            for module_name, attrs in names:
+                if module_name.split(".")[0] != "tandemrl":  # the user's own modules and third-party ones
+                    continue
+                spec = importlib.util.find_spec(module_name)
+                assert spec is not None, f"docs/{page} py block {i}: no module {module_name}"
+                module = importlib.import_module(module_name)
+                missing = [
+                    n
+                    for n in attrs
+                    if not hasattr(module, n) and importlib.util.find_spec(f"{module_name}.{n}") is None
+                ]
+                assert not missing, f"docs/{page} py block {i}: {module_name} has no {missing}"
+                imported += 1
+    assert imported >= 10, imported

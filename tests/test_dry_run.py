@@ -65,6 +65,21 @@ def test_local_dry_run_starts_nothing(tiny_model_dir: str, gsm8k_dir: str, tmp_p
     assert "servers healthy" not in proc.stdout and "[launcher] trainer:" not in proc.stdout
 
 
+def test_dry_run_shows_the_keys_that_differ_from_the_defaults(
+    tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path
+) -> None:
+    """The config part names what the YAML file and the overrides changed, not the ~200 defaults; with
+    TANDEMRL_VERBOSE=1 every key."""
+    short = _dry_run("local", tiny_model_dir, gsm8k_dir, tmp_path / "runs")
+    full = _dry_run("local", tiny_model_dir, gsm8k_dir, tmp_path / "runs", env={**ENV, "TANDEMRL_VERBOSE": "1"})
+    shown = [yaml.safe_load(p.stdout.split("resolved config:\n", 1)[1]) for p in (short, full)]
+    assert shown[0]["total_train_steps"] == 3 and shown[0]["actor"]["engine"]["path"] == tiny_model_dir
+    assert "seed" not in shown[0] and "recover" not in shown[0] and "eps_clip" not in shown[0]["actor"]
+    assert shown[1]["seed"] == 1 and shown[1]["recover"]["mode"] == "disabled" and shown[1]["actor"]["eps_clip"] == 0.2
+    # every key shown in short has the value the full config has
+    assert shown[0]["actor"]["ppo_n_minibatches"] == shown[1]["actor"]["ppo_n_minibatches"] == 2
+
+
 def test_tandemrl_run_command_is_the_local_launcher(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
     proc = _dry_run("cli", tiny_model_dir, gsm8k_dir, tmp_path / "runs")
     _check_report(proc)

@@ -65,6 +65,12 @@ def _one_line(err: BaseException) -> str:
         ({"allocation_mode": "vllm:d1+fsdp:d2"}, "train_dataset.batch_size=7", "must be a multiple of 2"),
         ({"gconfig": {"n_samples": 4}}, "actor.group_size=3", "'actor.group_size' on the command line"),
         ({}, "actor.ppo_n_minibatches=9", "'actor.ppo_n_minibatches' on the command line"),
+        ({}, "actor.ppo_n_minibatches=3", "('actor.ppo_n_minibatches=3') must divide the 8 groups of group_size"),
+        ({}, "gconfig.temperature=-1", "('gconfig.temperature=-1') must be >= 0.0, got -1.0"),
+        ({}, "gconfig.top_p=0", "('gconfig.top_p=0') must be > 0.0, got 0.0"),
+        ({}, "actor.eps_clip=-0.2", "('actor.eps_clip=-0.2') must be > 0.0, got -0.2"),
+        ({}, "actor.temperature=0", "('actor.temperature=0') must be > 0.0, got 0.0"),
+        ({}, "total_train_steps=-1", "('total_train_steps=-1') must be >= 1, got -1"),
     ],
 )
 def test_bad_config_is_one_line_naming_key_and_source(
@@ -107,6 +113,33 @@ def test_missing_model_or_dataset_is_named_in_the_pre_flight(
     with pytest.raises((ValueError, FileNotFoundError)) as err:
         load_config(["--config", SFT_YAML, *base, override], SFTConfig)
     assert expected in _one_line(err.value)
+
+
+def test_rl_inputs_the_run_could_not_use_are_named_in_the_pre_flight(
+    monkeypatch: pytest.MonkeyPatch, tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path
+) -> None:
+    """A GRPO allocation without servers, a tokenizer directory that is missing and a model directory
+    without tokenizer files (transformers would build an empty tokenizer from it) fail in the pre-flight."""
+    monkeypatch.setenv(CHECK_ONLY_ENV, "1")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(Path(tiny_model_dir) / name, bare / name)
+    base = ["--config", str(REPO_ROOT / "examples" / "gsm8k_grpo.yaml"), f"train_dataset.path={gsm8k_dir}"]
+    base.append(f"actor.engine.path={tiny_model_dir}")
+    with pytest.raises(InputsChecked):
+        load_config(base, GRPOConfig)
+    for override, expected in (
+        ("allocation_mode=fsdp:d1", "allocation_mode: 'fsdp:d1' has no inference component, but GRPOConfig"),
+        (f"tokenizer_path={tmp_path}/none", f"tokenizer_path: tokenizer directory not found: {tmp_path}/none"),
+        (f"tokenizer_path={bare}", f"tokenizer_path: {bare} has no tokenizer (none of tokenizer.json"),
+        (f"actor.engine.path={bare}", f"actor.engine.path: {bare} has no tokenizer (none of tokenizer.json"),
+    ):
+        with pytest.raises((ValueError, FileNotFoundError)) as err:
+            load_config([*base, override], GRPOConfig)
+        assert _one_line(err.value).startswith(expected), err.value
+    with pytest.raises(InputsChecked):  # the tokenizer from elsewhere: the bare model is fine
+        load_config([*base, f"actor.engine.path={bare}", f"tokenizer_path={tiny_model_dir}"], GRPOConfig)
 
 
 # ----------------------------------------------------------------------------- data (in-process)
@@ -297,6 +330,30 @@ def test_launcher_stops_before_starting_anything(
     assert "[launcher]" not in proc.stdout and not (fileroot / "logs").exists()
     _assert_checkpoint_intact(hashes)
     _assert_no_process_of(str(tmp_path))
+
+
+def test_yaml_syntax_error_is_the_launchers_one_line(tmp_path: Path) -> None:
+    """The launcher reads the YAML itself (allocation_mode, paths): a syntax error is one line with its place."""
+    path = tmp_path / "exp.yaml"
+    path.write_text("experiment_name: x\ngconfig:\n  n_samples: [4\n  max_new_tokens: 3\n")
+    proc = _launch(["examples/gsm8k_grpo.py", "--config", str(path)], timeout=120)
+    assert proc.returncode == 2, proc.stdout
+    assert proc.stdout.strip() == (
+        f"error: Cannot parse YAML file {path} at line 4 column 17: expected ',' or ']', but got ':'"
+    ), proc.stdout
+
+
+def test_bad_data_under_a_tiny_model_is_named_in_data_words(gsm8k_dir: str, tmp_path: Path) -> None:
+    """``tiny:qwen2`` trains its tokenizer on the run's data: the launcher checks that data first, so a file
+    without one usable row is reported as a data error (file, row, field), not as a tokenizer that cannot train."""
+    data = tmp_path / "data"
+    _write_rows(data, [{"prompt": "2+3?", "response": "5"}] * 4)
+    shutil.copy(Path(gsm8k_dir) / "test.jsonl", data / "test.jsonl")
+    args = ["examples/gsm8k_grpo.py", "--config", "examples/gsm8k_grpo.yaml", f"train_dataset.path={data}"]
+    proc = _launch([*args, "actor.engine.path=tiny:qwen2", f"cluster.fileroot={tmp_path / 'runs'}"], timeout=300)
+    assert proc.returncode == 2, proc.stdout
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last == f"error: {data}/train.jsonl: row 0: required field 'question' is missing", last
 
 
 @pytest.mark.slow

@@ -462,6 +462,50 @@ def test_collective_run_stops_at_once_when_one_of_two_servers_dies() -> None:
             )
 
 
+class _Crashing:
+    """A stand-in server whose process dies of an exception, its traceback in its log, like a vLLM worker's."""
+
+    def __init__(self, address: str, log_file: Path) -> None:
+        self.address = address
+        self.log_file = str(log_file)
+        code = "import sys; print('INFO serving'); raise RuntimeError('CPU Generator does not use offset')"
+        with open(log_file, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT)
+
+
+def test_the_summary_says_what_a_server_crash_was(tmp_path: Path) -> None:
+    """The run's one-line error names the exception the dead server's log holds, not only its exit code."""
+    from tandemrl.launchers.server_watch import wait_trainer
+
+    trainer = _Sleeper("trainer")
+    server = _Crashing("127.0.0.1:1003", tmp_path / "vllm-server-0.log")
+    try:
+        rc, error = wait_trainer(trainer.proc, [server], "vllm", True, trainer.proc.kill)
+    finally:
+        for p in (trainer, server):
+            p.proc.kill()
+            p.proc.wait()
+    assert rc == 1 and error == (
+        "vllm server 127.0.0.1:1003 exited with 1 (RuntimeError: CPU Generator does not use offset): no server is left"
+    )
+
+
+def test_a_bad_server_flag_is_named_on_the_failure_line(tmp_path: Path, tiny_model_dir: str) -> None:
+    """A flag vLLM does not know: the first line of the error (all a launcher prints) quotes vLLM's own refusal."""
+    from tandemrl.inference.server import ServerError, launch_server
+    from tandemrl.inference.vllm import VLLMBackend
+
+    server = launch_server(VLLMBackend(), tiny_model_dir, extra={"no_such_flag": 1}, log_file=str(tmp_path / "v.log"))
+    try:
+        with pytest.raises(ServerError) as err:
+            server.wait_healthy(timeout=300)
+    finally:
+        server.stop()
+    first = str(err.value).splitlines()[0]
+    assert first.startswith("vllm server on 127.0.0.1:") and "exited with code 2 before it was healthy: " in first
+    assert "error: unrecognized arguments: --no-such-flag" in first, first
+
+
 def _grpo_disk_args(model: str, data: str, root: Path) -> list[str]:
     return _example(
         "gsm8k_grpo",

@@ -122,7 +122,8 @@ def test_resolve_auto_and_legacy_fields() -> None:
 
 def test_config_loader_names_bad_values() -> None:
     from tandemrl.configs import GRPOConfig
-    from tandemrl.configs.loader import ConfigError, load_config
+    from tandemrl.configs.loader import ConfigError
+    from tandemrl.trainers.entry import load_config
 
     cfg, _ = load_config(["actor.offpolicy_correction=icepop", "actor.offpolicy_cap_low=4"], GRPOConfig)
     assert (cfg.actor.offpolicy_correction, cfg.actor.offpolicy_cap_low) == ("icepop", 4.0)

@@ -13,7 +13,8 @@ import torch
 
 from tandemrl.algorithms.ppo import PPOActor
 from tandemrl.configs import GRPOConfig, SFTConfig
-from tandemrl.configs.loader import list_presets, load_config
+from tandemrl.configs.loader import list_presets
+from tandemrl.trainers.entry import load_config
 
 STD = 0.5 + 1e-5
 GRPO_HAND = [0.75 / STD, -0.25 / STD, -0.25 / STD, -0.25 / STD, 0.0, 0.0, 0.0, 0.0]

@@ -30,8 +30,6 @@ from tandemrl.inference.http import MAX_BACKOFF, HttpClient, InferenceServerErro
 from tandemrl.inference.remote import (
     SERVER_ADDRS_ENV,
     RemoteInfEngine,
-    RemoteSGLangEngine,
-    RemoteVLLMEngine,
     ServerUnavailableError,
 )
 from tandemrl.rollout.executor import WorkflowExecutor
@@ -269,7 +267,7 @@ def engines():
 
     def make(addrs: list[str] | None, **cfg: Any) -> RemoteInfEngine:
         defaults: dict[str, Any] = {"request_retries": 2, "request_backoff": 0.02, "setup_timeout": 5.0}
-        engine = RemoteVLLMEngine(InferenceEngineConfig(**{**defaults, **cfg}))
+        engine = RemoteInfEngine.for_backend("vllm", InferenceEngineConfig(**{**defaults, **cfg}))
         made.append(engine)
         engine.initialize(addrs)
         return engine
@@ -373,19 +371,19 @@ def test_discovery_from_env_var(servers, engines, monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setenv(SERVER_ADDRS_ENV, f"{a.addr},localhost")
     with pytest.raises(ValueError) as exc:
-        RemoteVLLMEngine(InferenceEngineConfig()).initialize()
+        RemoteInfEngine.for_backend("vllm", InferenceEngineConfig()).initialize()
     assert f"${SERVER_ADDRS_ENV}" in str(exc.value) and "'localhost'" in str(exc.value)
 
     monkeypatch.delenv(SERVER_ADDRS_ENV)
     with pytest.raises(ValueError, match=SERVER_ADDRS_ENV):
-        RemoteVLLMEngine(InferenceEngineConfig()).initialize()
+        RemoteInfEngine.for_backend("vllm", InferenceEngineConfig()).initialize()
 
 
 def test_health_check_failure_names_unreachable_servers(servers) -> None:
     good, sick = servers(2)
     sick.health_status = 503
     missing = f"127.0.0.1:{free_port()}"
-    engine = RemoteVLLMEngine(InferenceEngineConfig(setup_timeout=1.0))
+    engine = RemoteInfEngine.for_backend("vllm", InferenceEngineConfig(setup_timeout=1.0))
     with pytest.raises(ServerUnavailableError) as exc:
         engine.initialize([good.addr, sick.addr, missing])
     msg = str(exc.value)
@@ -588,10 +586,12 @@ def test_pause_generation_holds_requests_until_continue(servers, engines) -> Non
 
 def test_pause_mode_bad_values_are_one_line_errors_naming_the_field(servers, engines) -> None:
     with pytest.raises(ValueError, match="InferenceEngineConfig.pause_mode") as exc:
-        RemoteVLLMEngine(InferenceEngineConfig(pause_mode="hold"))
+        RemoteInfEngine.for_backend("vllm", InferenceEngineConfig(pause_mode="hold"))
     assert "\n" not in str(exc.value)
     with pytest.raises(ValueError, match="InferenceEngineConfig.pause_mode='keep' is not supported") as exc:
-        RemoteSGLangEngine(InferenceEngineConfig(pause_mode="keep"))  # refused before any server is asked
+        RemoteInfEngine.for_backend(
+            "sglang", InferenceEngineConfig(pause_mode="keep")
+        )  # refused before any server is asked
     assert "\n" not in str(exc.value)
     (srv,) = servers(1)
     engine = engines([srv.addr], pause_mode="keep")
@@ -645,7 +645,7 @@ def test_collective_update_one_request_per_bucket_for_sglang(servers) -> None:
     """A backend without multi-bucket receive (SGLang) gets one request per bucket, in broadcast order."""
     (srv,) = servers(1)
     config = InferenceEngineConfig(request_retries=0, setup_timeout=5.0)
-    engine = RemoteSGLangEngine(config)
+    engine = RemoteInfEngine.for_backend("sglang", config)
     engine.initialize([srv.addr])
     try:
         assert engine.backend.multi_bucket_collective is False
@@ -732,7 +732,7 @@ def test_agenerate_against_real_vllm(vllm_server) -> None:
     """
     client = CountingClient()
     config = InferenceEngineConfig(request_retries=1, request_backoff=0.1, setup_timeout=60)
-    engine = RemoteVLLMEngine(config, http_client=client)
+    engine = RemoteInfEngine.for_backend("vllm", config, http_client=client)
     engine.initialize([vllm_server.proc.address])
     try:
         n = 64

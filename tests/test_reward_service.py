@@ -17,9 +17,8 @@ from typing import Any
 import pytest
 from test_workflows import ScriptedEngine, cycle_texts, row
 
-from tandemrl.api.allocation import AllocationMode
 from tandemrl.api.aux_servers import AUX_SERVERS_ENV, aux_server_addresses, format_aux_addresses
-from tandemrl.configs import GRPOConfig, load_config
+from tandemrl.configs import GRPOConfig
 from tandemrl.configs.loader import ConfigError
 from tandemrl.configs.rollout import GenerationHyperparameters, InferenceEngineConfig
 from tandemrl.configs.services import RewardServiceConfig
@@ -30,6 +29,7 @@ from tandemrl.launchers.launch_config import read_launch_spec
 from tandemrl.launchers.placement import plan_placement
 from tandemrl.models.hf import load_hf_tokenizer
 from tandemrl.rollout.executor import WorkflowExecutor
+from tandemrl.trainers.entry import load_config, parse_allocation
 from tandemrl.utils import stats_tracker
 from tandemrl.workflows.rlvr import RLVRWorkflow
 
@@ -197,10 +197,10 @@ def test_aux_server_addresses_contract(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_allocation_names_gen_and_aux_servers() -> None:
-    alloc = AllocationMode.from_str("vllm[judge]:d2+vllm[gen]:d1+fsdp[actor]:d1")
+    alloc = parse_allocation("vllm[judge]:d2+vllm[gen]:d1+fsdp[actor]:d1")
     assert alloc.gen is not None and alloc.gen.name == "gen"
     assert [c.name for c in alloc.aux] == ["judge"]
-    assert AllocationMode.from_str("vllm:d1+fsdp:d1").aux == []
+    assert parse_allocation("vllm:d1+fsdp:d1").aux == []
     cpu = plan_placement(alloc, [], [0, 1])
     assert cpu.aux_env == {"judge": [{}, {}]}  # CPU: vLLM's own binding, cores shared
     gpu = plan_placement(alloc, [str(i) for i in range(4)], [0])

@@ -240,13 +240,13 @@ def test_shapes_that_do_not_fit_fail_before_writing(tiny_model_dir: str, tmp_pat
 
 
 def test_serve_entrypoint_fails_in_one_line_without_publishing(tmp_path: Path) -> None:
-    """The job script's per-server step: a bad model is one error line, exit 1, and no address file."""
+    """The job script's per-server step: a bad model is one error line, exit 2 (bad input), and no address file."""
     ready = tmp_path / "servers" / "0.addr"
     cmd = [sys.executable, "-m", "tandemrl.launchers.serve", "--backend", "vllm", "--model", str(tmp_path / "nope")]
     cmd += ["--host", "127.0.0.1", "--port", str(free_port()), "--log", str(tmp_path / "s.log"), "--ready", str(ready)]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1
-    assert proc.stderr.strip() == f"error: launch_server: model_path '{tmp_path / 'nope'}' does not exist"
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"error: --model: model directory not found: {tmp_path / 'nope'}"
     assert not ready.exists()
 
 

@@ -50,7 +50,7 @@ from tandemrl.api.types import TensorDict
 from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
 from tandemrl.configs.rollout import InferenceEngineConfig
 from tandemrl.inference.http import HttpClient
-from tandemrl.inference.remote import RemoteVLLMEngine, ServerUnavailableError
+from tandemrl.inference.remote import RemoteInfEngine, ServerUnavailableError
 from tandemrl.inference.server import ServerProcess
 from tandemrl.rollout.executor import WorkflowExecutor
 from tandemrl.weights.group import destroy_group, host_group
@@ -407,7 +407,9 @@ def test_interrupted_generation_switches_version(
     n, min_side = 64, 20  # tokens in all; at least this many per version
     prompt = [5, 17, 42, 99, 100, 7, 301, 12]
     client = ReplyRecorder()
-    engine = RemoteVLLMEngine(InferenceEngineConfig(request_retries=1, setup_timeout=60.0), http_client=client)
+    engine = RemoteInfEngine.for_backend(
+        "vllm", InferenceEngineConfig(request_retries=1, setup_timeout=60.0), http_client=client
+    )
     engine.initialize([vllm_server.proc.address])
 
     async def switch_midway(req: ModelRequest) -> ModelResponse:
@@ -512,9 +514,11 @@ def test_killed_server_mid_rollout_fails_over(vllm_server: VLLMTestServer, big_s
     dead, survivor = big_server.proc.address, vllm_server.proc.address
     base = {"request_retries": 2, "request_backoff": 0.2, "request_timeout": 30.0, "setup_timeout": 60.0}
     client = RecordingClient()
-    both = RemoteVLLMEngine(InferenceEngineConfig(**base, max_concurrent_rollouts=rows), http_client=client)
+    both = RemoteInfEngine.for_backend(
+        "vllm", InferenceEngineConfig(**base, max_concurrent_rollouts=rows), http_client=client
+    )
     both.initialize([dead, survivor])  # round-robin: rows alternate between the servers
-    only = RemoteVLLMEngine(InferenceEngineConfig(**base))
+    only = RemoteInfEngine.for_backend("vllm", InferenceEngineConfig(**base))
     only.initialize([dead])
     executor = WorkflowExecutor(both.config, both, consumer_batch_size=rows)
     executor.initialize()

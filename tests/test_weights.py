@@ -8,7 +8,7 @@ import sys
 import pytest
 from test_inference_backends import assert_one_line_error
 
-from tandemrl.api.allocation import AllocationMode
+from tandemrl.trainers.entry import parse_allocation
 from tandemrl.weights.plan import collective_update
 
 
@@ -17,7 +17,7 @@ from tandemrl.weights.plan import collective_update
     [("vllm:d2t2+fsdp:d4", 5), ("sglang:d4+fsdp:d4", 5), ("vllm:d1+fsdp:d1", 2), ("vllm:d2p2+megatron:d2p2", 5)],
 )
 def test_collective_update_world_size(spec: str, world_size: int) -> None:
-    meta = collective_update(AllocationMode.from_str(spec), group_addr="10.1.2.3", group_port=4567)
+    meta = collective_update(parse_allocation(spec), group_addr="10.1.2.3", group_port=4567)
     assert (meta.type, meta.world_size, meta.group_addr, meta.group_port) == (
         "collective",
         world_size,
@@ -30,14 +30,14 @@ def test_collective_update_world_size(spec: str, world_size: int) -> None:
 def test_collective_update_defaults_pick_port_and_backend() -> None:
     import torch
 
-    meta = collective_update(AllocationMode.from_str("vllm:d1+fsdp:d1"))
+    meta = collective_update(parse_allocation("vllm:d1+fsdp:d1"))
     assert 0 < meta.group_port < 65536 and meta.group_addr
     assert meta.comm_backend == ("nccl" if torch.cuda.is_available() else "gloo")
 
 
 def test_collective_update_needs_an_inference_component() -> None:
     with pytest.raises(ValueError) as exc:
-        collective_update(AllocationMode.from_str("fsdp:d2"))
+        collective_update(parse_allocation("fsdp:d2"))
     assert_one_line_error(exc, "no inference component")
 
 

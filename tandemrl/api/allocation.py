@@ -10,15 +10,18 @@ Grammar (whitespace is ignored)::
     body    := dims | "(" "attn:" dims "|" "ffn:" dims ")"   # MoE hybrid (megatron only)
     dims    := (LETTER SIZE)+                # letters d t p c e, any order, missing = 1
 
-Backends: inference ``sglang``, ``vllm`` (dims d, t, p); training ``fsdp``, ``deepspeed``
-(no p or e) and ``megatron`` (all five). Bare dims are a training component: megatron if
-p>1 or e>1, else fsdp. A component's world size is d*t*p*c; expert parallelism (e) reuses
-those devices and must divide the devices of one pipeline stage (d*t*c).
+This module reads the syntax only. Which backend names exist, whether each one trains or
+serves, and which dims it may set above 1 come from the caller as a table of
+:class:`BackendShape` (``tandemrl.engines.registry.SHAPES`` and
+``tandemrl.inference.registry.SHAPES``: each backend class declares its ``parallel_dims``).
+Bare dims are a training component: ``megatron`` if p>1 or e>1, else ``fsdp``. A component's
+world size is d*t*p*c; expert parallelism (e) reuses those devices and must divide the devices
+of one pipeline stage (d*t*c).
 
-MoE hybrid ``megatron:(attn:d2p1t2c1|ffn:d1p1t2e2)`` gives attention and expert layers
-different layouts on the same devices: attn uses d, t, p, c; ffn uses d (expert data
-parallel), t (expert tensor parallel), p and e. Both must cover the same number of devices
-and share p.
+MoE hybrid ``megatron:(attn:d2p1t2c1|ffn:d1p1t2e2)`` (a backend whose shape has
+``moe_hybrid``) gives attention and expert layers different layouts on the same devices: attn
+uses d, t, p, c; ffn uses d (expert data parallel), t (expert tensor parallel), p and e. Both
+must cover the same number of devices and share p.
 
 Names tell apart several components of one kind (``fsdp[actor]:d2|fsdp[ref]:d2``). Every
 member must be named once a spec has 3 or more members, or 2 or more of the same kind.
@@ -35,30 +38,61 @@ equal object.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from tandemrl.api.types import ParallelStrategy
 
-INFERENCE_BACKENDS: tuple[str, ...] = ("sglang", "vllm")
-TRAINING_BACKENDS: tuple[str, ...] = ("fsdp", "megatron", "deepspeed")
-BACKENDS: tuple[str, ...] = INFERENCE_BACKENDS + TRAINING_BACKENDS
-
 # Dimension letter -> ParallelStrategy field, in canonical print order.
 DIM_LETTERS: dict[str, str] = {"d": "dp", "t": "tp", "p": "pp", "c": "cp", "e": "ep"}
-# Letters each backend may set above 1.
-_ALLOWED_DIMS: dict[str, str] = {
-    "sglang": "dtp",
-    "vllm": "dtp",
-    "fsdp": "dtc",
-    "deepspeed": "dtc",
-    "megatron": "dtpce",
-}
+# The grammar's legacy shorthand: bare dims name a training component of one of these.
+_BARE_DIMS = ("fsdp", "megatron")  # (no p or e, with p or e)
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*")
 _DIM_NAMES = {"d": "data", "t": "tensor", "p": "pipeline", "c": "context", "e": "expert"}
 
 
 class AllocationValidationError(ValueError):
     """A malformed or unsupported allocation_mode; the message names the offending token."""
+
+
+@dataclass(frozen=True)
+class BackendShape:
+    """What the parser needs to know of one backend, as its class declares it.
+
+    ``kind``: "training" or "inference". ``dims``: the letters (of d, t, p, c, e) it may set
+    above 1. ``moe_hybrid``: whether it takes the ``(attn:...|ffn:...)`` body.
+    """
+
+    kind: Literal["training", "inference"]
+    dims: str
+    moe_hybrid: bool = False
+
+
+class LazyShapes(Mapping[str, BackendShape]):
+    """A registry's rows (name -> ``"module:Class"`` or a class) seen as shapes: a row's class is
+    imported, and its declared ``parallel_dims`` / ``moe_hybrid`` read, only when that name is looked up."""
+
+    def __init__(self, kind: Literal["training", "inference"], rows: Mapping[str, object], load: Callable[[str], Any]):
+        self._kind, self._rows, self._load = kind, rows, load
+
+    def __getitem__(self, name: str) -> BackendShape:
+        if name not in self._rows:
+            raise KeyError(name)
+        cls = self._load(name)
+        return BackendShape(self._kind, str(cls.parallel_dims), bool(getattr(cls, "moe_hybrid", False)))
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._rows
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
+_Tables = tuple[Mapping[str, BackendShape], ...]
 
 
 @dataclass(frozen=True)
@@ -99,10 +133,16 @@ class AllocationMode:
     """Parsed allocation_mode; build it with :meth:`from_str`."""
 
     components: list[AllocationComponent] = field(default_factory=list)
+    spec: str = field(default="", compare=False)  # the string as written (error messages quote it)
 
     @classmethod
-    def from_str(cls, spec: str) -> AllocationMode:
-        """Parse and validate ``spec``; raises AllocationValidationError on bad input."""
+    def from_str(cls, spec: str, *backends: Mapping[str, BackendShape]) -> AllocationMode:
+        """Parse ``spec`` and check it against the backend tables; AllocationValidationError on bad input.
+
+        ``backends``: name -> :class:`BackendShape` tables, looked up in order (the registries'
+        ``SHAPES``); a table may resolve its rows lazily.
+        """
+        table = tuple(backends)
         if not isinstance(spec, str):
             raise AllocationValidationError(f"allocation_mode must be a string, got {type(spec).__name__}")
         text = "".join(spec.split())
@@ -116,10 +156,10 @@ class AllocationMode:
             for member in _split_top(group, "|"):
                 if not member:
                     raise AllocationValidationError(f"empty component next to '|' in {group!r}")
-                components.append(_parse_member(member, group_id))
+                components.append(_parse_member(member, group_id, table))
                 tokens.append(member)
         _check_names(components, tokens)
-        return cls(components)
+        return cls(components, spec)
 
     # ---- lookups -------------------------------------------------------------------------
 
@@ -248,23 +288,22 @@ def _parse_dims(body: str, token: str) -> dict[str, int]:
     return {k: sizes.get(k, 1) for k in DIM_LETTERS}
 
 
-def _parse_member(token: str, group: int) -> AllocationComponent:
+def _parse_member(token: str, group: int, table: _Tables) -> AllocationComponent:
     """Parse one ``backend[name]:body`` / legacy member into a validated component."""
     if token.startswith("("):
         raise AllocationValidationError(f"MoE hybrid {token!r} needs a backend, e.g. 'megatron:{token}'")
     cut = next((i for i, ch in enumerate(token) if ch in ":.["), None)
     if cut is None:
-        if token in BACKENDS:
+        if any(token in t for t in table):
             raise AllocationValidationError(f"backend {token!r} has no parallel dims; write e.g. '{token}:d1'")
         dims = _parse_dims(token, token)
-        backend = "megatron" if dims["p"] > 1 or dims["e"] > 1 else "fsdp"
-        return _build(backend, None, dims, None, token, group)
+        backend = _BARE_DIMS[1] if dims["p"] > 1 or dims["e"] > 1 else _BARE_DIMS[0]
+        return _build(backend, _shape(backend, token, table), None, dims, None, token, group)
 
     backend, rest = token[:cut], token[cut:]
     if not backend:
         raise AllocationValidationError(f"missing backend before {rest[0]!r} in {token!r}")
-    if backend not in BACKENDS:
-        raise AllocationValidationError(f"unknown backend {backend!r} in {token!r}; expected one of {list(BACKENDS)}")
+    shape = _shape(backend, token, table)
     name = None
     if rest.startswith("["):
         close = rest.find("]")
@@ -281,8 +320,17 @@ def _parse_member(token: str, group: int) -> AllocationComponent:
         if rest[0] == "." or not body.endswith(")"):
             raise AllocationValidationError(f"malformed MoE hybrid body {body!r} in {token!r}")
         attn, ffn = _parse_hybrid(body[1:-1], token)
-        return _build(backend, name, attn, ffn, token, group)
-    return _build(backend, name, _parse_dims(body, token), None, token, group)
+        return _build(backend, shape, name, attn, ffn, token, group, table)
+    return _build(backend, shape, name, _parse_dims(body, token), None, token, group)
+
+
+def _shape(backend: str, token: str, table: _Tables) -> BackendShape:
+    """The tables' shape of ``backend``; one line listing the known names if none has it."""
+    for t in table:
+        if backend in t:
+            return t[backend]
+    names = [n for t in table for n in t]
+    raise AllocationValidationError(f"unknown backend {backend!r} in {token!r}; expected one of {names}")
 
 
 def _parse_hybrid(inner: str, token: str) -> tuple[dict[str, int], dict[str, int]]:
@@ -304,21 +352,23 @@ def _parse_hybrid(inner: str, token: str) -> tuple[dict[str, int], dict[str, int
 
 def _build(
     backend: str,
+    shape: BackendShape,
     name: str | None,
     dims: dict[str, int],
     ffn: dict[str, int] | None,
     token: str,
     group: int,
+    table: _Tables = (),
 ) -> AllocationComponent:
     """Check backend limits and expert divisibility, then make the component."""
-    kind = "inference" if backend in INFERENCE_BACKENDS else "training"
     if ffn is None:
-        _check_allowed(backend, dims, _ALLOWED_DIMS[backend], token)
+        _check_allowed(backend, dims, shape.dims, token)
         strategy = ParallelStrategy(dp=dims["d"], tp=dims["t"], pp=dims["p"], cp=dims["c"], ep=dims["e"], etp=1)
     else:
-        if backend != "megatron":
+        if not shape.moe_hybrid:
+            hybrid = " or ".join(n for t in table for n in t if t[n].moe_hybrid)
             raise AllocationValidationError(
-                f"MoE hybrid form in {token!r} is only supported by megatron, not {backend!r}"
+                f"MoE hybrid form in {token!r} is only supported by {hybrid or 'no backend'}, not {backend!r}"
             )
         _check_allowed("attn", dims, "dtpc", token)
         _check_allowed("ffn", ffn, "dtpe", token)
@@ -337,7 +387,7 @@ def _build(
             f"expert parallel 'e{strategy.ep}' does not divide the ffn world of {per_stage} devices per "
             f"pipeline stage in {token!r}"
         )
-    return AllocationComponent(name=name, backend=backend, kind=kind, strategy=strategy, group=group)
+    return AllocationComponent(name=name, backend=backend, kind=shape.kind, strategy=strategy, group=group)
 
 
 def _check_allowed(owner: str, dims: dict[str, int], allowed: str, token: str) -> None:

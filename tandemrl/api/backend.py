@@ -18,6 +18,8 @@ class InferenceBackend(Protocol):
     """Request builder / response parser of one inference-server kind."""
 
     name: str
+    # The allocation_mode dims (of d, t, p) this server kind may set above 1, e.g. "dtp".
+    parallel_dims: str
     # True: one ``build_update_from_collective`` request may carry every bucket of an update
     # (the server receives them all inside that call). False: the server API takes one
     # bucket per request, so the client sends one request per bucket, in order.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,11 @@ PostHook = Callable[[torch.Tensor, TensorDict], torch.Tensor]
 
 class TrainEngine(ABC):
     """One model trained SPMD across ranks; every method is called on every rank."""
+
+    # The allocation_mode dims (of d, t, p, c, e) this backend may set above 1, e.g. "dtc".
+    parallel_dims: ClassVar[str]
+    # Whether it takes the MoE hybrid body, ``backend:(attn:<dims>|ffn:<dims>)``.
+    moe_hybrid: ClassVar[bool] = False
 
     @abstractmethod
     def create_process_group(self, parallel_strategy: ParallelStrategy | None = None) -> None:

@@ -16,11 +16,18 @@ class GenerationHyperparameters:
         default=0, metadata={"help": "Minimum generated tokens before a stop is allowed.", "min": 0}
     )
     greedy: bool = field(default=False, metadata={"help": "Argmax decoding (ignores temperature/top_p/top_k/min_p)."})
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature."})
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass."})
+    temperature: float = field(
+        default=1.0, metadata={"help": "Sampling temperature (0 samples greedily, as greedy: true does).", "min": 0.0}
+    )
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass, in (0, 1].", "gt": 0.0, "max": 1.0})
     top_k: int = field(default=-1, metadata={"help": "Top-k sampling; -1 disables."})
     min_p: float = field(
-        default=0.0, metadata={"help": "Min-p sampling (drop tokens under min_p x the top probability); 0 disables."}
+        default=0.0,
+        metadata={
+            "help": "Min-p sampling (drop tokens under min_p x the top probability); 0 disables.",
+            "min": 0.0,
+            "max": 1.0,
+        },
     )
     stop_token_ids: list[int] = field(default_factory=list, metadata={"help": "Extra token ids that end generation."})
     stop: list[str] | None = field(default=None, metadata={"help": "Strings that end generation."})

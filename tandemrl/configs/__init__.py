@@ -46,7 +46,7 @@ from tandemrl.configs.loader import (  # noqa: E402
     ConfigError,
     config_to_dict,
     exit_on_config_error,
-    load_config,
+    read_config,
     register_configs,
     save_config,
 )
@@ -55,7 +55,7 @@ __all__ += [
     "ConfigError",
     "config_to_dict",
     "exit_on_config_error",
-    "load_config",
+    "read_config",
     "register_configs",
     "save_config",
 ]

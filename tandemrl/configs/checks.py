@@ -16,10 +16,12 @@ script stops before doing any work; the script's entry point checks the inputs o
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from tandemrl.api.allocation import AllocationMode, BackendShape
 from tandemrl.configs.data import DatasetConfig
-from tandemrl.configs.experiment import async_enabled
+from tandemrl.configs.experiment import async_enabled, keep_allocation, parsed_allocation
 from tandemrl.configs.ppo import PPOActorConfig, PPOCriticConfig
 from tandemrl.configs.rollout import GenerationHyperparameters
 
@@ -52,18 +54,31 @@ class InputsChecked(BaseException):
         self.config = config
 
 
-def _data_parallel_size(config: Any) -> tuple[int | None, Problem | None]:
+def parse_allocation(config: Any, backends: Sequence[Mapping[str, BackendShape]]) -> Problem | None:
+    """Parse ``config.allocation_mode`` against the backend tables once, keeping the value on the config
+    (``configs.experiment.parsed_allocation``); the problem if it does not parse."""
     mode = getattr(config, "allocation_mode", None)
     if not isinstance(mode, str):
-        return None, None
-    from tandemrl.api.allocation import AllocationMode
-
+        return None
     try:
-        alloc = AllocationMode.from_str(mode)
+        keep_allocation(config, AllocationMode.from_str(mode, *backends))
     except ValueError as err:
-        return None, ("allocation_mode", f"is invalid: {str(err).splitlines()[0]}")
+        return ("allocation_mode", f"is invalid: {str(err).splitlines()[0]}")
+    return None
+
+
+def _allocation(config: Any) -> AllocationMode:
+    alloc = parsed_allocation(config)
+    assert alloc is not None, "first_problem runs on a config whose allocation_mode parse_allocation kept"
+    return alloc
+
+
+def _data_parallel_size(config: Any) -> tuple[int | None, Problem | None]:
+    alloc = parsed_allocation(config)
+    if alloc is None:
+        return None, None
     if alloc.train is None:
-        return None, ("allocation_mode", f"'{mode}' has no training component")
+        return None, ("allocation_mode", f"'{alloc.spec}' has no training component")
     return alloc.train.strategy.dp, None
 
 
@@ -107,11 +122,12 @@ def _groups_fit(config: Any, dp: int) -> Problem | None:
                 f"(train_dataset.batch_size={train.batch_size} / {dp} data-parallel ranks "
                 f"x gconfig.n_samples={gconfig.n_samples})",
             )
-        if cfg.ppo_n_minibatches > per_rank // cfg.group_size:
+        groups = per_rank // cfg.group_size
+        if cfg.ppo_n_minibatches > groups or groups % cfg.ppo_n_minibatches:
             return (
                 f"{key}.ppo_n_minibatches",
-                f"must be at most the {per_rank // cfg.group_size} groups of group_size={cfg.group_size} "
-                f"in each rank's batch of {per_rank} sequences, got {cfg.ppo_n_minibatches}",
+                f"must divide the {groups} groups of group_size={cfg.group_size} in each rank's batch of "
+                f"{per_rank} sequences into equal minibatches, got {cfg.ppo_n_minibatches}",
             )
     return None
 
@@ -165,9 +181,7 @@ def _turns_fit(config: Any) -> Problem | None:
     """Colocated servers and trainer take turns, so they cannot overlap (async)."""
     if not async_enabled(config):
         return None
-    from tandemrl.api.allocation import AllocationMode
-
-    alloc = AllocationMode.from_str(config.allocation_mode)
+    alloc = _allocation(config)
     if alloc.gen is not None and alloc.train is not None and alloc.colocated(alloc.gen, alloc.train):
         return (
             "async_training",
@@ -265,9 +279,7 @@ def _engine_configs(config: Any) -> list[tuple[str, Any]]:
 
 def _router_replay_fits(config: Any) -> Problem | None:
     """MoE routing replay is implemented on the Megatron engine only (docs/moe.md)."""
-    from tandemrl.api.allocation import AllocationMode
-
-    backend = AllocationMode.from_str(config.allocation_mode).train.backend
+    backend = _allocation(config).train_backend
     for key, cfg in _engine_configs(config):
         if cfg.megatron.router_replay and backend != "megatron":
             return (
@@ -280,9 +292,7 @@ def _router_replay_fits(config: Any) -> Problem | None:
 
 def _lora_fits(config: Any) -> Problem | None:
     """LoRA is implemented on the FSDP2 engine only, and a critic's value head is no adapter target."""
-    from tandemrl.api.allocation import AllocationMode
-
-    backend = AllocationMode.from_str(config.allocation_mode).train.backend
+    backend = _allocation(config).train_backend
     for key, cfg in _engine_configs(config):
         if cfg.lora.rank <= 0:
             continue
@@ -307,11 +317,12 @@ def _services_fit(config: Any) -> Problem | None:
         return None
     paths = {name: cfg.path for name, cfg in (aux or {}).items()}
     judge, url = (service.judge, service.url) if service is not None else ("", "")
-    return service_problem(config.allocation_mode, paths, judge, url)
+    return service_problem(_allocation(config), paths, judge, url)
 
 
 def first_problem(config: Any) -> Problem | None:
-    """The first pair of values that do not fit together, or None."""
+    """The first pair of values that do not fit together, or None (after :func:`parse_allocation`; a config
+    whose allocation_mode it did not keep gets no check that needs the allocation)."""
     dp, problem = _data_parallel_size(config)
     if problem is not None or dp is None:
         return problem

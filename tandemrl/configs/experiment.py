@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tandemrl.configs.data import DatasetConfig
 from tandemrl.configs.engine import TrainEngineConfig
@@ -17,6 +18,9 @@ from tandemrl.configs.utils import (
     SaverConfig,
     StatsLoggerConfig,
 )
+
+if TYPE_CHECKING:
+    from tandemrl.api.allocation import AllocationMode
 
 
 @dataclass
@@ -48,6 +52,22 @@ class BaseExperimentConfig:
     recover: RecoverConfig = field(default_factory=RecoverConfig)
     evaluator: EvaluatorConfig = field(default_factory=EvaluatorConfig)
     stats_logger: StatsLoggerConfig = field(default_factory=StatsLoggerConfig)
+
+
+_PARSED = "_parsed_allocation"  # where keep_allocation leaves the parse on a config object
+
+
+def keep_allocation(config: object, alloc: AllocationMode) -> None:
+    """Keep ``alloc``, the parse of ``config.allocation_mode``, on the config (the loader parses it once)."""
+    config.__dict__[_PARSED] = alloc
+
+
+def parsed_allocation(config: object) -> AllocationMode | None:
+    """The loader's parse of ``config.allocation_mode``; None if the config was not loaded or the string changed since."""
+    alloc: AllocationMode | None = config.__dict__.get(_PARSED)
+    if alloc is None or alloc.spec != getattr(config, "allocation_mode", None):
+        return None
+    return alloc
 
 
 @dataclass
@@ -92,6 +112,15 @@ class GRPOConfig(BaseExperimentConfig):
     weight_update_anchor_every: int = field(
         default=10,
         metadata={"help": "With weight_update_delta: send every N-th update whole (an anchor).", "min": 1},
+    )
+    warn_no_signal_steps: int = field(
+        default=3,
+        metadata={
+            "help": "Warn once when this many steps in a row carried no learning signal (every advantage 0, or "
+            "grad_norm 0): no group had samples with different rewards, so the model does not change. The "
+            "closing line counts such steps either way. 0 turns the warning off.",
+            "min": 0,
+        },
     )
     gconfig: GenerationHyperparameters = field(default_factory=GenerationHyperparameters)
     rollout: InferenceEngineConfig = field(default_factory=InferenceEngineConfig)

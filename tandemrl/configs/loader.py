@@ -17,7 +17,7 @@ import re
 import tempfile
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from pathlib import Path
 from typing import Any, TypeVar
@@ -32,7 +32,8 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from tandemrl.configs.checks import InputsChecked, check_only, configs_seen, first_problem
+from tandemrl.api.allocation import BackendShape
+from tandemrl.configs.checks import InputsChecked, check_only, configs_seen, first_problem, parse_allocation
 from tandemrl.configs.data import DatasetConfig
 from tandemrl.configs.distill import DistillActorConfig, DistillConfig
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
@@ -59,8 +60,10 @@ __all__ = [
     "config_to_dict",
     "exit_on_config_error",
     "list_presets",
-    "load_config",
+    "read_config",
+    "read_known_keys",
     "preset_path",
+    "read_yaml",
     "register_configs",
     "save_config",
 ]
@@ -341,7 +344,7 @@ def _translate(err: OmegaConfBaseException, schema: type, where: str | None, ori
 
 
 def _check_field_values(obj: Any, prefix: str, origins: _Origins) -> None:
-    """Enforce the ``choices``, ``min`` and ``max`` metadata of schema fields, which OmegaConf itself ignores."""
+    """Enforce the ``choices``, ``min``, ``gt`` (exclusive minimum) and ``max`` metadata of schema fields, which OmegaConf itself ignores."""
     if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
         return
     for f in dataclasses.fields(obj):
@@ -354,6 +357,9 @@ def _check_field_values(obj: Any, prefix: str, origins: _Origins) -> None:
         low = f.metadata.get("min")
         if low is not None and isinstance(value, (int, float)) and value < low:
             raise ConfigError(f"Config key '{key}' {origins.where(key)} must be >= {low}, got {_show(value)}")
+        above = f.metadata.get("gt")
+        if above is not None and isinstance(value, (int, float)) and value <= above:
+            raise ConfigError(f"Config key '{key}' {origins.where(key)} must be > {above}, got {_show(value)}")
         high = f.metadata.get("max")
         if high is not None and isinstance(value, (int, float)) and value > high:
             raise ConfigError(f"Config key '{key}' {origins.where(key)} must be <= {high}, got {_show(value)}")
@@ -388,7 +394,7 @@ def _resolve_config_arg(arg: str) -> tuple[Path, str]:
     return path.resolve(), arg
 
 
-def _read_yaml(path: Path, shown: str) -> dict[str, Any]:
+def read_yaml(path: Path, shown: str) -> dict[str, Any]:
     """Load a YAML file as a plain mapping; syntax errors are reported with their line."""
     try:
         loaded = OmegaConf.load(path)
@@ -569,19 +575,52 @@ def register_configs() -> None:
         store.store(group=group, name=name, node=node)
 
 
-def load_config(argv: list[str], schema: type[T]) -> tuple[T, str]:
+def read_config(argv: list[str], schema: type[T], backends: Sequence[Mapping[str, BackendShape]]) -> tuple[T, str]:
     """Build a ``schema`` instance from ``argv`` (without the program name).
 
     ``argv`` holds an optional ``--config FILE.yaml`` (or ``--config preset:NAME``) and hydra-style
     overrides.  Returns the dataclass with interpolations resolved, and the absolute YAML path ("" if none).
+    ``allocation_mode`` is parsed once, against ``backends`` (the registries' ``SHAPES``), and the value
+    kept on the config (``configs.experiment.parsed_allocation``). Scripts call
+    ``tandemrl.trainers.entry.load_config``, which passes the registries.
     Values must also fit together (``tandemrl.configs.checks.first_problem``). With
     ``TANDEMRL_CHECK_ONLY=1`` (the launchers' pre-flight) it raises ``InputsChecked`` instead of
     returning; scripts load through ``tandemrl.trainers.entry``, which then checks the inputs too.
     """
     if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
-        raise TypeError(f"load_config needs a dataclass schema, got {schema!r}")
+        raise TypeError(f"read_config needs a dataclass schema, got {schema!r}")
     if check_only():
         configs_seen[0] += 1
+    obj, config_path = _build(argv, schema, backends, known_only=False)
+    if check_only():
+        raise InputsChecked(config_path, obj)
+    return obj, config_path
+
+
+def read_known_keys(argv: list[str], schema: type[T], backends: Sequence[Mapping[str, BackendShape]]) -> T:
+    """The part of a script's config that ``schema`` declares, typed and checked as :func:`read_config` does.
+
+    For a reader that knows only some of a script's keys (the launchers): keys ``schema`` lacks are
+    left out instead of refused, and values are not checked against each other (the script's own
+    pre-flight does both). ``allocation_mode`` is parsed against ``backends`` and kept, as there.
+    """
+    return _build(argv, schema, backends, known_only=True)[0]
+
+
+def _known(data: Any, annotation: Any) -> Any:
+    """``data`` without the keys ``annotation`` (a dataclass, or a dict of them) lacks, at any depth."""
+    inner, _ = _unwrap_optional(annotation)
+    if not isinstance(data, Mapping) or not dataclasses.is_dataclass(inner):
+        return data
+    fields = _field_types(inner)
+    return {k: _known(v, fields[k]) for k, v in data.items() if isinstance(k, str) and k in fields}
+
+
+def _build(
+    argv: list[str], schema: type[T], backends: Sequence[Mapping[str, BackendShape]], known_only: bool
+) -> tuple[T, str]:
+    """Defaults < YAML < overrides, typed and checked; ``known_only`` drops the keys ``schema`` lacks and
+    skips the checks of values against each other."""
     config_arg, overrides = _split_argv(list(argv))
     origins = _Origins()
     try:
@@ -592,24 +631,24 @@ def load_config(argv: list[str], schema: type[T]) -> tuple[T, str]:
     config_path = ""
     if config_arg is not None:
         path, shown = _resolve_config_arg(config_arg)
-        cfg = _merge(cfg, _read_yaml(path, shown), schema, f"in {shown}", origins)
+        data = read_yaml(path, shown)
+        cfg = _merge(cfg, _known(data, schema) if known_only else data, schema, f"in {shown}", origins)
         config_path = str(path)
     if overrides:
         register_configs()
     for token in overrides:
-        cfg = _apply_override(cfg, token, schema, origins)
+        if not known_only or _annotation_at(schema, token.lstrip("+~").split("=", 1)[0]) is not None:
+            cfg = _apply_override(cfg, token, schema, origins)
 
     try:
         obj = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as err:
         raise _translate(err, schema, None, origins) from None
     _check_field_values(obj, "", origins)
-    problem = first_problem(obj)
+    problem = parse_allocation(obj, backends) or (None if known_only else first_problem(obj))
     if problem is not None:
         key, message = problem
         raise ConfigError(f"Config key '{key}' {origins.where(key)} {message}")
-    if check_only():
-        raise InputsChecked(config_path, obj)
     return typing.cast(T, obj), config_path
 
 

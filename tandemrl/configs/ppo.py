@@ -94,10 +94,16 @@ class PPOActorConfig:
     )
     ppo_n_minibatches: int = field(default=1, metadata={"help": "Minibatches per PPO epoch.", "min": 1})
     ppo_n_epochs: int = field(default=1, metadata={"help": "Passes over each batch.", "min": 1})
-    eps_clip: float = field(default=0.2, metadata={"help": "Lower (and default upper) ratio clip."})
-    eps_clip_higher: float | None = field(default=None, metadata={"help": "Upper ratio clip (DAPO clip-higher)."})
-    c_clip: float | None = field(default=None, metadata={"help": "Dual-clip bound (> 1) for negative advantages."})
-    temperature: float = field(default=1.0, metadata={"help": "Logits are divided by this (match the sampler)."})
+    eps_clip: float = field(default=0.2, metadata={"help": "Lower (and default upper) ratio clip.", "gt": 0.0})
+    eps_clip_higher: float | None = field(
+        default=None, metadata={"help": "Upper ratio clip (DAPO clip-higher).", "gt": 0.0}
+    )
+    c_clip: float | None = field(
+        default=None, metadata={"help": "Dual-clip bound (> 1) for negative advantages.", "gt": 1.0}
+    )
+    temperature: float = field(
+        default=1.0, metadata={"help": "Logits are divided by this (match the sampler).", "gt": 0.0}
+    )
     kl_ctl: float = field(default=0.0, metadata={"help": "KL coefficient against the reference policy."})
     reward_scaling: float = field(default=1.0, metadata={"help": "Multiply rewards."})
     reward_bias: float = field(default=0.0, metadata={"help": "Add to rewards."})

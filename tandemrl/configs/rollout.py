@@ -75,7 +75,13 @@ class InferenceEngineConfig:
     request_backoff: float = field(
         default=0.5, metadata={"help": "Seconds before a request's first retry; doubles on each further retry."}
     )
-    setup_timeout: float = field(default=300.0, metadata={"help": "Seconds to wait for servers to become healthy."})
+    setup_timeout: float = field(
+        default=600.0,
+        metadata={
+            "help": "Seconds to wait for servers to become healthy: the launcher's wait for the servers it "
+            "starts (a cold start loads the model), and the client's in initialize()."
+        },
+    )
     server_addrs: list[str] = field(
         default_factory=list, metadata={"help": "host:port of servers; empty reads the launcher's environment."}
     )

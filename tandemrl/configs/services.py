@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tandemrl.api.allocation import AllocationMode
 
 
 @dataclass
@@ -57,15 +60,14 @@ class RewardServiceConfig:
 
 
 def service_problem(
-    allocation_mode: str, aux_paths: Mapping[str, str], judge: str = "", url: str = ""
+    alloc: AllocationMode, aux_paths: Mapping[str, str], judge: str = "", url: str = ""
 ) -> tuple[str, str] | None:
     """(key, what is wrong) when auxiliary servers and the reward service do not fit allocation_mode, else None.
 
-    ``aux_paths``: ``aux_servers.<name>.path`` by name. Shared by the config guards and the launchers.
+    ``alloc``: the parsed allocation_mode; ``aux_paths``: ``aux_servers.<name>.path`` by name. Shared by
+    the config guards and the launchers.
     """
-    from tandemrl.api.allocation import AllocationMode
-
-    alloc = AllocationMode.from_str(allocation_mode)
+    allocation_mode = alloc.spec
     aux = {c.name: c for c in alloc.aux}
     for name, comp in aux.items():
         if comp.name is None or not aux_paths.get(name):

@@ -132,6 +132,8 @@ def _skip_cpu_op_builds() -> None:
 class DeepSpeedEngine(BaseTrainEngine):
     """An HF causal LM trained with DeepSpeed ZeRO over all ranks as one data-parallel group."""
 
+    parallel_dims = "dtc"  # allocation_mode dims it trains with: data, tensor, context
+
     backend = "deepspeed"
 
     # ------------------------------------------------------------ groups/ids

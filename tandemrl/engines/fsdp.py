@@ -71,6 +71,8 @@ def _clear_dtensor_caches() -> None:
 class FSDPEngine(BaseTrainEngine):
     """An HF causal LM sharded with FSDP2 over a 1-D data-parallel mesh."""
 
+    parallel_dims = "dtc"  # allocation_mode dims it trains with: data, tensor, context
+
     backend = "fsdp"
 
     def __init__(self, config: TrainEngineConfig):

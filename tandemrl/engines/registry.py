@@ -1,7 +1,8 @@
 """Which class implements each training backend, imported only when asked for.
 
-A backend is one row here: its ``allocation_mode`` name -> ``"module:Class"`` of a
-:class:`~tandemrl.api.engine.TrainEngine`. Every algorithm (``tandemrl.algorithms``) takes the
+A backend is one class (a :class:`~tandemrl.api.engine.TrainEngine` that declares its
+``parallel_dims``) plus one row here: its ``allocation_mode`` name -> ``"module:Class"`` (or
+the class). ``allocation_mode`` parsing reads the rows through :data:`SHAPES`. Every algorithm (``tandemrl.algorithms``) takes the
 built engine, so a new backend works with all of them and a new algorithm with all backends.
 """
 
@@ -9,18 +10,19 @@ from __future__ import annotations
 
 import importlib
 
+from tandemrl.api.allocation import LazyShapes
 from tandemrl.api.engine import TrainEngine
 from tandemrl.configs.engine import TrainEngineConfig
 
-_ENGINES: dict[str, str] = {
+_ENGINES: dict[str, str | type[TrainEngine]] = {
     "fsdp": "tandemrl.engines.fsdp:FSDPEngine",
     "deepspeed": "tandemrl.engines.deepspeed:DeepSpeedEngine",
     "megatron": "tandemrl.engines.megatron.engine:MegatronEngine",
 }
 
 
-def register_engine(backend: str, target: str) -> None:
-    """Register ``module:Class`` as the engine of ``backend`` (e.g. an out-of-tree backend)."""
+def register_engine(backend: str, target: str | type[TrainEngine]) -> None:
+    """Register ``module:Class`` (or the class) as the engine of ``backend`` (e.g. an out-of-tree backend)."""
     _ENGINES[backend] = target
 
 
@@ -32,8 +34,14 @@ def engine_class(backend: str) -> type[TrainEngine]:
         raise ValueError(
             f"allocation_mode: no training engine for backend '{backend}' (available: {', '.join(sorted(_ENGINES))})"
         ) from None
+    if isinstance(target, type):
+        return target
     module, name = target.split(":")
     return getattr(importlib.import_module(module), name)
+
+
+# The rows as allocation_mode shapes: each class's declared parallel_dims, read on lookup.
+SHAPES = LazyShapes("training", _ENGINES, engine_class)
 
 
 def make_engine(backend: str, config: TrainEngineConfig) -> TrainEngine:

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tandemrl.utils.cli import USER_ERRORS, first_line, signals_interrupt
+from tandemrl.utils.cli import USER_ERRORS, ArgumentParser, first_line, signals_interrupt
 
 _REPO = Path(__file__).resolve().parents[2]
 DATA_ENV = "TANDEMRL_GSM8K"
@@ -42,7 +42,7 @@ def default_data_dir() -> str:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m tandemrl.eval",
         description="Greedy GSM8K accuracy (95% Wilson score interval) of an HF checkpoint, through a vLLM server.",
         epilog=_EPILOG,

@@ -49,6 +49,7 @@ from tandemrl.api.inference import (
 from tandemrl.configs.rollout import InferenceEngineConfig
 from tandemrl.inference.busy import BusyClock
 from tandemrl.inference.http import HttpClient, InferenceServerError, shared_client
+from tandemrl.inference.registry import backend_class
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +146,13 @@ class RemoteInfEngine:
     abort_retry_delay = 0.1
     # How often a generation waiting for the servers to resume re-checks.
     pause_poll_interval = 0.05
+
+    @classmethod
+    def for_backend(
+        cls, name: str, config: InferenceEngineConfig, http_client: HttpClient | None = None
+    ) -> RemoteInfEngine:
+        """The client of allocation_mode's inference backend ``name``, its row in ``inference.registry``."""
+        return cls(config, backend_class(name).from_config(config), http_client)
 
     def __init__(
         self, config: InferenceEngineConfig, backend: InferenceBackend, http_client: HttpClient | None = None
@@ -621,38 +629,10 @@ class RemoteInfEngine:
             raise ServerUnavailableError(self.pool.all_dead_message())
 
 
-class RemoteVLLMEngine(RemoteInfEngine):
-    """``RemoteInfEngine`` talking to vLLM servers."""
-
-    def __init__(self, config: InferenceEngineConfig, http_client: HttpClient | None = None) -> None:
-        from tandemrl.inference.vllm import VLLMBackend
-
-        super().__init__(config, VLLMBackend.from_config(config), http_client)
-
-
-class RemoteSGLangEngine(RemoteInfEngine):
-    """``RemoteInfEngine`` talking to SGLang servers."""
-
-    def __init__(self, config: InferenceEngineConfig, http_client: HttpClient | None = None) -> None:
-        from tandemrl.inference.sglang import SGLangBackend
-
-        super().__init__(config, SGLangBackend.from_config(config), http_client)
-
-
 __all__ = [
     "SERVER_ADDRS_ENV",
     "RemoteInfEngine",
-    "RemoteSGLangEngine",
-    "RemoteVLLMEngine",
     "ServerPool",
     "ServerUnavailableError",
     "parse_server_addrs",
 ]
-
-
-def remote_engine_for(backend: str, config: InferenceEngineConfig) -> RemoteInfEngine:
-    """The client for allocation_mode's inference backend ("vllm" or "sglang")."""
-    classes: dict[str, type[RemoteInfEngine]] = {"vllm": RemoteVLLMEngine, "sglang": RemoteSGLangEngine}
-    if backend not in classes:
-        raise ValueError(f"allocation_mode: inference backend '{backend}' has no client (vllm or sglang)")
-    return classes[backend](config)

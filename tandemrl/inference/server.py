@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import signal
 import subprocess
 import tempfile
@@ -45,6 +46,32 @@ class PortInUseError(ServerError):
 
 
 _BIND_FAILED = "Address already in use"  # errno 98's text in the server's traceback
+
+# A server log line's prefix ("(EngineCore pid=7) ERROR 11-29 04:57:45 [core.py:1512] "), then the causes a
+# log names: an exception's last line ("RuntimeError: ...", "vllm.x.EngineDeadError: ...") or argparse's
+# "prog: error: ...". Request-level errors (a client's bad request) are not the server's cause of death.
+_LOG_PREFIX = re.compile(r"^(?:\([^)]*\) )?(?:[A-Z]+ \d\d-\d\d [\d:]+ \[[^]]*\] )?")
+_CAUSE = re.compile(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception)): (\S.*)$|^\S+: error: (\S.*)$")
+_REQUEST_ERRORS = ("RequestValidationError", "HTTPException", "ValidationError")
+
+
+def crash_cause(log_file: str, limit: int = 200) -> str | None:
+    """The first error a server's log names (its root cause, usually), cut to ``limit`` characters; None if none.
+
+    An engine's worker that dies logs its own exception first and the front end's wrappers after it
+    (``EngineDeadError``), so the first is the one that says what went wrong; a bad flag is argparse's line.
+    """
+    try:
+        with open(log_file, errors="replace") as f:
+            for line in f:
+                match = _CAUSE.match(_LOG_PREFIX.sub("", line.rstrip()))
+                if match is None or match.group(1) in _REQUEST_ERRORS:
+                    continue
+                cause = f"{match.group(1)}: {match.group(2)}" if match.group(1) else f"error: {match.group(3)}"
+                return cause[:limit]
+    except OSError:
+        return None
+    return None
 
 
 class ServerProcess:
@@ -94,9 +121,11 @@ class ServerProcess:
                         f"{self.backend.name} server: port {self.port} on {self.host} is already in use "
                         f"(log {self.log_file})"
                     )
+                cause = crash_cause(self.log_file)
                 raise ServerError(
-                    f"{self.backend.name} server on {self.address} exited with code {code} before it was healthy "
-                    f"(log {self.log_file}); log tail:\n{self.log_tail()}"
+                    f"{self.backend.name} server on {self.address} exited with code {code} before it was healthy"
+                    + (f": {cause}" if cause else "")
+                    + f" (log {self.log_file}); log tail:\n{self.log_tail()}"
                 )
             if _http_ok(self.base_url + req.path, req.method, min(5.0, poll_interval * 5)):
                 return time.monotonic() - start

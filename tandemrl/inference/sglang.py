@@ -51,6 +51,7 @@ class SGLangBackend(TimeoutsMixin):
     """Builds and parses SGLang HTTP calls."""
 
     name = "sglang"
+    parallel_dims = "dtp"  # allocation_mode dims it serves with: data, tensor, pipeline
     # /update_weights_from_distributed describes one bucket per request.
     multi_bucket_collective = False
 

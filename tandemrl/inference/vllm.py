@@ -97,6 +97,7 @@ class VLLMBackend(TimeoutsMixin):
     """Builds and parses vLLM HTTP calls."""
 
     name = "vllm"
+    parallel_dims = "dtp"  # allocation_mode dims it serves with: data, tensor, pipeline
     # tandemrl_recv_weights takes every bucket's metadata in one call.
     multi_bucket_collective = True
     # Set once a LoRA adapter is loaded (``adapter_loaded``): generation then names it as the model.

@@ -136,9 +136,9 @@ def plan_trials(args: LaunchArgs) -> list[tuple[list[str], LaunchSpec]]:
             combo = [*combo, f"trial_name={trial}"]
             spec = read_launch_spec(args.config_path, combo)
         specs.append((combo, spec))
-    for _, spec in specs:
+    reports = check_script_inputs(args, specs)  # first: a bad data file is named in data words, not while
+    for _, spec in specs:  # a tiny: model's tokenizer is trained on it
         spec.resolve_model()
-    reports = check_script_inputs(args, specs)
     if dry_run.FLAG in args.flags:
         dry_run.print_reports(args.script, specs, reports)
     return specs

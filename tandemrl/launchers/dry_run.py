@@ -1,5 +1,7 @@
 """``--dry-run`` of every launcher: the derived batch arithmetic and the resolved config; nothing starts.
 
+The config shown is the keys whose values differ from the schema's defaults (``TANDEMRL_VERBOSE=1``: every key).
+
 The launchers' pre-flight (``tandemrl.launchers.check``) builds each trial's config with the
 script's own schema. With :data:`REPORT_ENV` naming a file it also writes :func:`config_report`
 there; the launcher prints it (:func:`print_reports`) and exits 0 before starting any server,
@@ -12,7 +14,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from tandemrl.api.allocation import AllocationMode
-from tandemrl.launchers.launch_config import LaunchSpec
+from tandemrl.configs.experiment import parsed_allocation
+from tandemrl.launchers.launch_config import BACKEND_TABLES, LaunchSpec
+from tandemrl.utils.quiet import verbose
 
 FLAG = "--dry-run"
 REPORT_ENV = "TANDEMRL_DRY_RUN_REPORT"  # where the pre-flight writes the report
@@ -85,7 +89,7 @@ def batch_lines(config: Any, rows: int | None) -> list[str]:
 
     ``rows`` is the train split's row count (at most ``max_samples``), None if unknown.
     """
-    alloc = AllocationMode.from_str(config.allocation_mode)
+    alloc = parsed_allocation(config) or AllocationMode.from_str(config.allocation_mode, *BACKEND_TABLES)
     dp = alloc.train.strategy.dp if alloc.train is not None else 1
     train, gconfig = config.train_dataset, getattr(config, "gconfig", None)
     prompts = train.batch_size
@@ -139,8 +143,43 @@ def config_report(config: Any) -> str:
 
     rows = check_dataset_inputs(config.train_dataset) if hasattr(config, "train_dataset") else None
     lines = batch_lines(config, rows) if hasattr(config, "train_dataset") else []
-    text = yaml.safe_dump(config_to_dict(config), sort_keys=False, default_flow_style=False)
+    resolved = config_to_dict(config)
+    changed = None if verbose() else _changed(resolved, _defaults(config))
+    if changed is None:
+        text = yaml.safe_dump(resolved, sort_keys=False, default_flow_style=False)
+    else:
+        head = f"# the keys that differ from {type(config).__name__}'s defaults (every key: TANDEMRL_VERBOSE=1)\n"
+        text = head + yaml.safe_dump(changed, sort_keys=False, default_flow_style=False)
     return "\n".join(lines) + "\nresolved config:\n" + text
+
+
+def _defaults(config: Any) -> dict[str, Any] | None:
+    """The schema's own defaults, interpolations unresolved; None if the schema has required fields."""
+    from tandemrl.configs.loader import config_to_dict
+
+    try:
+        return config_to_dict(type(config)(), resolve=False)
+    except (TypeError, ValueError):
+        return None
+
+
+def _changed(resolved: dict[str, Any], defaults: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The leaves of ``resolved`` that differ from ``defaults``; a default that is an interpolation
+    (``${experiment_name}``) follows its source and is left out. None: nothing to compare with."""
+    if defaults is None:
+        return None
+    out: dict[str, Any] = {}
+    for key, value in resolved.items():
+        base = defaults.get(key, object())
+        if isinstance(base, str) and "${" in base:
+            continue
+        if isinstance(value, dict) and isinstance(base, dict):
+            sub = _changed(value, base)
+            if sub:
+                out[key] = sub
+        elif value != base:
+            out[key] = value
+    return out
 
 
 def print_reports(script: str, specs: Sequence[tuple[list[str], LaunchSpec]], reports: Sequence[str | None]) -> None:

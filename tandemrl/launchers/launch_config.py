@@ -1,20 +1,36 @@
-"""The few config values a launcher needs, read before any process starts.
+"""The config values a launcher needs, read before any process starts.
 
-The launcher does not know the training script's schema, so it reads the YAML plus
-dotted overrides as plain OmegaConf and validates only what it acts on: the
-allocation_mode, the model path, and where outputs go. The script validates the rest.
+The launcher does not know the training script's schema; it reads the YAML plus dotted overrides
+with the scripts' loader (``configs.loader.read_known_keys``) against :class:`LaunchView`, the
+shipped experiment configs' keys typed by the dataclasses that own them, so each value and default
+is the one the script gets. Keys outside it are left to the script's own pre-flight
+(``launchers.check``). The ``launcher`` section is the launchers' own (scripts never see it).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from tandemrl.api.allocation import AllocationMode
+from tandemrl.configs.experiment import GRPOConfig, SFTConfig, parsed_allocation
+from tandemrl.configs.loader import read_known_keys
+from tandemrl.engines.registry import SHAPES as TRAINING_SHAPES
+from tandemrl.inference.registry import SHAPES as INFERENCE_SHAPES
+
+# The backends allocation_mode may name: the two registries' rows, as shapes their classes declare.
+BACKEND_TABLES = (TRAINING_SHAPES, INFERENCE_SHAPES)
 
 # Keys that may hold the policy model, in the order they are looked for.
 MODEL_KEYS = ("actor.engine.path", "model.path")
+
+
+@dataclass
+class LaunchView(GRPOConfig, SFTConfig):
+    """The keys of the shipped experiment configs (RL and SFT) with their own types and defaults:
+    what the launcher reads of a script's config."""
 
 
 @dataclass
@@ -66,14 +82,14 @@ class LaunchSpec:
 def _load(config_path: str | None, overrides: list[str]) -> Any:
     from omegaconf import OmegaConf
 
-    from tandemrl.configs.loader import PRESET_PREFIX, preset_path
+    from tandemrl.configs.loader import PRESET_PREFIX, preset_path, read_yaml
 
     base = OmegaConf.create()
     if config_path:
         path = preset_path(config_path[len(PRESET_PREFIX) :]) if config_path.startswith(PRESET_PREFIX) else config_path
         if not os.path.isfile(path):
             raise FileNotFoundError(f"config file not found: {config_path}")
-        base = OmegaConf.load(path)
+        base = OmegaConf.create(read_yaml(Path(path), config_path))  # a syntax error: one line with its line
     dotlist = [o.lstrip("+") for o in overrides if "=" in o and not o.startswith("~")]
     try:
         return OmegaConf.merge(base, OmegaConf.from_dotlist(dotlist))
@@ -93,31 +109,30 @@ def _get(cfg: Any, key: str, default: Any = None) -> Any:
 
 def read_launch_spec(config_path: str | None, overrides: list[str]) -> LaunchSpec:
     """Parse and check the launch-relevant values; one-line errors name the key."""
-    cfg = _load(config_path, overrides)
-    alloc_str = _get(cfg, "allocation_mode")
-    if not alloc_str:
-        raise ValueError(f"allocation_mode is not set in {config_path or 'the overrides'}")
-    alloc = AllocationMode.from_str(str(alloc_str))
+    argv = (["--config", config_path] if config_path else []) + list(overrides)
+    view = read_known_keys(argv, LaunchView, BACKEND_TABLES)
+    alloc = parsed_allocation(view)
+    assert alloc is not None  # read_known_keys parsed it
     if alloc.train is None:
-        raise ValueError(f"allocation_mode '{alloc_str}' has no training component")
+        raise ValueError(f"allocation_mode '{view.allocation_mode}' has no training component")
     model_key, model_path = MODEL_KEYS[0], ""
-    for key in MODEL_KEYS:
-        if _get(cfg, key):
-            model_key, model_path = key, str(_get(cfg, key))
+    for key, path in zip(MODEL_KEYS, (view.actor.engine.path, view.model.path), strict=True):
+        if path:
+            model_key, model_path = key, path
             break
-    update_mode = str(_get(cfg, "weight_update_mode", "collective"))
+    cfg = _load(config_path, [o for o in overrides if o.lstrip("+~").startswith(f"{LAUNCHER_SECTION}.")])
     return LaunchSpec(
         allocation=alloc,
-        experiment_name=str(_get(cfg, "experiment_name", "tandemrl")),
-        trial_name=str(_get(cfg, "trial_name", "trial0")),
-        fileroot=str(_get(cfg, "cluster.fileroot", "./runs")),
+        experiment_name=view.experiment_name,
+        trial_name=view.trial_name,
+        fileroot=view.cluster.fileroot,
         model_path=model_path,
         model_key=model_key,
-        corpus_path=_get(cfg, "train_dataset.path"),
-        server_timeout=float(_get(cfg, "rollout.setup_timeout", 600.0)),
-        weight_update_mode=update_mode,
-        server_extra=_server_extra(cfg, alloc, update_mode),
-        aux_servers=_aux_servers(cfg, alloc),
+        corpus_path=view.train_dataset.path or None,
+        server_timeout=view.rollout.setup_timeout,
+        weight_update_mode=view.weight_update_mode,
+        server_extra=_server_extra(cfg, view, alloc),
+        aux_servers=_aux_servers(view, alloc),
         **_stall_bounds(cfg),
     )
 
@@ -139,26 +154,21 @@ def _stall_bounds(cfg: Any) -> dict[str, float]:
     return out
 
 
-def _aux_servers(cfg: Any, alloc: AllocationMode) -> list[AuxServer]:
+def _aux_servers(view: LaunchView, alloc: AllocationMode) -> list[AuxServer]:
     """The auxiliary servers ``aux_servers`` configures, checked against allocation_mode (one line naming the key)."""
-    from omegaconf import OmegaConf
-
     from tandemrl.configs.services import service_problem
 
-    section = _get(cfg, "aux_servers", {})
-    table = OmegaConf.to_container(section, resolve=True) if OmegaConf.is_config(section) else dict(section)
-    if not isinstance(table, dict) or not all(isinstance(v, dict) for v in table.values()):
-        raise ValueError("config key 'aux_servers' must map server names to {path, server_args}")
-    paths = {str(name): str(v.get("path") or "") for name, v in table.items()}
-    problem = service_problem(
-        str(alloc), paths, str(_get(cfg, "reward_service.judge", "")), str(_get(cfg, "reward_service.url", ""))
-    )
+    paths = {name: aux.path for name, aux in view.aux_servers.items()}
+    service = view.reward_service
+    problem = service_problem(AllocationMode(alloc.components, str(alloc)), paths, service.judge, service.url)
     if problem is not None:
         raise ValueError(f"config key '{problem[0]}' {problem[1]}")
-    return [AuxServer(str(c.name), paths[str(c.name)], dict(table[c.name].get("server_args") or {})) for c in alloc.aux]
+    return [
+        AuxServer(str(c.name), paths[str(c.name)], dict(view.aux_servers[str(c.name)].server_args)) for c in alloc.aux
+    ]
 
 
-def _server_extra(cfg: Any, alloc: AllocationMode, update_mode: str) -> dict[str, Any]:
+def _server_extra(cfg: Any, view: LaunchView, alloc: AllocationMode) -> dict[str, Any]:
     """The generation servers' extra flags: ``launcher.server_args`` (the user's, in the backend's own
     option names, over the placement's flags) plus the LoRA flags the run needs; one line names a bad key."""
     from omegaconf import OmegaConf
@@ -180,31 +190,27 @@ def _server_extra(cfg: Any, alloc: AllocationMode, update_mode: str) -> dict[str
             get_backend(alloc.gen_backend).server_command("model", "127.0.0.1", 1, ParallelStrategy(), args)
         except ValueError as err:
             raise ValueError(f"config key '{key}': {err}") from None
-    lora = _lora_server_extra(cfg, alloc, update_mode)
+    lora = _lora_server_extra(view, alloc)
     for name, needed in lora.items():
         if name in args and args[name] != needed:
             raise ValueError(f"config key '{key}.{name}'={args[name]!r}: LoRA updates by disk need {name}={needed!r}")
-    return {**_deterministic_server_extra(cfg, alloc, args), **args, **lora}
+    return {**_deterministic_server_extra(view, alloc, args), **args, **lora}
 
 
-def _deterministic_server_extra(cfg: Any, alloc: AllocationMode, args: dict[str, Any]) -> dict[str, Any]:
+def _deterministic_server_extra(view: LaunchView, alloc: AllocationMode, args: dict[str, Any]) -> dict[str, Any]:
     """``deterministic=true`` on vLLM: whole prefills (``DETERMINISTIC_SERVER_FLAGS``), unless the user's
     server_args say anything about chunked prefill."""
-    if (
-        not _get(cfg, "deterministic", False)
-        or alloc.gen_backend != "vllm"
-        or any("chunked_prefill" in k for k in args)
-    ):
+    if not view.deterministic or alloc.gen_backend != "vllm" or any("chunked_prefill" in k for k in args):
         return {}
     from tandemrl.inference.vllm import DETERMINISTIC_SERVER_FLAGS
 
     return dict(DETERMINISTIC_SERVER_FLAGS)
 
 
-def _lora_server_extra(cfg: Any, alloc: AllocationMode, update_mode: str) -> dict[str, Any]:
+def _lora_server_extra(view: LaunchView, alloc: AllocationMode) -> dict[str, Any]:
     """vLLM servers load the actor's LoRA adapter at run time when it trains one and updates go by disk."""
-    rank = int(_get(cfg, "actor.engine.lora.rank", 0))
-    if rank <= 0 or update_mode != "disk" or alloc.gen_backend != "vllm":
+    rank = view.actor.engine.lora.rank
+    if rank <= 0 or view.weight_update_mode != "disk" or alloc.gen_backend != "vllm":
         return {}
     from tandemrl.inference.vllm import lora_server_flags
 

@@ -43,7 +43,7 @@ from tandemrl.launchers.common import (
     trainer_failure,
 )
 from tandemrl.launchers.launch_config import LaunchSpec, script_config
-from tandemrl.launchers.placement import Placement, plan_placement, visible_cpus, visible_gpus
+from tandemrl.launchers.placement import Placement, oversubscription, plan_placement, visible_cpus, visible_gpus
 from tandemrl.launchers.server_watch import StallBounds, wait_trainer
 from tandemrl.launchers.torchrun_loopback import TRAINER_LOG_ENV
 from tandemrl.utils.lifeline import lifeline_command
@@ -134,6 +134,9 @@ def run_trial(script: str, config_path: str | None, overrides: list[str], spec: 
         # fresh per run, never printed
         token = new_token() if any(c.backend == "vllm" for c in [alloc.gen, *alloc.aux] if c) else None
         placement = plan_placement(alloc, visible_gpus(), visible_cpus())
+        crowded = oversubscription(alloc, visible_gpus(), visible_cpus())
+        if crowded:
+            print(f"[launcher] warning: {crowded}", flush=True)
         addrs = start_servers(spec, alloc, run_dir, children, token, placement)
         env = dict(os.environ)
         for key, value in placement.trainer_env.items():

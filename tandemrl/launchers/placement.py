@@ -65,6 +65,26 @@ def plan_placement(alloc: AllocationMode, gpus: list[str], cpus: list[int]) -> P
     return plan
 
 
+def oversubscription(alloc: AllocationMode, gpus: list[str], cpus: list[int]) -> str | None:
+    """A one-line warning when a CPU run's devices (server ranks + trainer ranks, apart) outnumber its cores.
+
+    Every device is a process that wants a core of its own; on fewer cores they take turns, so each step
+    is slower than with fewer devices. None on GPUs, colocated runs (the sides take turns by design) and
+    runs that fit.
+    """
+    if gpus or is_colocated(alloc):
+        return None
+    n_servers, per_server = _server_shape(alloc)
+    devices = n_servers * per_server + alloc.train_world_size
+    devices += sum(c.strategy.dp * c.strategy.tp * c.strategy.pp for c in alloc.aux)
+    if devices <= len(cpus):
+        return None
+    return (
+        f"allocation_mode '{alloc}' places {devices} CPU devices (one process each) on {len(cpus)} cores: they "
+        f"share cores and each runs slower; use at most {len(cpus)} devices for a faster run"
+    )
+
+
 def _plan_aux(alloc: AllocationMode, gpus: list[str], first: int) -> dict[str, list[dict[str, str]]]:
     """Each auxiliary server replica's env: the GPUs from ``first`` on, one block of tp*pp each; {} on CPU."""
     out: dict[str, list[dict[str, str]]] = {}

@@ -1,5 +1,7 @@
 """Run one inference server in the foreground until SIGTERM: the unit a job scheduler places.
 
+    tandemrl serve --model RUN_DIR/.../final    # one vLLM server on 127.0.0.1, a free port; Ctrl-C stops it
+
     python -m tandemrl.launchers.serve --backend vllm --model PATH --host NODE --port 8000 \
         --log RUN_DIR/vllm-server-0.log --ready RUN_DIR/servers/0.addr [--tp 1] [--pp 1] [--timeout 600] \
         [--extra JSON] [--request-log RUN_DIR/vllm-server-0-requests.jsonl] \
@@ -31,19 +33,22 @@ from typing import Any
 
 from tandemrl.inference.server_auth import TOKEN_ENV
 from tandemrl.launchers.server_watch import StallBounds, StallClock, stall_cause, stall_error, stall_warning
-from tandemrl.utils.cli import first_line, signals_interrupt
+from tandemrl.utils.cli import ArgumentParser, first_line, signals_interrupt
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tandemrl.launchers.serve", description=__doc__.splitlines()[0])
-    p.add_argument("--backend", required=True, help="vllm or sglang")
-    p.add_argument("--model", required=True, help="model directory")
-    p.add_argument("--host", required=True, help="address to bind and to advertise (this node's name or IP)")
-    p.add_argument("--port", type=int, required=True)
+    p = ArgumentParser(prog="tandemrl serve", description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="model directory (an HF checkpoint, e.g. a run's saved model)")
+    p.add_argument("--backend", default="vllm", help="vllm or sglang (default: vllm)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind and to advertise (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=0, help="port (default: a free one, printed when healthy)")
+    p.add_argument(
+        "--dtype", default=None, help="weights' dtype on the server, e.g. float32 (default: the backend's choice)"
+    )
+    p.add_argument("--log", default=None, help="server log file (default: ./<backend>-server-<port>.log)")
+    p.add_argument("--ready", default=None, help="file that receives host:port once healthy (default: none)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--log", required=True, help="server log file")
-    p.add_argument("--ready", required=True, help="file that receives host:port once healthy")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to become healthy")
     p.add_argument("--extra", default="{}", help="JSON object of extra server flags")
     p.add_argument("--request-log", default=None, help="file the server appends each request to (vLLM only)")
@@ -52,6 +57,8 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--step", default="server", help="this step's name in the job's failure record")
     p.add_argument("--failed", default=None, help="the job's failure record (written if absent) on a stall")
     args = p.parse_args(argv)
+    if args.port < 0:
+        p.error(f"--port must be >= 0, got {args.port}")
     if not 0 < args.stall_warn < args.stall_limit:
         p.error(f"need 0 < --stall-warn ({args.stall_warn:g}) < --stall-limit ({args.stall_limit:g})")
     return args
@@ -72,7 +79,11 @@ def supervise(server: Any, args: argparse.Namespace) -> int:
             _record_failure(args, stall_cause(event[1]))
             return 1
         time.sleep(bounds.every)
-    print(f"error: {who} exited with code {server.proc.returncode}", file=sys.stderr, flush=True)
+    from tandemrl.inference.server import crash_cause
+
+    cause = crash_cause(server.log_file)
+    line = f"error: {who} exited with code {server.proc.returncode}" + (f": {cause}" if cause else "")
+    print(line, file=sys.stderr, flush=True)
     return 1
 
 
@@ -88,32 +99,57 @@ def _record_failure(args: argparse.Namespace, what: str) -> None:
         subprocess.run([scancel, job], capture_output=True, check=False)
 
 
+def _check_model(path: str) -> None:
+    """A local checkpoint needs its config.json and a tokenizer, checked before any server starts."""
+    from tandemrl.models.hf import check_tokenizer_dir, is_plausible_hub_id
+
+    if not os.path.exists(path):
+        if path.startswith(("/", ".", "~")) or not is_plausible_hub_id(path):
+            raise FileNotFoundError(f"--model: model directory not found: {path}")
+        return
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"--model: {path} has no config.json (not an HF model directory)")
+    check_tokenizer_dir(path, "--model")
+
+
 def serve(args: argparse.Namespace) -> int:
     """Start, wait healthy, publish the address, then supervise until the server ends or we are told to stop."""
+    from tandemrl.api.net import free_port
     from tandemrl.api.types import ParallelStrategy
     from tandemrl.inference.registry import get_backend
     from tandemrl.inference.server import launch_server
 
     server = None
+    try:
+        _check_model(args.model)
+    except FileNotFoundError as err:
+        print(f"error: {first_line(err)}", file=sys.stderr, flush=True)
+        return 2
     with signals_interrupt():
         try:
+            port = args.port or free_port(args.host)
+            extra = json.loads(args.extra)
+            if args.dtype:
+                extra["dtype"] = args.dtype
             server = launch_server(
                 get_backend(args.backend),
                 args.model,
                 host=args.host,
-                port=args.port,
+                port=port,
                 strategy=ParallelStrategy(tp=args.tp, pp=args.pp),
-                extra=json.loads(args.extra),
-                log_file=args.log,
+                extra=extra,
+                log_file=args.log or f"{args.backend}-server-{port}.log",
                 token=os.environ.get(TOKEN_ENV),  # set per job by the Slurm launcher's script
                 request_log=args.request_log,
             )
+            print(f"[serve] {args.backend} server starting on {server.address} (log {server.log_file})", flush=True)
             server.wait_healthy(timeout=args.timeout)
-            tmp = f"{args.ready}.tmp"
-            os.makedirs(os.path.dirname(os.path.abspath(args.ready)), exist_ok=True)
-            with open(tmp, "w") as f:
-                f.write(server.address + "\n")
-            os.replace(tmp, args.ready)
+            if args.ready:
+                tmp = f"{args.ready}.tmp"
+                os.makedirs(os.path.dirname(os.path.abspath(args.ready)), exist_ok=True)
+                with open(tmp, "w") as f:
+                    f.write(server.address + "\n")
+                os.replace(tmp, args.ready)
             print(f"[serve] {args.backend} healthy at {server.address}", flush=True)
             return supervise(server, args)
         except KeyboardInterrupt:

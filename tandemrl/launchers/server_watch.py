@@ -110,6 +110,15 @@ def _watch_stalls(
             print(f"[launcher] {stall_warning(f'{backend} server {server.address}', silent, bounds)}", flush=True)
 
 
+def _cause(server: WatchedServer) -> str:
+    """`` (the first error its log names)``, or nothing: the summary line says what the crash was."""
+    from tandemrl.inference.server import crash_cause
+
+    log = getattr(server, "log_file", None)
+    cause = crash_cause(log) if isinstance(log, str) else None
+    return f" ({cause})" if cause else ""
+
+
 def _notify(events: queue.Queue, key: object, proc: subprocess.Popen) -> None:
     threading.Thread(target=lambda: events.put((key, proc.wait())), daemon=True).start()
 
@@ -162,7 +171,7 @@ def _wait_events(
             stop_trainer()
             return 1, f"auxiliary server {key[0]} at {key[1]} {exit_status(rc)}: the run needs it"
         server = servers[key]
-        dead.append(f"{backend} server {server.address} {exit_status(rc)}")
+        dead.append(f"{backend} server {server.address} {exit_status(rc)}{_cause(server)}")
         left = len(servers) - len(dead)
         print(f"[launcher] {dead[-1]}; {left} of {len(servers)} servers left", flush=True)
         if left == 0 or not survivable:

@@ -24,6 +24,28 @@ def _check_source(path: str | os.PathLike[str], what: str) -> str:
     return path
 
 
+# Files of which a local tokenizer directory holds at least one; without any, transformers quietly builds an
+# empty tokenizer (one token) from the model's config.json.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def check_tokenizer_dir(path: str, field: str = "tokenizer") -> None:
+    """A local ``path`` must hold a tokenizer: one line naming ``field`` and the directory if it has none.
+
+    A hub id is not checked here (it is fetched when loaded).
+    """
+    local = os.path.expanduser(path)
+    if not os.path.exists(local):
+        if not is_plausible_hub_id(path):
+            raise FileNotFoundError(f"{field}: tokenizer directory not found: {path}")
+        return
+    if not os.path.isdir(local) or not any(os.path.isfile(os.path.join(local, f)) for f in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"{field}: {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the tokenizer files "
+            "into it or set tokenizer_path to a directory that has them"
+        )
+
+
 def load_hf_tokenizer(path: str | os.PathLike[str], *, trust_remote_code: bool = False) -> Any:
     """Fast tokenizer of a model; pad falls back to eos so batches can always be padded.
 
@@ -32,6 +54,7 @@ def load_hf_tokenizer(path: str | os.PathLike[str], *, trust_remote_code: bool =
     from transformers import AutoTokenizer
 
     src = _check_source(path, "tokenizer")
+    check_tokenizer_dir(src)
     tokenizer = AutoTokenizer.from_pretrained(src, use_fast=True, trust_remote_code=trust_remote_code)
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"tokenizer at {src!r} has no fast (tokenizers) backend; a tokenizer.json is required")

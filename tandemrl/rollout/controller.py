@@ -5,7 +5,7 @@ client (generation and the servers' weight-receive calls), a training engine (tr
 weight export) and the ``WorkflowExecutor`` that streams episodes through the client. Every
 trainer rank builds one; batch and weight methods are collective over all trainer ranks::
 
-    client = RemoteVLLMEngine(config.rollout); client.initialize()
+    client = RemoteInfEngine.for_backend("vllm", config.rollout); client.initialize()
     rollout = RolloutController(client, actor, config.rollout, meta, eval_stats_name="eval-rollout",
                                 consumer_batch_size=batch_size // dp_world_size)
     batch = rollout.prepare_batch(train_dl, workflow, granularity=group_size)  # or rollout_batch(rows, ...)

@@ -1,6 +1,8 @@
 """A training script's entry: load its config, and in the launchers' pre-flight check what it points to.
 
-``load_script_config`` is ``tandemrl.configs.loader.load_config`` plus, in a check-only run
+``load_config`` is ``tandemrl.configs.loader.read_config`` with the backend registries, so
+``allocation_mode`` is parsed once, against the backends that exist (``allocation_of`` gives the
+typed value). ``load_script_config`` is ``load_config`` plus, in a check-only run
 (``TANDEMRL_CHECK_ONLY=1``, see ``tandemrl.launchers.check``), a look at the model directories
 and dataset files the config names before the script stops. It lives above ``configs`` because
 those checks need ``data`` and ``models``.
@@ -8,12 +10,18 @@ those checks need ``data`` and ``models``.
 
 from __future__ import annotations
 
+import os
 from typing import Any, TypeVar, cast
 
+from tandemrl.api.allocation import AllocationMode
 from tandemrl.configs.checks import InputsChecked
 from tandemrl.configs.data import DatasetConfig
-from tandemrl.configs.loader import ConfigError, load_config
+from tandemrl.configs.experiment import keep_allocation, parsed_allocation
+from tandemrl.configs.loader import ConfigError, read_config
 from tandemrl.data.loader import check_dataset_inputs
+from tandemrl.engines.registry import SHAPES as TRAINING_SHAPES
+from tandemrl.inference.registry import SHAPES as INFERENCE_SHAPES
+from tandemrl.models.hf import check_tokenizer_dir
 from tandemrl.models.resolve import resolve_model_path
 from tandemrl.trainers.determinism import enable_determinism
 from tandemrl.utils.cli import exit_with_error
@@ -26,20 +34,63 @@ _REQUIRED_ENGINES = ("actor.engine", "model")  # ref and critic default to the a
 _DATASET_KEYS = ("train_dataset", "valid_dataset")
 
 
+# The backends allocation_mode may name: the two registries' rows, as shapes their classes declare.
+BACKEND_TABLES = (TRAINING_SHAPES, INFERENCE_SHAPES)
+
+
+def load_config(argv: list[str], schema: type[T]) -> tuple[T, str]:
+    """``read_config`` against the backend registries: the typed config and its YAML path ("" if none)."""
+    return read_config(argv, schema, BACKEND_TABLES)
+
+
+def parse_allocation(spec: str) -> AllocationMode:
+    """``spec`` parsed against the backend registries (``AllocationValidationError`` names a bad token)."""
+    return AllocationMode.from_str(spec, *BACKEND_TABLES)
+
+
+def allocation_of(config: Any) -> AllocationMode:
+    """The typed ``allocation_mode`` of ``config``: the loader's parse, else parsed now (and kept)."""
+    alloc = parsed_allocation(config)
+    if alloc is None:
+        alloc = parse_allocation(config.allocation_mode)
+        keep_allocation(config, alloc)
+    return alloc
+
+
 def _at(config: Any, key: str) -> Any:
     for part in key.split("."):
         config = getattr(config, part, None)
     return config
 
 
+def _check_servers(config: Any) -> None:
+    """An RL config generates on inference servers: an allocation_mode without them cannot run."""
+    from tandemrl.api.allocation import AllocationMode
+    from tandemrl.configs.experiment import GRPOConfig
+
+    if not isinstance(config, GRPOConfig):
+        return
+    mode = config.allocation_mode
+    if AllocationMode.from_str(mode).gen is None:
+        raise ValueError(
+            f"allocation_mode: '{mode}' has no inference component, but {type(config).__name__} generates its "
+            f"samples on inference servers: e.g. 'vllm:d1+{mode}' (servers apart) or 'vllm:d1|{mode}' (colocated)"
+        )
+
+
 def check_inputs(config: Any) -> None:
     """Model paths and dataset files the config points to; raises one line naming the key or file."""
+    _check_servers(config)
     for key in _ENGINE_KEYS:
         path = getattr(_at(config, key), "path", None)
         if not isinstance(path, str):
             continue
         if path or key in _REQUIRED_ENGINES:
             resolve_model_path(path, f"{key}.path", build=False)  # tiny: / smollm2: checked, not built
+        tokenizer = getattr(_at(config, key), "tokenizer_path", "")
+        if tokenizer:
+            check_tokenizer_dir(tokenizer, f"{key}.tokenizer_path")
+    _check_run_tokenizer(config)
     for key in _DATASET_KEYS:
         ds = getattr(config, key, None)
         if isinstance(ds, DatasetConfig):
@@ -47,6 +98,18 @@ def check_inputs(config: Any) -> None:
                 check_dataset_inputs(ds)
             except FileNotFoundError as err:
                 raise FileNotFoundError(f"{key}.path: {err}") from None
+
+
+def _check_run_tokenizer(config: Any) -> None:
+    """The tokenizer the trainer loads: ``tokenizer_path``, else the policy model's own directory."""
+    if getattr(config, "tokenizer_path", ""):
+        check_tokenizer_dir(config.tokenizer_path, "tokenizer_path")
+        return
+    for key in _REQUIRED_ENGINES:
+        path = getattr(_at(config, key), "path", None)
+        if isinstance(path, str) and path and os.path.isdir(os.path.expanduser(path)):
+            check_tokenizer_dir(path, f"{key}.path")
+            return
 
 
 def load_script_config(argv: list[str], schema: type[T]) -> tuple[T, str]:

@@ -52,16 +52,18 @@ from tandemrl.configs.engine import TrainEngineConfig
 from tandemrl.configs.experiment import async_enabled
 from tandemrl.data.loader import cycle_batches
 from tandemrl.engines.registry import make_engine
-from tandemrl.inference.remote import remote_engine_for
+from tandemrl.inference.remote import RemoteInfEngine
 from tandemrl.models.resolve import resolve_model_path
 from tandemrl.rewards.runner import RewardFn
 from tandemrl.rollout.controller import RolloutController
 from tandemrl.rollout.ledger import LedgerTotals, Tally
 from tandemrl.trainers.base import TrainerBase
+from tandemrl.trainers.entry import allocation_of
 from tandemrl.trainers.heldout import HeldoutEval
 from tandemrl.trainers.pipeline_metrics import pipeline_shares, record_staleness
 from tandemrl.trainers.prompt_log import log_prompt_ids
 from tandemrl.trainers.saver import final_outputs_line
+from tandemrl.trainers.signal import SignalWatch
 from tandemrl.trainers.time_split import add_step_timings, format_time_split
 from tandemrl.trainers.turns import TurnTaker
 from tandemrl.utils import stats_tracker
@@ -161,7 +163,7 @@ class RLTrainer(TrainerBase[GRPOConfig]):
     """
 
     def __init__(self, config: GRPOConfig, name: str = "grpo") -> None:
-        alloc = AllocationMode.from_str(config.allocation_mode)
+        alloc = allocation_of(config)
         if alloc.train is None or alloc.gen is None:
             raise ValueError(f"allocation_mode: '{config.allocation_mode}' needs an inference and a training component")
         self.config, self.alloc, self.name = config, alloc, name
@@ -169,7 +171,7 @@ class RLTrainer(TrainerBase[GRPOConfig]):
         self._reward_service: Any = None  # a RemoteReward, closed with the trainer
 
         # Each trainer rank runs its own client; servers come from the launcher's environment.
-        self.client = remote_engine_for(alloc.gen_backend, config.rollout)
+        self.client = RemoteInfEngine.for_backend(alloc.gen_backend, config.rollout)
         self.client.initialize()
         self.meta = weight_update_meta(config, alloc)
         eval_stats = EVAL_STATS if self.valid_dl is not None else None
@@ -193,6 +195,7 @@ class RLTrainer(TrainerBase[GRPOConfig]):
         self.turns = TurnTaker(self.client, alloc.colocated(alloc.gen, alloc.train), self.logger.log_dir)
         self._save_config()
         self.summary = RunSummary()
+        self.signal = SignalWatch(config.warn_no_signal_steps)
 
     # ------------------------------------------------------------------ parts
     def add_engine(self, engine_config: TrainEngineConfig, key: str) -> TrainEngine:
@@ -418,6 +421,9 @@ class RLTrainer(TrainerBase[GRPOConfig]):
         reward = stats.get("rollout/reward")
         if reward is not None:
             self.summary.rewards.append(reward)
+        warning = self.signal.observe(stats)
+        if warning is not None and dist.get_rank() == 0:
+            print(f"{self.name} {warning}", flush=True)
 
     def _print_summary(self) -> None:
         if dist.get_rank() != 0:
@@ -429,7 +435,8 @@ class RLTrainer(TrainerBase[GRPOConfig]):
         print(
             f"{self.name} done: {s.steps} steps in {secs:.0f} s; reward {_mean(head):.3f} (first steps) -> "
             f"{_mean(tail):.3f} (last steps); throughput {s.n_samples / secs:.2f} samples/s, "
-            f"{s.n_tokens / secs:.0f} generated tokens/s; logs in {self.logger.log_dir}; checkpoints under {root}",
+            f"{s.n_tokens / secs:.0f} generated tokens/s; logs in {self.logger.log_dir}; checkpoints under {root}"
+            + (f"; {self.signal.closing()}" if self.signal.closing() else ""),
             flush=True,
         )
         print(f"{self.name} {format_time_split(s.phase_seconds)}", flush=True)

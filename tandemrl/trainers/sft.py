@@ -20,10 +20,10 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from tandemrl.algorithms.lm import LMEngine
-from tandemrl.api.allocation import AllocationMode
 from tandemrl.configs import SFTConfig
 from tandemrl.data.loader import cycle_batches, pad_sequences_to_tensors
 from tandemrl.trainers.base import TrainerBase
+from tandemrl.trainers.entry import allocation_of
 from tandemrl.trainers.saver import final_outputs_line
 from tandemrl.utils import stats_tracker
 
@@ -32,7 +32,7 @@ class SFTTrainer(TrainerBase[SFTConfig]):
     """An SFT run from an SFTConfig; ``engine`` is the model's TrainEngine, ``sft`` the algorithm on it."""
 
     def __init__(self, config: SFTConfig, name: str = "sft") -> None:
-        alloc = AllocationMode.from_str(config.allocation_mode)
+        alloc = allocation_of(config)
         if alloc.train is None:
             raise ValueError(f"allocation_mode: '{config.allocation_mode}' has no training component")
         self.config, self.alloc, self.name = config, alloc, name

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import signal
@@ -30,6 +31,17 @@ def first_line(err: BaseException, *, with_type: bool = False, limit: int | None
         return type(err).__name__
     line = text.splitlines()[0][:limit]
     return f"{type(err).__name__}: {line}" if with_type else line
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose bad-argument error is one ``error:`` line naming the command (exit 2), not a usage block.
+
+    ``--help`` still prints the full usage.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {self.prog}: {message} (see {self.prog} --help)", file=sys.stderr, flush=True)
+        raise SystemExit(2)
 
 
 class SignalInterrupt(KeyboardInterrupt):

@@ -5,7 +5,8 @@ variables (so child processes, servers and torchrun ranks inherit them) and warn
 output a user cannot act on: ``datasets`` Generating/Map progress bars, transformers' "Loading
 weights" bar, torchdata's ``set_vital`` deprecation warning, DeepSpeed's "Setting accelerator to CPU"
 notice (logged whenever transformers imports DeepSpeed on a machine without CUDA, e.g. while saving an HF
-checkpoint; in-process, so each of our processes calls this). Our own progress bar, one-line stats
+checkpoint; in-process, so each of our processes calls this), torch's collective deprecation warnings that
+DeepSpeed and Megatron trigger, and Megatron's Apex/TransformerEngine fallback notices. Our own progress bar, one-line stats
 and summaries stay. ``TANDEMRL_VERBOSE=1`` (``scripts/main.sh --verbose``) leaves everything on.
 A variable the user set already is never overridden.
 """
@@ -25,9 +26,20 @@ QUIET_ENV: dict[str, str] = {
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # transformers' weight-loading bar follows the hub's switch
     "TRANSFORMERS_VERBOSITY": "error",
     "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    "WANDB_SILENT": "true",  # wandb's banner and its run summary (~30 lines); the metrics are in stats.jsonl
 }
 # (message prefix, category) of warnings known to be harmless here.
-HARMLESS_WARNINGS: tuple[tuple[str, str], ...] = (("'set_vital' is deprecated", "UserWarning"),)
+# torch's FutureWarnings come from DeepSpeed's and Megatron's own collectives (one per rank and call site); the
+# Apex/TransformerEngine notices say Megatron uses its torch fallbacks, which it does on a machine without CUDA.
+# A message must hold no ',' or ':' (PYTHONWARNINGS' separators): these are prefixes.
+HARMLESS_WARNINGS: tuple[tuple[str, str], ...] = (
+    ("'set_vital' is deprecated", "UserWarning"),
+    ("`torch.distributed.all_gather_into_tensor` is deprecated", "FutureWarning"),
+    ("`torch.distributed.reduce_scatter_tensor` is deprecated", "FutureWarning"),
+    ("Apex is not installed", "UserWarning"),
+    ("Transformer Engine and Apex are not installed", "UserWarning"),
+    ("full scope is deprecated", "UserWarning"),
+)
 # (logger name, message prefix) of log records known to be harmless here.
 HARMLESS_LOGS: tuple[tuple[str, str], ...] = (("DeepSpeed", "Setting accelerator to CPU."),)
 

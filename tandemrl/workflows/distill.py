@@ -23,7 +23,7 @@ import torch
 from tandemrl.api.types import TensorDict
 from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
 from tandemrl.configs.rollout import InferenceEngineConfig
-from tandemrl.inference.remote import RemoteInfEngine, parse_server_addrs, remote_engine_for
+from tandemrl.inference.remote import RemoteInfEngine, parse_server_addrs
 
 TEACHER_SERVER = "teacher"  # the auxiliary server name a launcher would give the teacher's servers
 
@@ -51,7 +51,7 @@ def connect_teacher(
     key: str = "teacher",
 ) -> RemoteInfEngine:
     """A client of the teacher's servers (waits until they are healthy)."""
-    client = remote_engine_for(backend, config)
+    client = RemoteInfEngine.for_backend(backend, config)
     client.initialize(teacher_addresses(config, lookup, key))
     return client
 

@@ -154,10 +154,12 @@ def prompt_ids(tokenizer: Any, row: dict[str, Any], chat_template: bool) -> list
 def connect(url: str, request_timeout: float = 3600.0) -> RemoteInfEngine:
     """A vLLM client of the running server at ``url`` (``host:port`` or ``http://host:port``), healthy."""
     from tandemrl.configs.rollout import InferenceEngineConfig
-    from tandemrl.inference.remote import remote_engine_for
+    from tandemrl.inference.remote import RemoteInfEngine
 
     addr = url.split("://", 1)[-1].rstrip("/")
-    engine = remote_engine_for("vllm", InferenceEngineConfig(request_timeout=request_timeout, setup_timeout=60.0))
+    engine = RemoteInfEngine.for_backend(
+        "vllm", InferenceEngineConfig(request_timeout=request_timeout, setup_timeout=60.0)
+    )
     engine.initialize([addr])
     return engine
 

@@ -38,20 +38,20 @@ from sync_checks import (
 
 from tandemrl.algorithms.lm import LMEngine
 from tandemrl.algorithms.ppo import PPOActor
-from tandemrl.api.allocation import AllocationMode
 from tandemrl.api.engine import TrainEngine
 from tandemrl.api.inference import ModelResponse, WeightUpdateMeta
 from tandemrl.configs.ppo import PPOActorConfig
 from tandemrl.engines.base import init_default_process_group
 from tandemrl.engines.teardown import destroy_process_groups
-from tandemrl.inference.remote import RemoteVLLMEngine
+from tandemrl.inference.remote import RemoteInfEngine
 from tandemrl.rollout.controller import RolloutController
+from tandemrl.trainers.entry import parse_allocation
 from tandemrl.weights.plan import collective_update
 
 Samples = dict[float, list[ModelResponse]]
 
 
-def sample(args: argparse.Namespace, rollout: RemoteVLLMEngine, vocab: int, tag: str, version: int) -> Samples:
+def sample(args: argparse.Namespace, rollout: RemoteInfEngine, vocab: int, tag: str, version: int) -> Samples:
     """Rank 0 samples at every temperature (the same seeded prompts each time); all ranks get the responses."""
     box: list[Any] = [None]
     if dist.get_rank() == 0:
@@ -86,7 +86,7 @@ def run_cell(args: argparse.Namespace, cell: dict[str, Any]) -> dict[str, Any]:
     rollout = make_rollout(cell["addr"], setup_timeout=cell.get("setup_timeout", 60.0))  # a server may be starting
     rank, vocab = dist.get_rank(), int(engine.model_config.vocab_size)
     disk = WeightUpdateMeta.from_disk(os.path.join(args.out, cell["name"]), "sync", "disk")
-    alloc = AllocationMode.from_str(f"vllm:d1+{cell['allocation']}")
+    alloc = parse_allocation(f"vllm:d1+{cell['allocation']}")
     box = [collective_update(alloc, group_addr="127.0.0.1", bucket_size_mb=1)]
     dist.broadcast_object_list(box, src=0)  # one rendezvous port for every rank
     collective = box[0]

@@ -33,14 +33,14 @@ from sync_checks import (
 )
 
 from tandemrl.algorithms.lm import LMEngine
-from tandemrl.api.allocation import AllocationMode
 from tandemrl.api.inference import WeightUpdateMeta
 from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.configs.engine import DeepSpeedEngineConfig, OptimizerConfig, TrainEngineConfig
 from tandemrl.engines.deepspeed import DeepSpeedEngine
 from tandemrl.engines.teardown import destroy_process_groups
-from tandemrl.inference.remote import RemoteVLLMEngine
+from tandemrl.inference.remote import RemoteInfEngine
 from tandemrl.rollout.controller import RolloutController
+from tandemrl.trainers.entry import parse_allocation
 from tandemrl.weights.plan import collective_update
 from tandemrl.weights.wire import parse_buckets_json
 
@@ -60,7 +60,7 @@ def make_engine(model: str, lr: float) -> DeepSpeedEngine:
 
 def push(
     controller: RolloutController,
-    rollout: RemoteVLLMEngine,
+    rollout: RemoteInfEngine,
     meta: WeightUpdateMeta,
     prompts: list,
     before: list | None = None,
@@ -108,7 +108,7 @@ def main(args: argparse.Namespace) -> None:
         prompts = json.load(f)
     disk = WeightUpdateMeta.from_disk(os.path.join(args.out, "sync"), "weight_sync", "disk")
     collective = collective_update(
-        AllocationMode.from_str("vllm:d1+deepspeed:d2"), group_addr="127.0.0.1", comm_backend="gloo", bucket_size_mb=1
+        parse_allocation("vllm:d1+deepspeed:d2"), group_addr="127.0.0.1", comm_backend="gloo", bucket_size_mb=1
     )
     box = [collective]
     dist.broadcast_object_list(box, src=0)  # one rendezvous port for every rank

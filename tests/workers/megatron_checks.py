@@ -27,13 +27,13 @@ from fsdp_checks import bf16_vs_fp32, make_batch
 from parity_checks import dp_slice
 
 from tandemrl.algorithms.lm import LMEngine
-from tandemrl.api.allocation import AllocationMode
 from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from tandemrl.engines.base import init_default_process_group
 from tandemrl.engines.megatron.checkpoint import CKPT_SUBDIR
 from tandemrl.engines.megatron.engine import MegatronEngine
 from tandemrl.engines.teardown import destroy_process_groups
+from tandemrl.trainers.entry import parse_allocation
 
 FIRST_SEED = 100
 CONTINUED_SEEDS = (300, 301, 302)
@@ -53,7 +53,7 @@ def engine(
     )
     cfg.megatron.use_distributed_optimizer = dist_opt
     e = MegatronEngine(cfg)
-    e.create_process_group(AllocationMode.from_str(allocation).train.strategy)
+    e.create_process_group(parse_allocation(allocation).train.strategy)
     e.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=TOTAL_STEPS, train_batch_size=1))
     return e
 

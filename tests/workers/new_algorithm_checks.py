@@ -23,7 +23,6 @@ from ppo_checks import GROUP, make_rollout_batch
 
 from tandemrl.algorithms import entropy_bonus, group_normalized_advantages, reinforce_loss
 from tandemrl.algorithms.ppo import PPOActor, PPOBatch, action_mask_of
-from tandemrl.api.allocation import AllocationMode
 from tandemrl.api.engine import TrainEngine
 from tandemrl.api.types import FinetuneSpec, RolloutBatch, TensorDict
 from tandemrl.configs.engine import DeepSpeedEngineConfig, OptimizerConfig, TrainEngineConfig
@@ -32,6 +31,7 @@ from tandemrl.engines.base import init_default_process_group
 from tandemrl.engines.registry import make_engine
 from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.models.functional import gather_logprobs_entropy, next_token_labels
+from tandemrl.trainers.entry import parse_allocation
 
 STEPS = 2
 PPO_STEPS, PPO_MINIBATCHES = 2, 2
@@ -94,7 +94,7 @@ def build_engine(
 ) -> TrainEngine:
     """The registry's engine for ``allocation``'s training component (fp32; lr 1e-3, or ``schedule`` over
     ``steps``), initialized."""
-    component = AllocationMode.from_str(allocation).train
+    component = parse_allocation(allocation).train
     assert component is not None, allocation
     opt = OptimizerConfig(gradient_clipping=1.0, **(schedule or {"lr": 1e-3}))
     cfg = TrainEngineConfig(path=model, mixed_precision=None, optimizer=opt, **extra)

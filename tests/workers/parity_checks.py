@@ -27,13 +27,13 @@ from ppo_checks import CONFIGS, GROUP, make_rollout_batch
 
 from tandemrl.algorithms.lm import LMEngine
 from tandemrl.algorithms.ppo import PPOActor, PPOCritic
-from tandemrl.api.allocation import AllocationMode
 from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from tandemrl.configs.ppo import PPOActorConfig, PPOCriticConfig
 from tandemrl.engines.base import init_default_process_group
 from tandemrl.engines.registry import make_engine
 from tandemrl.engines.teardown import destroy_process_groups
+from tandemrl.trainers.entry import parse_allocation
 
 SFT_STEPS = 5
 PPO_STEPS = 3
@@ -74,7 +74,7 @@ def dp_sum(engine: Any, value: torch.Tensor) -> float:
 
 
 def build(case: dict[str, Any], cfg: TrainEngineConfig, steps: int) -> Any:
-    component = AllocationMode.from_str(case["allocation"]).train
+    component = parse_allocation(case["allocation"]).train
     assert component is not None, case
     cfg.mb_spec = MicroBatchSpec(n_mbs=2)
     cfg.optimizer = OptimizerConfig(**OPTIM)

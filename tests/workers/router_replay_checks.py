@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 from fsdp_checks import make_batch
 
-from tandemrl.api.allocation import AllocationMode
 from tandemrl.api.types import ROUTED_EXPERTS, FinetuneSpec
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from tandemrl.engines.base import init_default_process_group
@@ -28,6 +27,7 @@ from tandemrl.engines.megatron.engine import MegatronEngine
 from tandemrl.engines.megatron.routing import routing_map_to_indices
 from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.models.functional import gather_logprobs, next_token_labels
+from tandemrl.trainers.entry import parse_allocation
 
 STEPS = 4
 LR = 1e-3  # router-only updates at this lr change the top-k of ~30% of (token, layer) pairs within STEPS
@@ -43,7 +43,7 @@ def build(model: str, lr: float = LR, alloc: str = "") -> MegatronEngine:
     )
     cfg.megatron.router_replay = True
     e = MegatronEngine(cfg)
-    e.create_process_group(AllocationMode.from_str(alloc or ARGS.alloc).train.strategy)
+    e.create_process_group(parse_allocation(alloc or ARGS.alloc).train.strategy)
     e.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=STEPS, train_batch_size=1))
     return e
 

@@ -2,7 +2,7 @@
 
 Modes (results go to ``--out``, written by rank 0):
 
-* ``logprobs``: each rank samples completions through ``RemoteVLLMEngine.agenerate`` at
+* ``logprobs``: each rank samples completions through ``RemoteInfEngine.agenerate`` at
   every ``--temperatures`` value, then ``FSDPEngine.forward`` recomputes the sampled
   tokens' logprobs at that temperature on the same weights -> ``logprobs.pt``.
 * ``truncated``: the same at T=1 with ``--top-p``/``--top-k``, recomputed by ``PPOActor.compute_logp``
@@ -37,7 +37,6 @@ import torch.distributed as dist
 from tandemrl.algorithms.lm import LMEngine
 from tandemrl.algorithms.ppo import PPOActor
 from tandemrl.algorithms.truncation import truncated_logprobs
-from tandemrl.api.allocation import AllocationMode
 from tandemrl.api.engine import TrainEngine
 from tandemrl.api.inference import HttpRequest, ModelRequest, ModelResponse, WeightUpdateMeta
 from tandemrl.api.types import FinetuneSpec, SaveLoadMeta, TensorDict
@@ -47,9 +46,10 @@ from tandemrl.configs.rollout import InferenceEngineConfig
 from tandemrl.engines.registry import engine_class
 from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.inference.http import HttpClient, InferenceServerError
-from tandemrl.inference.remote import RemoteVLLMEngine
+from tandemrl.inference.remote import RemoteInfEngine
 from tandemrl.models.functional import gather_logprobs, next_token_labels
 from tandemrl.rollout.controller import RolloutController
+from tandemrl.trainers.entry import parse_allocation
 from tandemrl.weights.plan import collective_update
 from tandemrl.weights.wire import parse_buckets_json
 
@@ -70,7 +70,7 @@ def make_engine(
     opt = OptimizerConfig(lr=lr, gradient_clipping=0.0)
     cfg = TrainEngineConfig(path=model, mixed_precision=mixed_precision, optimizer=opt)
     apply_overrides(cfg, overrides or {})
-    component = AllocationMode.from_str(allocation).train
+    component = parse_allocation(allocation).train
     engine = engine_class(component.backend)(cfg)
     engine.create_process_group(component.strategy)
     engine.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=8, train_batch_size=1))
@@ -90,15 +90,15 @@ class RecordingClient(HttpClient):
         return await super().send(addr, req, *args, **kwargs)
 
 
-def make_rollout(addr: str, client: HttpClient | None = None, setup_timeout: float = 60.0) -> RemoteVLLMEngine:
+def make_rollout(addr: str, client: HttpClient | None = None, setup_timeout: float = 60.0) -> RemoteInfEngine:
     """A client of the server at ``addr``; ``initialize`` waits up to ``setup_timeout`` for it to be healthy."""
     config = InferenceEngineConfig(request_retries=1, request_timeout=300.0, setup_timeout=setup_timeout)
-    rollout = RemoteVLLMEngine(config, http_client=client)
+    rollout = RemoteInfEngine.for_backend("vllm", config, http_client=client)
     rollout.initialize([addr])
     return rollout
 
 
-def generate(rollout: RemoteVLLMEngine, reqs: list[ModelRequest]) -> list[ModelResponse]:
+def generate(rollout: RemoteInfEngine, reqs: list[ModelRequest]) -> list[ModelResponse]:
     async def run() -> list[ModelResponse]:
         return list(await asyncio.gather(*(rollout.agenerate(r) for r in reqs)))
 
@@ -231,7 +231,7 @@ def memorize_batch(vocab: int, seed: int) -> TensorDict:
     }
 
 
-def greedy_outputs(rollout: RemoteVLLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+def greedy_outputs(rollout: RemoteInfEngine, prompts: list[list[int]]) -> list[list[int]]:
     reqs = []
     for i, p in enumerate(prompts):
         req = ModelRequest(rid=f"greedy-{i}", input_ids=list(p), metadata={"ignore_eos": True})
@@ -240,7 +240,7 @@ def greedy_outputs(rollout: RemoteVLLMEngine, prompts: list[list[int]]) -> list[
     return [r.output_tokens for r in generate(rollout, reqs)]
 
 
-def version_label(rollout: RemoteVLLMEngine) -> str:
+def version_label(rollout: RemoteInfEngine) -> str:
     b = rollout.backend
     return str(rollout.http.send_sync(rollout.addresses[0], b.build_version_get())["weight_version"])
 
@@ -258,7 +258,7 @@ def update(args: argparse.Namespace) -> None:
         meta = WeightUpdateMeta.from_disk(os.path.join(args.out, "sync"), "weight_sync", "disk")
     else:
         meta = collective_update(
-            AllocationMode.from_str("vllm:d1+fsdp:d2"),
+            parse_allocation("vllm:d1+fsdp:d2"),
             group_addr="127.0.0.1",
             comm_backend="gloo",
             bucket_size_mb=args.bucket_mb,
@@ -303,7 +303,7 @@ def update(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------ delta
 
 
-def greedy_logprobs(rollout: RemoteVLLMEngine, prompts: list[list[int]]) -> list[list[float]]:
+def greedy_logprobs(rollout: RemoteInfEngine, prompts: list[list[int]]) -> list[list[float]]:
     """Greedy continuations' logprobs, one request at a time (the same batch shape every call)."""
     out = []
     for i, p in enumerate(prompts):
@@ -328,7 +328,7 @@ def delta(args: argparse.Namespace) -> None:
     rank = dist.get_rank()
     prompts = [[5 + i, 17, 42, 99, 7 + 3 * i] for i in range(4)]
     meta = collective_update(
-        AllocationMode.from_str("vllm:d1+fsdp:d2"), group_addr="127.0.0.1", comm_backend="gloo",
+        parse_allocation("vllm:d1+fsdp:d2"), group_addr="127.0.0.1", comm_backend="gloo",
         bucket_size_mb=1, delta="xor", anchor_every=3,
     )  # fmt: skip
     controller = RolloutController(rollout, engine, rollout.config, meta)
@@ -393,7 +393,7 @@ def leave(args: argparse.Namespace) -> None:
     client = FailFirstReceive()
     rollout = make_rollout(args.addr, client)
     meta = collective_update(
-        AllocationMode.from_str("vllm:d1+fsdp:d1"), group_addr="127.0.0.1", comm_backend="gloo", bucket_size_mb=1
+        parse_allocation("vllm:d1+fsdp:d1"), group_addr="127.0.0.1", comm_backend="gloo", bucket_size_mb=1
     )
     controller = RolloutController(rollout, engine, rollout.config, meta)
     prompts = [[5 + i, 17, 42, 99, 7 + 3 * i] for i in range(4)]

@@ -70,6 +70,9 @@ def _init_parallel_state(s: ParallelStrategy, timeout_minutes: int) -> None:
 class MegatronEngine(BaseTrainEngine):
     """An HF-architecture causal LM trained as a megatron-core GPTModel."""
 
+    parallel_dims = "dtpce"  # allocation_mode dims it trains with: data, tensor, pipeline, context, expert
+    moe_hybrid = True  # takes megatron:(attn:...|ffn:...): separate attention and expert layouts
+
     backend = "megatron"
     supports_prefix_sharing = False  # the GPTModel forward takes no per-block attention layout
 

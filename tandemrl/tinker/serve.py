@@ -1,0 +1,100 @@
+"""``tandemrl tinker-serve``: the Tinker training and sampling API on this machine (docs/tinker.md).
+
+    tandemrl tinker-serve --model tiny:qwen2 [--port 8080] [--vllm-addr HOST:PORT] [--key-file PATH]
+
+Loads the base model once for training (many LoRA adapters on it) and samples through a
+LoRA-enabled vLLM server: the one at ``--vllm-addr`` (started with ``--enable-lora`` and
+runtime adapter loading), or one it starts itself. A fresh API key is made for the run
+(``--api-key`` to choose one); it is printed with the base URL and written to ``--key-file``
+(mode 0600). Point the unmodified ``tinker`` SDK at it with ``TINKER_BASE_URL`` and
+``TINKER_API_KEY``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+import tempfile
+
+from tandemrl.api.net import free_port
+from tandemrl.models.resolve import resolve_model_path
+from tandemrl.tinker.server import TinkerServer, new_api_key
+from tandemrl.tinker.service import TinkerService
+from tandemrl.utils.cli import first_line
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="tandemrl tinker-serve", description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="base model: HF directory, hub id, tiny:qwen2 or smollm2-135m")
+    p.add_argument("--model-name", default="", help="name clients pass as base_model (default: --model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=0, help="port (0: a free one)")
+    p.add_argument("--vllm-addr", default="", help="host:port of a LoRA-enabled vLLM server; empty starts one")
+    p.add_argument("--max-lora-rank", type=int, default=8, help="largest adapter rank a client may ask for")
+    p.add_argument("--max-adapters", type=int, default=4, help="most live LoRA training clients")
+    p.add_argument("--out", default="", help="checkpoint directory (default: a temporary one)")
+    p.add_argument("--api-key", default="", help="the key clients must send (default: a fresh one; starts with tml-)")
+    p.add_argument("--key-file", default="", help="also write the key here (mode 0600)")
+    p.add_argument("--vllm-log", default="", help="log file of the vLLM server it starts")
+    return p.parse_args(argv)
+
+
+def _start_vllm(model_dir: str, max_rank: int, max_adapters: int, log: str) -> object:
+    from tandemrl.inference.server import launch_server
+    from tandemrl.inference.vllm import VLLMBackend, lora_server_flags
+
+    extra = {**lora_server_flags(max_rank), "max_loras": max_adapters}
+    proc = launch_server(VLLMBackend(), model_dir, extra=extra, log_file=log or None)
+    proc.wait_healthy(900.0)
+    return proc
+
+
+async def _serve(args: argparse.Namespace, model_dir: str, vllm_addr: str) -> None:
+    key = args.api_key or new_api_key()
+    out = args.out or tempfile.mkdtemp(prefix="tandemrl-tinker-")
+    service = TinkerService(
+        model_dir, args.model_name or args.model, vllm_addr, out, args.max_lora_rank, args.max_adapters
+    )
+    server = TinkerServer(service, key)
+    port = await server.start(args.host, args.port or free_port(args.host))
+    if args.key_file:
+        fd = os.open(args.key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(key)
+    print(f"TINKER_BASE_URL=http://{args.host}:{port} TINKER_API_KEY={key}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+        service.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _args(sys.argv[1:] if argv is None else argv)
+    proc = None
+    try:
+        if args.api_key and not args.api_key.startswith("tml-"):
+            raise ValueError("--api-key: the tinker SDK accepts only keys that start with 'tml-'")
+        model_dir = resolve_model_path(args.model, "--model")
+        vllm_addr = args.vllm_addr
+        if not vllm_addr:
+            proc = _start_vllm(model_dir, args.max_lora_rank, args.max_adapters, args.vllm_log)
+            vllm_addr = proc.address  # type: ignore[attr-defined]
+        asyncio.run(_serve(args, model_dir, vllm_addr))
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {first_line(err)}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    finally:
+        if proc is not None:
+            proc.stop()  # type: ignore[attr-defined]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,314 @@
+"""What ``tandemrl tinker-serve`` does for each Tinker call, apart from HTTP (``server.py``).
+
+Asynchronous calls return a request id at once; the work runs later and its result is fetched
+with ``retrieve_future``. Training calls (create_model, forward_backward, optim_step, the saves
+and loads) run on ONE worker thread in the order they were submitted, so their futures resolve
+in submission order; samples run concurrently against vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import uuid
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from tandemrl.tinker import wire
+from tandemrl.tinker.sampler import VLLMSampler
+from tandemrl.tinker.trainer import AdapterTrainer, targets_of
+from tandemrl.tinker.wire import UserError
+
+
+class NotFound(UserError):
+    """An id the server does not know (HTTP 404)."""
+
+
+@dataclass
+class Result:
+    """A finished call: JSON, or proto bytes (forward_backward and sample)."""
+
+    json: dict[str, Any] | None = None
+    proto: bytes | None = None
+
+
+@dataclass
+class ModelInfo:
+    session_id: str
+    rank: int
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def adapter_shape(directory: str) -> tuple[int, tuple[str, ...]]:
+    """(rank, target module names) of a saved adapter."""
+    with open(os.path.join(directory, "adapter_config.json")) as f:
+        config = json.load(f)
+    return int(config["r"]), tuple(config["target_modules"])
+
+
+class TinkerService:
+    def __init__(
+        self, model_dir: str, model_name: str, vllm_addr: str, out_dir: str, max_rank: int = 8, max_adapters: int = 4
+    ) -> None:
+        self.model_dir, self.model_name, self.out_dir = model_dir, model_name, out_dir
+        self.max_adapters = max_adapters
+        self.trainer = AdapterTrainer(model_dir, max_rank)
+        self.sampler = VLLMSampler(vllm_addr)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="tinker-train")
+        self.futures: dict[str, asyncio.Future[Result]] = {}
+        self.sessions: set[str] = set()
+        self.models: dict[str, ModelInfo] = {}
+        self.samplers: dict[str, str | None] = {}  # sampling session -> adapter name (None: base model)
+        self.checkpoints: dict[str, str] = {}  # tinker:// path -> directory
+
+    # ------------------------------------------------------------------ plumbing
+    def _submit(self, work: Callable[[], Awaitable[Result]]) -> dict[str, Any]:
+        rid = uuid.uuid4().hex
+        self.futures[rid] = asyncio.ensure_future(work())
+        return {"request_id": rid}
+
+    def _train(self, fn: Callable[[], Result]) -> dict[str, Any]:
+        """Queue ``fn`` on the training worker (FIFO: submission order)."""
+        fut = asyncio.get_running_loop().run_in_executor(self.pool, fn)
+
+        async def wait() -> Result:
+            return await fut
+
+        return self._submit(wait)
+
+    def model(self, model_id: str) -> ModelInfo:
+        if model_id not in self.models:
+            raise NotFound(f"model_id: unknown model {model_id!r} (create it with create_lora_training_client)")
+        return self.models[model_id]
+
+    def check_base(self, base_model: str | None) -> None:
+        if base_model is not None and base_model != self.model_name:
+            raise NotFound(f"base_model: {base_model!r} is not served here (this server serves {self.model_name!r})")
+
+    async def retrieve(self, rid: str, wait_s: float = 30.0) -> Result | dict[str, Any]:
+        """The result, a ``try_again`` reply while it runs, or a failed-request reply."""
+        fut = self.futures.get(rid)
+        if fut is None:
+            raise NotFound(f"request_id: unknown request {rid!r}")
+        done, _ = await asyncio.wait([fut], timeout=wait_s)
+        if not done:
+            return {"type": "try_again", "request_id": rid, "queue_state": "active"}
+        self.futures.pop(rid, None)  # a result is fetched once
+        err = fut.exception()
+        if err is not None:
+            category = "user" if isinstance(err, ValueError) else "server"
+            return {"error": _first_line(err), "category": category}
+        return fut.result()
+
+    # ------------------------------------------------------------------ sessions and models
+    def create_session(self) -> dict[str, Any]:
+        sid = "session-" + uuid.uuid4().hex[:12]
+        self.sessions.add(sid)
+        return {"type": "create_session", "session_id": sid}
+
+    def create_model(self, body: dict[str, Any]) -> dict[str, Any]:
+        self.check_base(body.get("base_model"))
+        lora = body.get("lora_config")
+        if not lora:
+            raise UserError("lora_config: tinker-serve trains LoRA adapters only; pass a rank")
+        rank = int(lora.get("rank", 0))
+        if not 1 <= rank <= self.trainer.max_rank:
+            raise UserError(f"lora_config.rank: {rank} is outside 1..{self.trainer.max_rank} (--max-lora-rank)")
+        targets = targets_of(bool(lora.get("train_attn", True)), bool(lora.get("train_mlp", True)))
+        model_id = self._new_model(body, rank)
+        seed = lora.get("seed")
+
+        def create() -> Result:
+            self.trainer.add(model_id, rank, targets, seed)
+            return Result(json={"type": "create_model", "model_id": model_id})
+
+        return self._train(create)
+
+    def _new_model(self, body: dict[str, Any], rank: int) -> str:
+        """Register a training client under the id the SDK derives: ``<session>:train:<model_seq_id>``."""
+        if len(self.models) >= self.max_adapters:
+            raise UserError(
+                f"create_model: {len(self.models)} LoRA training clients are live, the cap (--max-adapters); "
+                "unload one first"
+            )
+        session_id = str(body.get("session_id"))
+        if session_id not in self.sessions:
+            raise NotFound(f"session_id: unknown session {session_id!r}")
+        model_id = f"{session_id}:train:{int(body.get('model_seq_id', 0))}"
+        if model_id in self.models:
+            raise UserError(f"model_seq_id: model {model_id!r} exists already")
+        self.models[model_id] = ModelInfo(session_id, rank)
+        return model_id
+
+    def get_info(self, model_id: str) -> dict[str, Any]:
+        info = self.model(model_id)
+        return {
+            "type": "get_info",
+            "model_id": model_id,
+            "model_data": {"arch": "lora", "model_name": self.model_name, "tokenizer_id": self.model_dir},
+            "is_lora": True,
+            "lora_rank": info.rank,
+            "model_name": self.model_name,
+        }
+
+    def unload_model(self, model_id: str) -> dict[str, Any]:
+        self.model(model_id)
+        self.models.pop(model_id)
+
+        def unload() -> Result:
+            self.trainer.remove(model_id)
+            return Result(json={"type": "unload_model", "model_id": model_id})
+
+        return self._train(unload)
+
+    # ------------------------------------------------------------------ training
+    def forward_backward(self, body: bytes) -> dict[str, Any]:
+        model_id, loss_fn, config, forward_only, data = wire.parse_forward_backward(body)
+        self.model(model_id)
+
+        def run() -> Result:
+            outputs, metrics = self.trainer.forward_backward(model_id, data, loss_fn, config, not forward_only)
+            return Result(proto=wire.forward_backward_output(outputs, metrics))
+
+        return self._train(run)
+
+    def optim_step(self, body: dict[str, Any]) -> dict[str, Any]:
+        model_id = str(body.get("model_id"))
+        self.model(model_id)
+        adam = body.get("adam_params")
+        if adam is None:
+            raise UserError("optim_step: adam_params missing (tinker-serve runs Adam only)")
+
+        def run() -> Result:
+            return Result(json={"type": "optim_step", "metrics": self.trainer.optim_step(model_id, adam)})
+
+        return self._train(run)
+
+    def _ckpt(self, model_id: str, kind: str, name: str | None) -> tuple[str, str]:
+        name = name or "auto-" + uuid.uuid4().hex[:8]
+        if "/" in name or name.startswith("."):
+            raise UserError(f"path: checkpoint name {name!r} must be a plain name (no '/')")
+        return f"tinker://{model_id}/{kind}/{name}", os.path.join(self.out_dir, model_id, kind, name)
+
+    def save_weights(self, body: dict[str, Any]) -> dict[str, Any]:
+        model_id = str(body.get("model_id"))
+        self.model(model_id)
+        path, directory = self._ckpt(model_id, "weights", body.get("path"))
+
+        def run() -> Result:
+            self.trainer.save_state(model_id, directory)
+            self.checkpoints[path] = directory
+            return Result(json={"type": "save_weights", "path": path})
+
+        return self._train(run)
+
+    def load_weights(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Into an existing model (``model_id``), or into a new one (``session_id`` + ``model_seq_id``)."""
+        path = str(body.get("path"))
+        if path not in self.checkpoints:
+            raise NotFound(f"path: no checkpoint {path!r} on this server")
+        directory, optimizer = self.checkpoints[path], bool(body.get("optimizer"))
+        created: tuple[int, tuple[str, ...]] | None = None
+        if body.get("model_id") is not None:
+            model_id = str(body["model_id"])
+            self.model(model_id)
+        else:
+            self.check_base(body.get("base_model"))
+            rank, targets = adapter_shape(directory)
+            model_id, created = self._new_model(body, rank), (rank, targets)
+
+        def run() -> Result:
+            if created is not None:
+                self.trainer.add(model_id, created[0], created[1], None)
+            self.trainer.load_state(model_id, directory, optimizer)
+            return Result(json={"type": "load_weights", "path": path, "model_id": model_id})
+
+        return self._train(run)
+
+    def save_weights_for_sampler(self, body: dict[str, Any]) -> dict[str, Any]:
+        model_id = str(body.get("model_id"))
+        self.model(model_id)
+        named = body.get("path") is not None
+        path, directory = self._ckpt(model_id, "sampler_weights", body.get("path"))
+        adapter = path.removeprefix("tinker://").replace("/", "--")
+        fut = asyncio.get_running_loop().run_in_executor(self.pool, self.trainer.save_adapter, model_id, directory)
+
+        async def run() -> Result:
+            await fut
+            self.checkpoints[path] = directory
+            await self.sampler.load_adapter(adapter, directory)
+            if named:
+                return Result(json={"type": "save_weights_for_sampler", "path": path})
+            sid = self._new_sampler(adapter)
+            return Result(json={"type": "save_weights_for_sampler", "sampling_session_id": sid, "path": path})
+
+        return self._submit(run)
+
+    # ------------------------------------------------------------------ sampling
+    def _new_sampler(self, adapter: str | None) -> str:
+        sid = "sampler-" + uuid.uuid4().hex[:12]
+        self.samplers[sid] = adapter
+        return sid
+
+    async def create_sampling_session(self, body: dict[str, Any]) -> dict[str, Any]:
+        model_path = body.get("model_path")
+        if model_path is None:
+            self.check_base(body.get("base_model"))
+            return {"type": "create_sampling_session", "sampling_session_id": self._new_sampler(None)}
+        if model_path not in self.checkpoints:
+            raise NotFound(f"model_path: no saved weights {model_path!r} on this server")
+        adapter = str(model_path).removeprefix("tinker://").replace("/", "--")
+        await self.sampler.load_adapter(adapter, self.checkpoints[model_path])
+        return {"type": "create_sampling_session", "sampling_session_id": self._new_sampler(adapter)}
+
+    def get_sampler(self, sid: str) -> dict[str, Any]:
+        if sid not in self.samplers:
+            raise NotFound(f"sampler_id: unknown sampler {sid!r}")
+        adapter = self.samplers[sid]
+        path = None if adapter is None else "tinker://" + adapter.replace("--", "/")
+        return {"sampler_id": sid, "base_model": self.model_name, "model_path": path}
+
+    def sample(self, body: dict[str, Any]) -> dict[str, Any]:
+        sid = body.get("sampling_session_id")
+        if sid is not None:
+            if sid not in self.samplers:
+                raise NotFound(f"sampling_session_id: unknown sampler {sid!r}")
+            adapter = self.samplers[sid]
+        else:
+            self.check_base(body.get("base_model"))
+            adapter = None
+        prompt = wire.prompt_tokens(body.get("prompt") or {})
+        n = int(body.get("num_samples", 1))
+        if n < 1:
+            raise UserError(f"num_samples: must be >= 1, got {n}")
+        params = dict(body.get("sampling_params") or {})
+        want_prompt_lp = bool(body.get("prompt_logprobs"))
+        if want_prompt_lp and len(prompt) < 2:
+            raise UserError("prompt_logprobs: the prompt needs at least 2 tokens")
+
+        async def run() -> Result:
+            seqs = await self.sampler.sample(prompt, n, params, adapter)
+            plp = await self.sampler.prompt_logprobs(prompt, adapter) if want_prompt_lp else None
+            return Result(proto=wire.sample_output(seqs, plp))
+
+        reply = self._submit(run)
+        reply["sample_sequence_ids"] = [uuid.uuid4().hex for _ in range(n)]
+        return reply
+
+    def capabilities(self) -> dict[str, Any]:
+        return {
+            "supported_models": [
+                {"model_name": self.model_name, "trainable": True, "sampleable": True, "max_context_length": None}
+            ]
+        }
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.sampler.close()

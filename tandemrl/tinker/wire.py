@@ -1,0 +1,125 @@
+"""Tinker wire formats: the forward_backward request and the proto replies (the SDK's own ``tinker_public_pb2``).
+
+Errors are ``UserError`` with one line naming the field; the server answers them with HTTP 400
+(at submission) or as a failed future of category ``user``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from tinker.proto import tinker_public_pb2 as pb
+
+from tandemrl.algorithms.tinker_losses import loss_inputs_needed
+
+_NP = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
+
+
+class UserError(ValueError):
+    """A bad request: one line, naming the field."""
+
+
+def _tensor(msg: Any, where: str) -> np.ndarray:
+    if msg.HasField("sparse_csr"):
+        raise UserError(f"{where}: sparse tensors are not supported by tinker-serve; send dense ones")
+    dtype = _NP.get(msg.dtype)
+    if dtype is None:
+        raise UserError(f"{where}: unsupported dtype {msg.dtype}")
+    arr = np.frombuffer(msg.dense, dtype=dtype)
+    shape = list(msg.shape) or [arr.size]
+    if math.prod(shape) != arr.size:
+        raise UserError(f"{where}: shape {shape} does not match its {arr.size} values")
+    return arr.reshape(shape)
+
+
+def parse_forward_backward(body: bytes) -> tuple[str, str, dict[str, float], bool, list[dict[str, torch.Tensor]]]:
+    """(model_id, loss_fn, loss_fn_config, forward_only, data) of a proto request, every datum checked."""
+    msg = pb.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except Exception as err:  # noqa: BLE001 - protobuf raises its own DecodeError
+        raise UserError(f"forward_backward: body is not a ForwardBackwardRequest proto ({err})") from None
+    needed = loss_inputs_needed_or_user_error(msg.loss_fn)
+    config = {k: v.number for k, v in msg.loss_fn_config_v2.items() if v.WhichOneof("value") == "number"}
+    config.update({k: float(v) for k, v in msg.loss_fn_config.items() if k not in config})
+    if not msg.data:
+        raise UserError("forward_backward: data is empty")
+    data = [_datum(d, i, needed, msg.forward_only) for i, d in enumerate(msg.data)]
+    return msg.model_id, msg.loss_fn, config, msg.forward_only, data
+
+
+def loss_inputs_needed_or_user_error(name: str) -> tuple[str, ...]:
+    try:
+        return loss_inputs_needed(name)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+
+
+def _datum(d: Any, i: int, needed: tuple[str, ...], forward_only: bool) -> dict[str, torch.Tensor]:
+    """Token ids and loss inputs of datum ``i``; a forward-only call may leave out the loss's own inputs
+    (weights count 1, advantages and sampling logprobs 0: its ``logprobs`` output does not depend on them)."""
+    tokens: list[np.ndarray] = []
+    for j, chunk in enumerate(d.model_input):
+        if chunk.WhichOneof("chunk") != "encoded_text":
+            raise UserError(f"data[{i}].model_input.chunks[{j}]: only encoded_text chunks are supported")
+        tokens.append(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32))
+    ids = np.concatenate(tokens) if tokens else np.zeros(0, dtype=np.int32)
+    n = ids.size
+    if n == 0:
+        raise UserError(f"data[{i}].model_input: no tokens")
+    out = {"input_ids": torch.from_numpy(ids.astype(np.int64))}
+    for name in ("target_tokens", *needed):
+        if name not in d.loss_fn_inputs and forward_only and name != "target_tokens":
+            out[name] = torch.ones(n) if name == "weights" else torch.zeros(n)
+            continue
+        if name not in d.loss_fn_inputs:
+            raise UserError(f"data[{i}].loss_fn_inputs: missing {name!r}")
+        arr = _tensor(d.loss_fn_inputs[name], f"data[{i}].loss_fn_inputs.{name}")
+        if arr.shape != (n,):
+            raise UserError(
+                f"data[{i}].loss_fn_inputs.{name}: shape {list(arr.shape)}, expected [{n}] (one per input token)"
+            )
+        out[name] = torch.from_numpy(arr.astype(np.int64 if name == "target_tokens" else np.float32))
+    return out
+
+
+def forward_backward_output(outputs: list[dict[str, torch.Tensor]], metrics: dict[str, float]) -> bytes:
+    """The proto ``ForwardBackwardOutput``: one ArrayRecord whose fields hold every datum's tensor."""
+    msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", metrics=metrics)
+    rec = msg.loss_fn_outputs.add()
+    rec.num_datums = len(outputs)
+    for name in outputs[0] if outputs else ():
+        arrays = [o[name].float().numpy().astype(np.float32) for o in outputs]
+        offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype(np.int64)
+        bt = rec.fields[name]
+        bt.data = b"".join(a.tobytes() for a in arrays)
+        bt.offsets = offsets.tobytes()
+        bt.dtype = pb.DTYPE_FLOAT32
+    return msg.SerializeToString()
+
+
+def sample_output(sequences: list[tuple[list[int], list[float], str]], prompt_logprobs: list[float] | None) -> bytes:
+    msg = pb.SampleResponse()
+    for tokens, logprobs, stop in sequences:
+        seq = msg.sequences.add()
+        seq.stop_reason = pb.STOP_REASON_LENGTH if stop == "length" else pb.STOP_REASON_STOP
+        seq.tokens = np.asarray(tokens, dtype=np.int32).tobytes()
+        seq.logprobs = np.asarray(logprobs, dtype=np.float32).tobytes()
+    if prompt_logprobs is not None:
+        msg.prompt_logprobs = np.asarray([math.nan, *prompt_logprobs], dtype=np.float32).tobytes()
+    return msg.SerializeToString()
+
+
+def prompt_tokens(prompt: dict[str, Any], where: str = "prompt") -> list[int]:
+    """The token ids of a JSON ``ModelInput`` (encoded_text chunks only)."""
+    ids: list[int] = []
+    for j, chunk in enumerate(prompt.get("chunks") or []):
+        if chunk.get("type", "encoded_text") != "encoded_text":
+            raise UserError(f"{where}.chunks[{j}]: only encoded_text chunks are supported")
+        ids += [int(t) for t in chunk.get("tokens", [])]
+    if not ids:
+        raise UserError(f"{where}: no tokens")
+    return ids

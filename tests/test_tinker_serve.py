@@ -1,0 +1,249 @@
+"""The unmodified ``tinker`` SDK against a real ``tandemrl tinker-serve`` and a real LoRA-enabled vLLM server
+on the tiny model (docs/tinker.md). One vLLM server and one tinker-serve process for the whole module."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+import tinker
+from tinker import types
+from utils import REPO_ROOT, free_port
+from vllm_server import launch_test_server
+
+from tandemrl.inference.server_auth import TOKEN_ENV, auth_headers, new_token
+from tandemrl.inference.vllm import VLLMBackend
+
+pytestmark = pytest.mark.slow
+MAX_ADAPTERS = 3
+
+
+@dataclass
+class Tinker:
+    url: str
+    key: str
+    vllm_url: str
+    base: str  # the served model's name (tinker-serve's --model)
+    out: Path
+    proc: subprocess.Popen[str]
+
+    def client(self) -> tinker.ServiceClient:
+        return tinker.ServiceClient(base_url=self.url, api_key=self.key)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tinker]:
+    tmp = tmp_path_factory.mktemp("tinker")
+    os.environ.setdefault(TOKEN_ENV, new_token())  # keep the session server's token if it set one
+    vllm = launch_test_server(
+        tiny_model_dir, str(tmp / "vllm.log"), token=os.environ[TOKEN_ENV],
+        enable_lora=True, max_lora_rank=8, max_loras=MAX_ADAPTERS,
+    )  # fmt: skip
+    proc = None
+    try:
+        vllm.wait_healthy(900.0)
+        port, key_file = free_port(), tmp / "key"
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TINKER_TELEMETRY": "0"}
+        cmd = [sys.executable, "-m", "tandemrl.cli", "tinker-serve", "--model", tiny_model_dir, "--port", str(port)]
+        cmd += ["--vllm-addr", vllm.address, "--key-file", str(key_file), "--out", str(tmp / "ckpt")]
+        cmd += ["--max-adapters", str(MAX_ADAPTERS)]
+        log = open(tmp / "tinker.log", "w")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        url = f"http://127.0.0.1:{port}"
+        while not key_file.exists() or not key_file.read_text():
+            if proc.poll() is not None:
+                raise RuntimeError(f"tinker-serve exited: {(tmp / 'tinker.log').read_text()[-3000:]}")
+            time.sleep(0.5)
+        telemetry = os.environ.get("TINKER_TELEMETRY")
+        os.environ["TINKER_TELEMETRY"] = "0"  # this process's SDK clients send none
+        try:
+            yield Tinker(url, key_file.read_text(), vllm.base_url, tiny_model_dir, tmp / "ckpt", proc)
+        finally:
+            if telemetry is None:
+                os.environ.pop("TINKER_TELEMETRY")
+            else:
+                os.environ["TINKER_TELEMETRY"] = telemetry
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(60)
+            log.close()
+        vllm.stop()
+
+
+def _datum(tokens: list[int], **inputs: list[float]) -> types.Datum:
+    """Next-token datum: input ``tokens[:-1]``, targets ``tokens[1:]``, plus per-target ``inputs``."""
+    loss_inputs = {"target_tokens": tokens[1:], **inputs}
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=loss_inputs)
+
+
+def _logprobs(tc: tinker.TrainingClient, data: list[types.Datum]) -> list[list[float]]:
+    out = tc.forward(data, "cross_entropy").result()
+    return [o["logprobs"].tolist() for o in out.loss_fn_outputs]
+
+
+SEQ = [5, 17, 42, 99, 7, 23, 61, 88, 12, 30, 44, 71]
+
+
+def test_supervised_steps_lower_the_loss_and_futures_resolve_in_submission_order(served: Tinker) -> None:
+    """Two fwd/bwd + optim pairs submitted before any result is read: the second forward_backward saw the
+    first optim_step (its loss is lower), and a third forward after them is lower still. save_state then
+    load_state (and a new client from that state) bring back the saved adapter after a further step."""
+    tc = served.client().create_lora_training_client(base_model=served.base, rank=4).result()
+    data = [_datum(SEQ, weights=[1.0] * (len(SEQ) - 1))]
+    adam = types.AdamParams(learning_rate=5e-3)
+    futures = [tc.forward_backward(data, "cross_entropy"), tc.optim_step(adam)]
+    futures += [tc.forward_backward(data, "cross_entropy"), tc.optim_step(adam)]
+    first, second = futures[0].result(), futures[2].result()
+    futures[3].result()
+    after = -sum(_logprobs(tc, data)[0])
+    assert second.metrics["loss:sum"] < first.metrics["loss:sum"]
+    assert after < second.metrics["loss:sum"]
+
+    saved = tc.save_state("sl-2").result().path
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(adam).result()
+    assert -sum(_logprobs(tc, data)[0]) < after  # a third step moved on from the checkpoint
+    tc.load_state(saved).result()
+    assert -sum(_logprobs(tc, data)[0]) == pytest.approx(after, abs=1e-4)  # back to the checkpoint
+    _unload(tc)
+    resumed = served.client().create_training_client_from_state_with_optimizer(saved).result()
+    assert -sum(_logprobs(resumed, data)[0]) == pytest.approx(after, abs=1e-4)
+    _unload(resumed)
+
+
+def test_two_lora_clients_train_independently_and_is_follows_the_advantage(served: Tinker) -> None:
+    """importance_sampling with advantage +1 raises client A's logprobs, -1 lowers client B's; B's
+    logprobs before its own step equal the untrained start, so A's update did not reach it."""
+    sc = served.client()
+    a = sc.create_lora_training_client(base_model=served.base, rank=4, seed=1).result()
+    b = sc.create_lora_training_client(base_model=served.base, rank=4, seed=2).result()
+    start = _logprobs(a, [_datum(SEQ)])[0]
+    n = len(SEQ) - 1
+
+    def step(tc: tinker.TrainingClient, adv: float) -> None:
+        datum = _datum(SEQ, advantages=[adv] * n, logprobs=start)
+        tc.forward_backward([datum], "importance_sampling").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+
+    step(a, 1.0)
+    b_before = _logprobs(b, [_datum(SEQ)])[0]
+    step(b, -1.0)
+    a_after, b_after = _logprobs(a, [_datum(SEQ)])[0], _logprobs(b, [_datum(SEQ)])[0]
+    assert b_before == pytest.approx(start, abs=1e-5)
+    assert sum(a_after) > sum(start) + 0.1, (sum(start), sum(a_after))
+    assert sum(b_after) < sum(start) - 0.1, (sum(start), sum(b_after))
+    _unload(a)
+    _unload(b)
+
+
+def test_sampler_weights_are_the_updated_adapter_and_match_a_direct_vllm_call(served: Tinker) -> None:
+    """After an RL step on sampled tokens, save_weights_for_sampler + sample returns the same greedy tokens and
+    logprobs as vLLM called directly with that adapter directory; compute_logprobs of the sampled tokens rose."""
+    sc = served.client()
+    tc = sc.create_lora_training_client(base_model=served.base, rank=4, seed=3).result()
+    prompt = types.ModelInput.from_ints(SEQ[:6])
+    base = sc.create_sampling_client(base_model=served.base).result()
+    seq = base.sample(prompt, 1, types.SamplingParams(max_tokens=6, temperature=1.0, seed=7)).result().sequences[0]
+    full = SEQ[:6] + list(seq.tokens)
+    n_prompt = 6 - 1  # targets that belong to the prompt
+    adv = [0.0] * n_prompt + [1.0] * len(seq.tokens)
+    old = [0.0] * n_prompt + list(seq.logprobs or [])
+    for _ in range(2):
+        tc.forward_backward([_datum(full, advantages=adv, logprobs=old)], "importance_sampling").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    saved = tc.save_weights_for_sampler("after-rl").result()
+    assert saved.path.endswith("/sampler_weights/after-rl")
+    sampler = sc.create_sampling_client(model_path=saved.path).result()
+    new_lp = sampler.compute_logprobs(types.ModelInput.from_ints(full)).result()
+    old_lp = base.compute_logprobs(types.ModelInput.from_ints(full)).result()
+    assert sum(new_lp[6:]) > sum(old_lp[6:])  # type: ignore[arg-type]
+
+    greedy = types.SamplingParams(max_tokens=6, temperature=0.0)
+    got = sampler.sample(prompt, 1, greedy).result().sequences[0]
+    adapter_dir = served.out / saved.path.removeprefix("tinker://").split("/")[0] / "sampler_weights" / "after-rl"
+    _post(served.vllm_url + "/v1/load_lora_adapter", {"lora_name": "direct-check", "lora_path": str(adapter_dir)})
+    body = {
+        "token_ids": SEQ[:6], "model": "direct-check",
+        "sampling_params": {"max_tokens": 6, "temperature": 0.0, "logprobs": 0}, "stream": False,
+    }  # fmt: skip
+    direct = VLLMBackend().parse_generate(_post(served.vllm_url + "/inference/v1/generate", body))
+    assert list(got.tokens) == direct.output_tokens
+    assert list(got.logprobs or []) == pytest.approx(direct.output_logprobs, abs=1e-4)
+    _unload(tc)
+
+
+def test_errors_are_the_sdks_typed_errors_with_one_line(served: Tinker) -> None:
+    sc = served.client()
+    with pytest.raises(tinker.NotFoundError, match="base_model: 'nope' is not served here"):
+        sc.create_lora_training_client(base_model="nope", rank=4).result()
+    with pytest.raises(tinker.NotFoundError, match="model_path: no saved weights 'tinker://nope:train:0/"):
+        sc.create_sampling_client(model_path="tinker://nope:train:0/sampler_weights/x").result()
+    gone = sc.create_lora_training_client(base_model=served.base, rank=4).result()
+    _unload(gone)
+    with pytest.raises(tinker.NotFoundError, match=f"model_id: unknown model '{gone.model_id}'") as err:
+        gone.forward_backward([_datum(SEQ, weights=[1.0] * (len(SEQ) - 1))], "cross_entropy").result()
+    assert "\n" not in err.value.message
+    tc = sc.create_lora_training_client(base_model=served.base, rank=4).result()
+    with pytest.raises(tinker.BadRequestError, match="loss_fn: unknown loss 'nope'"):
+        tc.forward_backward([_datum(SEQ, weights=[1.0] * (len(SEQ) - 1))], "nope").result()  # type: ignore[arg-type]
+    with pytest.raises(
+        tinker.BadRequestError, match=r"data\[0\]\.loss_fn_inputs\.weights: shape \[3\], expected \[11\]"
+    ):
+        tc.forward_backward([_datum(SEQ, weights=[1.0] * 3)], "cross_entropy").result()
+    with pytest.raises(tinker.BadRequestError, match=r"data\[0\]\.loss_fn_inputs: missing 'advantages'"):
+        tc.forward_backward([_datum(SEQ)], "ppo").result()
+    others = [sc.create_lora_training_client(base_model=served.base, rank=2).result() for _ in range(MAX_ADAPTERS - 1)]
+    with pytest.raises(tinker.BadRequestError, match="LoRA training clients are live, the cap"):
+        sc.create_lora_training_client(base_model=served.base, rank=2).result()
+    with pytest.raises(tinker.AuthenticationError, match="X-API-Key: missing or not this server's key"):
+        tinker.ServiceClient(base_url=served.url, api_key="tml-wrong").create_lora_training_client(
+            base_model=served.base, rank=2
+        ).result()
+    for c in [tc, *others]:
+        _unload(c)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def _unload(tc: tinker.TrainingClient) -> None:
+    r = requests.post(
+        tc.holder._base_url + "/api/v1/unload_model",
+        json={"model_id": tc.model_id},
+        headers={"X-API-Key": tc.holder._api_key or ""},
+        timeout=60,
+    )
+    r.raise_for_status()
+
+
+def _post(url: str, body: dict) -> dict:
+    r = requests.post(url, json=body, headers=auth_headers(), timeout=120)
+    if not r.ok:
+        raise RuntimeError(f"{url} -> HTTP {r.status_code}: {r.text[:300]}")
+    return r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+
+
+def test_example_rl_loop_runs_three_iterations_through_the_sdk(served: Tinker, gsm8k_dir: str) -> None:
+    """examples/tinker_rl_loop.py (tinker SDK only) runs 3 GRPO-style iterations on the tiny model: one JSON
+    line per iteration with every sample scored, and at least one iteration took a training step."""
+    env = {**os.environ, "TINKER_BASE_URL": served.url, "TINKER_API_KEY": served.key, "TINKER_TELEMETRY": "0"}
+    cmd = [sys.executable, str(REPO_ROOT / "examples" / "tinker_rl_loop.py"), "--base-model", served.base]
+    cmd += ["--data", gsm8k_dir, "--iterations", "3", "--questions", "2", "--group", "4", "--max-tokens", "24"]
+    cmd += ["--rank", "4", "--number-bonus", "0.1", "--lr", "1e-3"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [line["iteration"] for line in lines] == [0, 1, 2]
+    assert all(line["samples"] == 8 and 0.0 <= line["reward_mean"] <= 1.0 for line in lines)
+    trained = [line for line in lines if line["trained_datums"] > 0]
+    assert trained and all(math.isfinite(line["loss"]) for line in trained), lines
