@@ -267,7 +267,7 @@ def _router_replay_fits(config: Any) -> Problem | None:
     """MoE routing replay is implemented on the Megatron engine only (docs/moe.md)."""
     from tandemrl.api.allocation import AllocationMode
 
-    backend = AllocationMode.from_str(config.allocation_mode).train.backend
+    backend = AllocationMode.from_str(config.allocation_mode).train_backend
     for key, cfg in _engine_configs(config):
         if cfg.megatron.router_replay and backend != "megatron":
             return (
@@ -282,7 +282,7 @@ def _lora_fits(config: Any) -> Problem | None:
     """LoRA is implemented on the FSDP2 engine only, and a critic's value head is no adapter target."""
     from tandemrl.api.allocation import AllocationMode
 
-    backend = AllocationMode.from_str(config.allocation_mode).train.backend
+    backend = AllocationMode.from_str(config.allocation_mode).train_backend
     for key, cfg in _engine_configs(config):
         if cfg.lora.rank <= 0:
             continue

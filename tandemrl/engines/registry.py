@@ -1,16 +1,20 @@
 """Which class implements each training backend, imported only when asked for.
 
 A backend is one row here: its ``allocation_mode`` name -> ``"module:Class"`` of a
-:class:`~tandemrl.api.engine.TrainEngine`. Every algorithm (``tandemrl.algorithms``) takes the
+:class:`~tandemrl.api.engine.TrainBackend`. Every algorithm (``tandemrl.algorithms``) takes the
 built engine, so a new backend works with all of them and a new algorithm with all backends.
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-from tandemrl.api.engine import TrainEngine
+from tandemrl.api.engine import TrainBackend
 from tandemrl.configs.engine import TrainEngineConfig
+
+if TYPE_CHECKING:
+    from tandemrl.engines.base import BaseTrainEngine
 
 _ENGINES: dict[str, str] = {
     "fsdp": "tandemrl.engines.fsdp:FSDPEngine",
@@ -24,7 +28,7 @@ def register_engine(backend: str, target: str) -> None:
     _ENGINES[backend] = target
 
 
-def engine_class(backend: str) -> type[TrainEngine]:
+def engine_class(backend: str) -> type[BaseTrainEngine]:
     """The engine class of ``backend``, e.g. ``engine_class("fsdp") -> FSDPEngine``."""
     try:
         target = _ENGINES[backend]
@@ -36,6 +40,6 @@ def engine_class(backend: str) -> type[TrainEngine]:
     return getattr(importlib.import_module(module), name)
 
 
-def make_engine(backend: str, config: TrainEngineConfig) -> TrainEngine:
+def make_engine(backend: str, config: TrainEngineConfig) -> TrainBackend:
     """An unbuilt engine of ``backend`` for ``config`` (call create_process_group, then initialize)."""
     return engine_class(backend)(config)

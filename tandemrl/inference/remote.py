@@ -652,7 +652,10 @@ __all__ = [
 
 def remote_engine_for(backend: str, config: InferenceEngineConfig) -> RemoteInfEngine:
     """The client for allocation_mode's inference backend ("vllm" or "sglang")."""
-    classes: dict[str, type[RemoteInfEngine]] = {"vllm": RemoteVLLMEngine, "sglang": RemoteSGLangEngine}
+    classes: dict[str, Callable[[InferenceEngineConfig], RemoteInfEngine]] = {
+        "vllm": RemoteVLLMEngine,
+        "sglang": RemoteSGLangEngine,
+    }
     if backend not in classes:
         raise ValueError(f"allocation_mode: inference backend '{backend}' has no client (vllm or sglang)")
     return classes[backend](config)

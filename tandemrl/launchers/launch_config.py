@@ -68,7 +68,7 @@ def _load(config_path: str | None, overrides: list[str]) -> Any:
 
     from tandemrl.configs.loader import PRESET_PREFIX, preset_path
 
-    base = OmegaConf.create()
+    base: Any = OmegaConf.create()  # a DictConfig (a YAML list fails the merge below)
     if config_path:
         path = preset_path(config_path[len(PRESET_PREFIX) :]) if config_path.startswith(PRESET_PREFIX) else config_path
         if not os.path.isfile(path):
@@ -155,7 +155,9 @@ def _aux_servers(cfg: Any, alloc: AllocationMode) -> list[AuxServer]:
     )
     if problem is not None:
         raise ValueError(f"config key '{problem[0]}' {problem[1]}")
-    return [AuxServer(str(c.name), paths[str(c.name)], dict(table[c.name].get("server_args") or {})) for c in alloc.aux]
+    return [
+        AuxServer(str(c.name), paths[str(c.name)], dict(table[str(c.name)].get("server_args") or {})) for c in alloc.aux
+    ]
 
 
 def _server_extra(cfg: Any, alloc: AllocationMode, update_mode: str) -> dict[str, Any]:
@@ -165,7 +167,7 @@ def _server_extra(cfg: Any, alloc: AllocationMode, update_mode: str) -> dict[str
 
     key = f"{LAUNCHER_SECTION}.server_args"
     section = _get(cfg, key, {})
-    table = OmegaConf.to_container(section, resolve=True) if OmegaConf.is_config(section) else section
+    table: Any = OmegaConf.to_container(section, resolve=True) if OmegaConf.is_config(section) else section
     if not isinstance(table, dict) or not all(isinstance(k, str) and k.strip("-_") for k in table):
         raise ValueError(f"config key '{key}' must map server option names to values, e.g. {{max_num_seqs: 64}}")
     args = {k.lstrip("-").replace("-", "_"): v for k, v in table.items()}

@@ -155,7 +155,7 @@ class WorkflowExecutor:
         self._paused = threading.Event()
         self._closing = False
         self._runner: AsyncTaskRunner | None = None
-        self._tasks: dict[int, asyncio.Task[TensorDict | None]] = {}  # loop thread only
+        self._tasks: dict[int, asyncio.Task[tuple[TensorDict | None, bool]]] = {}  # loop thread only
         self._rids = itertools.count()
         self._orders = itertools.count()
         self._seqs = itertools.count()
