@@ -132,7 +132,7 @@ def check_extra(overrides: list[str], workload_keys: tuple[str, ...], flag: str)
 
 
 def tandemrl_overrides(w: Workload, fileroot: str, extra: list[str]) -> list[str]:
-    """Config overrides on top of the main job's YAML: the workload, no eval/save, then ``extra``."""
+    """Config overrides on top of the main job's YAML: the workload, no eval/save (not even the final one), then ``extra``."""
     check_extra(extra, TANDEMRL_WORKLOAD_KEYS, "--tandemrl-overrides")
     return [
         f"train_dataset.path={w.data}",
@@ -149,6 +149,9 @@ def tandemrl_overrides(w: Workload, fileroot: str, extra: list[str]) -> list[str
         f"actor.engine.optimizer.lr={w.lr}",
         "evaluator.freq_steps=100000",
         "saver.freq_steps=100000",
+        # No final HF save: TRL runs with save_strategy="no" and its train_runtime excludes saving; the
+        # save would land inside tandemrl's measured loop (its last step; 2-3 s on a 25 s tiny run).
+        "saver.save_final=false",
         f"cluster.fileroot={fileroot}",
         *extra,
     ]

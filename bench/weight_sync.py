@@ -151,7 +151,6 @@ def run(a: argparse.Namespace) -> None:
             bucket_size_mb=a.bucket_mb, anchor_every=10**6, dtype=a.send_dtype,
         )  # fmt: skip
         controller = RolloutController(client, engine, client.config, meta)
-        pusher = controller._pusher
         print(f"export + pack alone: {statistics.median(pack_seconds(engine, a.bucket_mb) for _ in range(2)):.2f}s")
         before = snapshot(engine)
         sft_step(engine, vocab, seed=0)
@@ -167,7 +166,7 @@ def run(a: argparse.Namespace) -> None:
                 if mode != "none":
                     sft_step(engine, vocab, seed=1 + r)
                 controller.push_weights(meta=m)
-                s = pusher.last_stats
+                s = controller.last_push_stats
                 assert s is not None
                 rows.append((mode, s))
         print(f"\n{'mode':<8}{'moved MB':>10}{'of full':>9}{'seconds':>9}{'GB/s*':>8}{'wire GB/s':>11}{'changed':>9}")

@@ -51,6 +51,8 @@ def test_both_sides_get_the_same_workload(bench: ModuleType, tiny_model_dir: str
     # Placement flags reach tandemrl only; the main job's settings stay otherwise.
     assert cfg.actor.engine.mixed_precision == "bfloat16" and cfg.async_training is False
     assert cfg.allocation_mode == "vllm:d1+fsdp:d1"
+    # Neither side saves inside its measured loop (tandemrl's final save would be its last step's).
+    assert cfg.saver.save_final is False and trl["save_strategy"] == "no"
     assert trl["beta"] == pytest.approx(0.04) and trl["bf16"] is True and trl["use_vllm"] is False
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from tandemrl.inference.server_auth import TOKEN_ENV
-from tandemrl.launchers.server_watch import StallBounds, StallClock, stall_error, stall_warning
+from tandemrl.launchers.server_watch import StallBounds, StallClock, stall_cause, stall_error, stall_warning
 from tandemrl.utils.cli import first_line, signals_interrupt
 
 
@@ -69,7 +69,7 @@ def supervise(server: Any, args: argparse.Namespace) -> int:
         elif event is not None:
             error = stall_error(who, event[1])
             print(f"error: {error}", file=sys.stderr, flush=True)
-            _record_failure(args, error.removesuffix(": stopped").removeprefix(f"{who} "))
+            _record_failure(args, stall_cause(event[1]))
             return 1
         time.sleep(bounds.every)
     print(f"error: {who} exited with code {server.proc.returncode}", file=sys.stderr, flush=True)

@@ -81,9 +81,14 @@ def stall_warning(who: str, silent: float, bounds: StallBounds) -> str:
     )
 
 
+def stall_cause(silent: float) -> str:
+    """What happened to a server silent past the limit, without naming it (a failure record's "what")."""
+    return f"has not answered for {silent:.0f}s (launcher.server_stall_limit)"
+
+
 def stall_error(who: str, silent: float) -> str:
     """The run's one-line cause when a server stayed silent past the limit."""
-    return f"{who} has not answered for {silent:.0f}s (launcher.server_stall_limit): stopped"
+    return f"{who} {stall_cause(silent)}: stopped"
 
 
 def _watch_stalls(

@@ -32,7 +32,7 @@ from tandemrl.rollout.executor import ShouldAcceptFn, WorkflowExecutor
 from tandemrl.rollout.ledger import Ledger, LedgerTotals, Tally
 from tandemrl.rollout.whole_groups import WholeGroups
 from tandemrl.utils import stats_tracker
-from tandemrl.weights.push import WeightPusher, WeightReceiver
+from tandemrl.weights.push import SyncStats, WeightPusher, WeightReceiver
 
 # Evaluation trains on nothing it generates, so no staleness bound applies to it.
 UNBOUNDED_STALENESS = 10**6
@@ -211,6 +211,11 @@ class RolloutController:
     def replay_first(self, rows: Iterable[dict[str, Any]]) -> None:
         """Generate ``rows`` (a checkpoint's ``pending_rows``) before new dataloader rows."""
         self._executor.replay_first(rows)
+
+    @property
+    def last_push_stats(self) -> SyncStats | None:
+        """Rank 0's figures of the last weight push (bytes moved, seconds; None before the first, or on other ranks)."""
+        return self._pusher.last_stats
 
     @property
     def ledger(self) -> Ledger:
