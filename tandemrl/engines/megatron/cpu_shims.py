@@ -82,7 +82,7 @@ def apply_cpu_shims() -> None:
 
 def _shim_cuda_runtime() -> None:
     """Device queries, RNG state and ``.cuda()`` answer for the CPU; DistributedOptimizer's type check passes."""
-    # Base: mcore passes cuda.current_device() as device= everywhere (rotary, embeddings, router, ...),
+    # Base: mcore passes torch.cuda.current_device() as device= everywhere (rotary, embeddings, router, ...),
     # calls .cuda() on modules/tensors and seeds/saves CUDA RNG state in its RNG tracker (used by attention).
     cuda: Any = torch.cuda  # patched at run time: untyped on purpose
     tensor_cls: Any = torch.Tensor
@@ -97,14 +97,14 @@ def _shim_cuda_runtime() -> None:
 
     mc_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mc_random._set_cuda_rng_state = lambda s, *a, **k: torch.set_rng_state(s)
-    # DistributedOptimizer only accepts params whose type() is 'cuda.FloatTensor' (and friends).
+    # DistributedOptimizer only accepts params whose type() is 'torch.cuda.FloatTensor' (and friends).
     orig_type = torch.Tensor.type
 
     def _type(self: torch.Tensor, *a: Any, **k: Any) -> Any:
         if a or k:
             return orig_type(self, *a, **k)
         t = orig_type(self)
-        return t if t.startswith("cuda.") else t.replace("torch.", "cuda.", 1)
+        return t if t.startswith("torch.cuda.") else t.replace("torch.", "torch.cuda.", 1)
 
     tensor_cls.type = _type
 
