@@ -2,12 +2,20 @@
 # Install (or reuse) the pinned environment, then run the whole test suite.
 # --stress (or TANDEMRL_STRESS=1): a background process burns one CPU core for the whole run,
 # to show that no test depends on timing; it is stopped when pytest ends, however it ends.
+# --fast: only the unit tier (`-m unit`, tests/tiers.py: no server, process group or launcher),
+# a few minutes, for work in progress; CI (.ci/run) runs every tier.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 args=()
 stress="${TANDEMRL_STRESS:-0}"
 for a in "$@"; do
-    if [[ "$a" == "--stress" ]]; then stress=1; else args+=("$a"); fi
+    if [[ "$a" == "--stress" ]]; then
+        stress=1
+    elif [[ "$a" == "--fast" ]]; then
+        args+=(-m unit)
+    else
+        args+=("$a")
+    fi
 done
 bash "$root/scripts/setup_env.sh"
 cd "$root"

@@ -13,6 +13,16 @@ import pytest
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from tiers import TIERS  # noqa: E402
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each test gets its file's tier (tests/tiers.py) as a marker: `-m unit`, `-m "not e2e"`."""
+    for item in items:
+        tier = TIERS.get(item.path.name)
+        if tier is not None:
+            item.add_marker(getattr(pytest.mark, tier))
+
 
 def tiny_model_cache_dir() -> Path:
     """`${TANDEMRL_CACHE:-~/.cache/tandemrl}/tiny-models`."""

@@ -6,7 +6,7 @@ the engine and a real vLLM server, samples at T=1.0 and T=0.7, and compares the 
 each sampled token with the trainer's (``PPOActor.compute_logp`` at that temperature): at step 0 and
 after 3 SFT steps pushed by disk, collective, collective (``step3-collective``), then the same step-3
 weights by disk (``step3-disk``). The mean |gap| must stay under the cell's precision bound
-(``BOUNDS``; measured values in README.md, "Train/rollout consistency").
+(``BOUNDS``; measured values in docs/consistency.md).
 
 Server pairing: an fp32 trainer talks to an fp32 server on the tiny model (the exact pairing; started
 by this module), a bf16 trainer to the bf16 session server (the production pairing). The gate can fail:
@@ -37,7 +37,7 @@ ENV = {"TANDEMRL_DIST_TIMEOUT": "300"}
 pytestmark = pytest.mark.slow
 
 # Mean |trainer - server| logprob on the sampled tokens, per precision: 2.5-5x the largest mean measured
-# over every cell, checkpoint and temperature (fp32 2.1e-7, bf16 2.0e-3; the table is in README.md).
+# over every cell, checkpoint and temperature (fp32 2.1e-7, bf16 2.0e-3; the table is in docs/consistency.md).
 BOUNDS = {"fp32": 1e-6, "bf16": 5e-3}
 MIXED_PRECISION = {"fp32": None, "bf16": "bfloat16"}  # TrainEngineConfig.mixed_precision
 FAIL_FACTOR = 5  # each control's gap is at least this many bounds
@@ -111,7 +111,7 @@ def results(
 
 
 def markdown_table(results: dict[str, dict[str, Any]]) -> str:
-    """The measured table as README.md shows it: mean |gap| per checkpoint (T=1.0 / T=0.7), the largest
+    """The measured table as docs/consistency.md shows it: mean |gap| per checkpoint (T=1.0 / T=0.7), the largest
     single-token gap, the bound and the controls."""
     lines = [
         "| cell | step 0 | step 3, collective | step 3, disk | max token | bound | lost update / T ignored |",

@@ -4,7 +4,7 @@
 does not split over the data-parallel ranks, into whole groups or micro-batches; group statistics
 over one sample; async training that cannot overlap; stale samples nothing corrects; truncated
 sampling whose ratios would be biased); ``load_config`` reports it as one line naming the key and
-where it was set. The list is in README.md (Config guards).
+where it was set. The list is in docs/concepts.md (Config guards).
 
 ``check_inputs(config)`` looks at what a config points to: model directories and dataset files.
 The launchers run it before starting any server or trainer, by running the training script with

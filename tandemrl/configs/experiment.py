@@ -33,7 +33,7 @@ class BaseExperimentConfig:
             "help": "Bitwise-reproducible runs on one machine: deterministic torch algorithms on every rank, "
             "per-request sampling seeds derived from (seed, rollout, prompt id, sample), rollouts consumed in "
             "submission order, and (async) every batch generated whole by one weight version (a weight update "
-            "waits for running rollouts instead of interrupting them). See README 'Deterministic mode'."
+            "waits for running rollouts instead of interrupting them). See docs/determinism.md."
         },
     )
     total_train_epochs: int = field(default=1, metadata={"help": "Epochs over the train set.", "min": 1})

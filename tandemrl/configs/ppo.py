@@ -161,7 +161,7 @@ class PPOActorConfig:
             "help": "Under top-p/top-k/min-p sampling, recompute the sampler's kept tokens from the trainer's logits "
             "(top_k, top_p, min_p below, which must equal gconfig's) and renormalise over them, so every trainer "
             "logprob in a ratio is of the distribution actually sampled (docs/truncated_sampling.md). Truncated "
-            "sampling without it is a config error (README.md, Config guards)."
+            "sampling without it is a config error (docs/concepts.md, Config guards)."
         },
     )
     top_k: int = field(

@@ -9,7 +9,7 @@ the same operation on the same numbers as any test row.
 A fraction of the train answers (``direct_fraction``, default one half) are bare
 (``#### 165``, no worked steps), as in SFT data of mixed quality. A model fine-tuned on
 them answers either way; a tiny model is right far more often when it works the steps, so
-RL with a correctness reward has a strategy to discover (the learning check in the README).
+RL with a correctness reward has a strategy to discover (the learning check, docs/learning.md).
 Test answers are always worked.
 
     python -m tandemrl.data.arith --out ./runs/data/arith --difficulty 1
@@ -38,10 +38,10 @@ if TYPE_CHECKING:
 
 NAME = "arith"
 DIFFICULTIES = (1, 2, 3)
-DEFAULT_DIFFICULTY = 1  # what the README's learning check uses
+DEFAULT_DIFFICULTY = 1  # what the learning check (docs/learning.md) uses
 DEFAULT_N_TRAIN = 20000
 DEFAULT_N_TEST = 500
-DEFAULT_DIRECT_FRACTION = 0.5  # share of bare train answers; what the README's learning check uses
+DEFAULT_DIRECT_FRACTION = 0.5  # share of bare train answers; what the learning check (docs/learning.md) uses
 _NAMES = ("Ada", "Ben", "Cleo", "Dan", "Eva", "Finn", "Gia", "Hugo", "Ivy", "Jack", "Kim", "Leo", "Mia", "Noah")
 _ITEMS = ("apples", "books", "cards", "coins", "eggs", "marbles", "pens", "shells", "stamps", "toys")
 
