@@ -28,5 +28,7 @@ if [[ "$stress" != "0" ]]; then
 fi
 # The layer contracts of pyproject.toml [tool.importlinter] (docs/architecture.md).
 .venv/bin/lint-imports --no-cache
+# The type checker, pyproject.toml [tool.mypy] (strict on api, algorithms, rollout, weights; cache: .mypy_cache).
+.venv/bin/mypy
 # No path given: pytest runs its testpaths (tests/); paths given: only those.
 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 ${args[@]+"${args[@]}"}

@@ -35,8 +35,8 @@ def gae(
     unmasked positions are ignored.
     """
     if cu_seqlens is not None:
-        padded = [packed_to_padded(t, cu_seqlens) for t in (rewards.float(), values.float(), mask.bool())]
-        adv, ret = gae(*padded, gamma=gamma, lam=lam)
+        r, v, m = (packed_to_padded(t, cu_seqlens) for t in (rewards.float(), values.float(), mask.bool()))
+        adv, ret = gae(r, v, m, gamma=gamma, lam=lam)
         return padded_to_packed(adv, cu_seqlens), padded_to_packed(ret, cu_seqlens)
     if not (rewards.shape == values.shape == mask.shape) or rewards.dim() != 2:
         raise ValueError(

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 import torch
 
 from tandemrl.algorithms.layout import shift_left
+from tandemrl.api.types import RolloutBatch
 
 # The trainer warns when more than this fraction of a batch's generated tokens were forced.
 FORCED_WARN_FRACTION = 0.5
@@ -44,7 +45,7 @@ def forced_tokens(behav_logp: torch.Tensor, constrained: torch.Tensor, mask: tor
     return mask.bool() & constrained.bool() & (behav_logp == 0.0)
 
 
-def forced_actions(batch: Mapping[str, torch.Tensor], action_mask: torch.Tensor) -> torch.Tensor | None:
+def forced_actions(batch: RolloutBatch | Mapping[str, torch.Tensor], action_mask: torch.Tensor) -> torch.Tensor | None:
     """Next-token aligned forced mask of a padded rollout batch (its ``logprobs`` and ``constrained``),
     within ``action_mask``; None when the batch has no ``constrained`` field (no constrained call)."""
     if "constrained" not in batch:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterator
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -77,11 +77,11 @@ def require_fields(batch: TensorDict | RolloutBatch, names: tuple[str, ...], whe
 def record_routing(engine: TrainEngine, batch: TensorDict | RolloutBatch) -> None:
     """MoE routing replay (docs/moe.md): with the engine's ``router_replay`` on and no ``routed_experts`` in
     ``batch`` yet, one forward at the current (pre-update) weights records them into ``batch``."""
-    if not getattr(engine, "router_replay", False) or ROUTED_EXPERTS in batch:
+    if not engine.router_replay or ROUTED_EXPERTS in batch:
         return
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
     engine.forward(inputs, post_hook=lambda logits, mb: logits[:, :1].detach())  # the routing is the output
-    batch[ROUTED_EXPERTS] = inputs[ROUTED_EXPERTS]  # type: ignore[literal-required]
+    batch[ROUTED_EXPERTS] = inputs[ROUTED_EXPERTS]
 
 
 def correction_of(config: PPOActorConfig) -> Correction:
@@ -172,12 +172,12 @@ class PPOActor:
         temp, replay = self.config.temperature, self.replay
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
         # MoE routing replay (docs/moe.md): replay the batch's routing, or record it in this forward.
-        routing = getattr(self.engine, "router_replay", False)
+        routing = self.engine.router_replay
         if routing and ROUTED_EXPERTS in batch:
-            inputs[ROUTED_EXPERTS] = batch[ROUTED_EXPERTS]  # type: ignore[typeddict-item]
+            inputs[ROUTED_EXPERTS] = batch[ROUTED_EXPERTS]
         logp = self.engine.forward(inputs, post_hook=lambda logits, mb: next_token_logp(logits, mb, temp, replay))
         if routing:
-            batch[ROUTED_EXPERTS] = inputs[ROUTED_EXPERTS]  # type: ignore[typeddict-unknown-key]
+            batch[ROUTED_EXPERTS] = inputs[ROUTED_EXPERTS]
         return logp
 
     def proximal_logp(self, batch: RolloutBatch) -> torch.Tensor | None:
@@ -216,9 +216,8 @@ class PPOActor:
 
     # ------------------------------------------------------------ advantages
     def _model_path(self) -> str:
-        """The policy's model directory: the engine's config (what it loaded), else ``config.engine``."""
-        engine_config = getattr(self.engine, "config", None)
-        return getattr(engine_config, "path", "") or self.config.engine.path
+        """The policy's model directory: the one the engine loaded, else ``config.engine``'s."""
+        return self.engine.model_path or self.config.engine.path
 
     def _eos_ids(self) -> list[int]:
         if self.config.eos_token_ids:
@@ -249,7 +248,7 @@ class PPOActor:
         norm = self.config.adv_norm
         if norm.mean_level == "none" and norm.std_level == "none":
             return adv
-        kw = {
+        kw: dict[str, Any] = {
             "group_size": self.config.group_size,
             "mean_level": norm.mean_level,
             "std_level": norm.std_level,
@@ -296,6 +295,7 @@ class PPOActor:
                 action = action & ended[:, None]
         if cfg.overlong_buffer > 0:
             lengths = batch["loss_mask"].bool().sum(dim=1)
+            assert cfg.max_new_tokens is not None  # __init__ refuses overlong_buffer > 0 without it
             rewards = rewards + overlong_penalty(
                 lengths, cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty_factor
             )
@@ -341,7 +341,7 @@ class PPOActor:
         logp, entropy, outside = policy_logprobs(logits, labels, cfg.temperature, self.replay, cfg.entropy_coeff != 0.0)
         mask = mb["action_mask"].bool()
         old = logp.detach() if forward_is_proximal else mb["old_logp"]
-        agg = {"agg_mode": cfg.loss_agg_mode, "cu_seqlens": cu, "agg_norm_len": cfg.loss_agg_norm_len}
+        agg: dict[str, Any] = {"agg_mode": cfg.loss_agg_mode, "cu_seqlens": cu, "agg_norm_len": cfg.loss_agg_norm_len}
         loss, st = ppo_policy_loss(
             logp,
             old,
@@ -440,9 +440,9 @@ class PPOActor:
         if cfg.kl_ctl > 0 and cfg.use_kl_loss:
             require_fields(batch, ("ref_logp",), "ppo_update", " (use_kl_loss needs reference logprobs)")
             data["ref_logp"] = batch["ref_logp"]
-        if getattr(self.engine, "router_replay", False):
+        if self.engine.router_replay:
             record_routing(self.engine, batch)  # unless the proximal recompute recorded them already
-            data[ROUTED_EXPERTS] = batch[ROUTED_EXPERTS]  # type: ignore[typeddict-item]
+            data[ROUTED_EXPERTS] = batch[ROUTED_EXPERTS]
         mode = cfg.loss_agg_mode
 
         def weight(mb: TensorDict) -> int:

@@ -125,9 +125,9 @@ class ReinforceActor:
         if self.correction.active:
             require_fields(batch, ("logprobs",), "train_reinforce", f" ({self.correction.kind} needs the server's)")
             data["behav_logp"] = server_logp(batch["logprobs"], action)
-        if getattr(self.engine, "router_replay", False):  # MoE routing replay (docs/moe.md)
+        if self.engine.router_replay:  # MoE routing replay (docs/moe.md)
             record_routing(self.engine, batch)
-            data[ROUTED_EXPERTS] = batch[ROUTED_EXPERTS]  # type: ignore[typeddict-item]
+            data[ROUTED_EXPERTS] = batch[ROUTED_EXPERTS]
         self.engine.train()
         with stats_tracker.scope("reinforce"):
             return self.engine.train_batch(data, loss_fn=self.loss, loss_weight_fn=_weight)

@@ -89,7 +89,7 @@ def kept_mask(scaled: torch.Tensor, top_k: int = -1, top_p: float = 1.0, min_p: 
     rows = max(1, _CHUNK_ELEMENTS // max(1, scaled.shape[-1]))
     if scaled.shape[0] <= rows:
         return _kept_rows(scaled, top_k, top_p, min_p)
-    return torch.cat([_kept_rows(c, top_k, top_p, min_p) for c in scaled.split(rows)])
+    return torch.cat([_kept_rows(c, top_k, top_p, min_p) for c in torch.split(scaled, rows)])
 
 
 def truncated_logprobs(
@@ -126,8 +126,8 @@ def policy_logprobs(
     always of the full temperature-scaled distribution (what ``entropy_coeff`` regularises)."""
     if replay is None:
         if with_entropy:
-            logp, entropy = gather_logprobs_entropy(logits, labels, temperature)
-            return logp, entropy, None
+            full_logp, full_entropy = gather_logprobs_entropy(logits, labels, temperature)
+            return full_logp, full_entropy, None
         return gather_logprobs(logits, labels, temperature), None, None
     logp, outside = truncated_logprobs(logits, labels, temperature, replay.top_k, replay.top_p, replay.min_p)
     entropy = gather_logprobs_entropy(logits, labels, temperature)[1] if with_entropy else None

@@ -1,6 +1,7 @@
 """The floor every layer stands on: contracts and value types, importing nothing else of tandemrl.
 
-- ``engine``: ``TrainEngine`` (training and weight export) and the loss/hook signatures.
+- ``engine``: ``TrainEngine`` (what an algorithm sees), ``TrainBackend`` (what a training backend implements)
+  and the loss/hook signatures.
 - ``backend``: ``InferenceBackend``, the request builder/parser protocol of an inference server.
 - ``workflow``: ``RolloutWorkflow`` and the ``GenerationEngine`` slice a workflow may call.
 - ``inference``: ``ModelRequest``/``ModelResponse``, ``ParamSpec``, ``WeightUpdateMeta`` and the
@@ -12,7 +13,7 @@
 
 from tandemrl.api.allocation import AllocationMode
 from tandemrl.api.backend import InferenceBackend
-from tandemrl.api.engine import LossFn, LossWeightFn, PostHook, TrainEngine
+from tandemrl.api.engine import LossFn, LossWeightFn, PostHook, TrainBackend, TrainEngine
 from tandemrl.api.generation import GenerationHyperparameters
 from tandemrl.api.inference import (
     GenerateChunk,
@@ -47,6 +48,7 @@ __all__ = [
     "SaveLoadMeta",
     "StopReason",
     "TensorDict",
+    "TrainBackend",
     "TrainEngine",
     "VersionSpan",
     "WeightUpdateMeta",

@@ -1,7 +1,12 @@
-"""The backend-agnostic training-engine contract every backend implements.
+"""The backend-agnostic training-engine contracts.
 
-Algorithms (``PPOActor``, ``LMEngine``, ...) are written only against this class, so
-they run unchanged on FSDP2, Megatron-core and DeepSpeed.
+- :class:`TrainEngine`: what an algorithm (``PPOActor``, ``LMEngine``, ...) is written against: forward,
+  train and evaluate a batch, the data-parallel layout, the weight version, and the optional capabilities a
+  backend declares (``router_replay``) instead of an algorithm probing for attributes. So every algorithm runs
+  unchanged on FSDP2, Megatron-core and DeepSpeed.
+- :class:`TrainBackend`: what a training backend implements: a ``TrainEngine`` plus the lifecycle the trainer
+  drives (process groups, build, save/load, stats, teardown) and the weight export and batch hand-off that
+  rollout and the weight flow read.
 """
 
 from __future__ import annotations
@@ -25,24 +30,7 @@ PostHook = Callable[[torch.Tensor, TensorDict], torch.Tensor]
 
 
 class TrainEngine(ABC):
-    """One model trained SPMD across ranks; every method is called on every rank."""
-
-    # The allocation_mode dims (of d, t, p, c, e) this backend may set above 1, e.g. "dtc".
-    parallel_dims: ClassVar[str]
-    # Whether it takes the MoE hybrid body, ``backend:(attn:<dims>|ffn:<dims>)``.
-    moe_hybrid: ClassVar[bool] = False
-
-    @abstractmethod
-    def create_process_group(self, parallel_strategy: ParallelStrategy | None = None) -> None:
-        """Initialise torch.distributed (if needed) and this engine's parallel groups."""
-
-    @abstractmethod
-    def initialize(self, addr: str | None, ft_spec: FinetuneSpec | None) -> None:
-        """Build the model, load weights, build optimizer and LR schedule."""
-
-    @abstractmethod
-    def destroy(self) -> None:
-        """Release the model, optimizer and process groups this engine created."""
+    """One model trained SPMD across ranks, as an algorithm sees it; every method is called on every rank."""
 
     @abstractmethod
     def train(self, mode: bool = True) -> TrainEngine:
@@ -63,15 +51,7 @@ class TrainEngine(ABC):
 
     @property
     @abstractmethod
-    def data_parallel_rank(self) -> int: ...
-
-    @property
-    @abstractmethod
     def data_parallel_world_size(self) -> int: ...
-
-    @abstractmethod
-    def is_data_parallel_head(self) -> bool:
-        """True on the one rank per DP replica that talks to the rollout side."""
 
     @abstractmethod
     def train_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
@@ -100,6 +80,51 @@ class TrainEngine(ABC):
         """Per-token outputs of the model (``post_hook`` applied) in the padded layout, on the batch's device."""
 
     @abstractmethod
+    def get_version(self) -> int:
+        """Version of the weights (the number of trainer steps taken, or the restored one)."""
+
+    @property
+    @abstractmethod
+    def model_path(self) -> str:
+        """The model directory the engine loaded (its config's ``path``)."""
+
+    # ------------------------------------------------------------ optional capabilities
+    # A backend that has one overrides its flag; an algorithm reads the flag, never probes attributes.
+
+    @property
+    def router_replay(self) -> bool:
+        """MoE routing replay (docs/moe.md): ``forward`` records each token's experts into
+        ``batch["routed_experts"]`` when absent and replays them when present, and training replays them."""
+        return False
+
+
+class TrainBackend(TrainEngine):
+    """What a training backend implements: the algorithm's :class:`TrainEngine`, the lifecycle the trainer drives,
+    and the weight export and batch hand-off of rollout and the weight flow."""
+
+    # The allocation_mode dims (of d, t, p, c, e) this backend may set above 1, e.g. "dtc".
+    parallel_dims: ClassVar[str]
+    # Whether it takes the MoE hybrid body, ``backend:(attn:<dims>|ffn:<dims>)``.
+    moe_hybrid: ClassVar[bool] = False
+
+    @abstractmethod
+    def create_process_group(self, parallel_strategy: ParallelStrategy | None = None) -> None:
+        """Initialise torch.distributed (if needed) and this engine's parallel groups."""
+
+    @abstractmethod
+    def initialize(self, addr: str | None, ft_spec: FinetuneSpec | None) -> None:
+        """Build the model, load weights, build optimizer and LR schedule."""
+
+    @abstractmethod
+    def destroy(self) -> None:
+        """Release the model, optimizer and process groups this engine created."""
+
+    @property
+    @abstractmethod
+    def has_optimizer(self) -> bool:
+        """True when the engine trains (it built an optimizer): a recoverable checkpoint holds its state."""
+
+    @abstractmethod
     def save(self, meta: SaveLoadMeta) -> None: ...
 
     @abstractmethod
@@ -109,14 +134,19 @@ class TrainEngine(ABC):
     def set_version(self, version: int) -> None: ...
 
     @abstractmethod
-    def get_version(self) -> int: ...
-
-    @abstractmethod
     def export_stats(self) -> dict[str, float]:
         """Statistics recorded since the last export, reduced over the DP group."""
 
     # ------------------------------------------------------ weight export and batch hand-off
     # What rollout (``tandemrl.rollout``) needs to hand batches to every rank and weights to the servers.
+
+    @property
+    @abstractmethod
+    def data_parallel_rank(self) -> int: ...
+
+    @abstractmethod
+    def is_data_parallel_head(self) -> bool:
+        """True on the one rank per DP replica that talks to the rollout side."""
 
     @abstractmethod
     def broadcast_in_model_parallel_group(self, batch: TensorDict | None) -> TensorDict:

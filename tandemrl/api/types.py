@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TypedDict
+from typing import Final, TypedDict
 
 import torch
 
@@ -13,13 +13,15 @@ TensorDict = dict[str, torch.Tensor]
 
 # MoE routing replay: [B, L, n_layers, k] int64, the experts each layer routed token t to at the behaviour
 # weights (-1 at dense layers and padding); written and read by engines with router replay on (docs/moe.md).
-ROUTED_EXPERTS = "routed_experts"
+ROUTED_EXPERTS: Final = "routed_experts"
 
 
 class _RolloutOptional(TypedDict, total=False):
     # [B, L] 1 on generated tokens of a call sent with an output constraint (structured outputs);
     # set by the agent workflow, read by tandemrl.algorithms.constrained
     constrained: torch.Tensor
+    # [B, L, n_layers, k] MoE routing recorded for replay (ROUTED_EXPERTS above)
+    routed_experts: torch.Tensor
 
 
 class RolloutBatch(_RolloutOptional):

@@ -20,7 +20,7 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeGuard, TypeVar
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
@@ -114,6 +114,11 @@ class ConfigError(ValueError):
 # ----------------------------------------------------------------------------- schema introspection
 
 
+def _is_dataclass_type(annotation: Any) -> TypeGuard[type]:
+    """Whether an annotation names a dataclass (a class, not an instance)."""
+    return isinstance(annotation, type) and dataclasses.is_dataclass(annotation)
+
+
 @functools.cache
 def _field_types(cls: type) -> dict[str, Any]:
     """Resolved annotations of a dataclass's fields (the schemas use ``from __future__ import annotations``)."""
@@ -143,7 +148,7 @@ def _type_name(annotation: Any) -> str:
     origin = typing.get_origin(inner)
     if inner is Any:
         name = "any value"
-    elif dataclasses.is_dataclass(inner):
+    elif _is_dataclass_type(inner):
         name = f"a mapping ({inner.__name__})"
     elif isinstance(inner, type) and issubclass(inner, Enum):
         name = "one of " + ", ".join(m.name for m in inner)
@@ -195,7 +200,7 @@ def _annotation_at(schema: type, key: str) -> Any:
                 return None
             args = typing.get_args(inner)
             annotation = args[0] if args else Any
-        elif dataclasses.is_dataclass(inner):
+        elif _is_dataclass_type(inner):
             fields = _field_types(inner)
             if part not in fields:
                 return None
@@ -239,7 +244,7 @@ def _lookup(schema: type, key: str, where: str) -> Any:
             return _OPEN
         inner, _ = _unwrap_optional(annotation)
         full = _join(prefix, part)
-        if not dataclasses.is_dataclass(inner):
+        if not _is_dataclass_type(inner):
             raise ConfigError(
                 f"Unknown config key '{full}' {where} ('{prefix}' is not a mapping; it expects {_type_name(annotation)})"
             )
@@ -261,7 +266,7 @@ def _check_keys(data: Any, annotation: Any, prefix: str, where: str) -> None:
     if annotation is _OPEN or _is_open(annotation):
         return
     inner, optional = _unwrap_optional(annotation)
-    if not dataclasses.is_dataclass(inner) or _is_special_string(data):
+    if not _is_dataclass_type(inner) or _is_special_string(data):
         return
     if data is None:
         if optional:
@@ -332,7 +337,7 @@ def _translate(err: OmegaConfBaseException, schema: type, where: str | None, ori
     if isinstance(err, ConfigKeyError) and key:
         parent = key.rpartition(".")[0]
         parent_type = _unwrap_optional(_annotation_at(schema, parent) if parent else schema)[0]
-        valid = list(_field_types(parent_type)) if dataclasses.is_dataclass(parent_type) else []
+        valid = list(_field_types(parent_type)) if _is_dataclass_type(parent_type) else []
         return _unknown_key(key, parent, valid, where)
     if isinstance(err, ValidationError) and key:
         annotation = _annotation_at(schema, key)
@@ -394,7 +399,7 @@ def _resolve_config_arg(arg: str) -> tuple[Path, str]:
     return path.resolve(), arg
 
 
-def read_yaml(path: Path, shown: str) -> dict[str, Any]:
+def read_yaml(path: Path, shown: str) -> dict[Any, Any]:
     """Load a YAML file as a plain mapping; syntax errors are reported with their line."""
     try:
         loaded = OmegaConf.load(path)
@@ -610,7 +615,7 @@ def read_known_keys(argv: list[str], schema: type[T], backends: Sequence[Mapping
 def _known(data: Any, annotation: Any) -> Any:
     """``data`` without the keys ``annotation`` (a dataclass, or a dict of them) lacks, at any depth."""
     inner, _ = _unwrap_optional(annotation)
-    if not isinstance(data, Mapping) or not dataclasses.is_dataclass(inner):
+    if not isinstance(data, Mapping) or not (isinstance(inner, type) and dataclasses.is_dataclass(inner)):
         return data
     fields = _field_types(inner)
     return {k: _known(v, fields[k]) for k, v in data.items() if isinstance(k, str) and k in fields}

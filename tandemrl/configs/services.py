@@ -70,7 +70,7 @@ def service_problem(
     allocation_mode = alloc.spec
     aux = {c.name: c for c in alloc.aux}
     for name, comp in aux.items():
-        if comp.name is None or not aux_paths.get(name):
+        if name is None or not aux_paths.get(name):
             return (
                 f"aux_servers.{name}.path",
                 f"is not set: allocation_mode '{allocation_mode}' starts the auxiliary server "
@@ -92,15 +92,15 @@ def service_problem(
     if judge and url:
         return "reward_service.judge", f"is {judge!r} and reward_service.url is {url!r}: set only one"
     if judge:
-        comp = aux.get(judge)
-        if comp is None:
+        judge_server = aux.get(judge)
+        if judge_server is None:
             return (
                 "reward_service.judge",
                 f"is {judge!r}, which is no auxiliary server of allocation_mode '{allocation_mode}' "
                 f"(add 'vllm[{judge}]:d1' and aux_servers.{judge}.path)",
             )
-        if comp.backend != "vllm":
-            return "reward_service.judge", f"is {judge!r}, a {comp.backend} server; the judge needs vllm"
+        if judge_server.backend != "vllm":
+            return "reward_service.judge", f"is {judge!r}, a {judge_server.backend} server; the judge needs vllm"
     if url:
         problem = url_problem(url)
         if problem:

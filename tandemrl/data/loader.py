@@ -268,19 +268,19 @@ def pad_sequences_to_tensors(samples: list[dict[str, Any]], pad_token_id: int = 
     bsz, max_len = len(samples), max(lengths)
     out: dict[str, torch.Tensor] = {}
     for k in keys:
-        ts = [p[k] for p in per_sample]
-        dims = {t.dim() for t in ts}
+        column = [p[k] for p in per_sample]
+        dims = {t.dim() for t in column}
         if len(dims) != 1:
             raise ValueError(f"field {k!r} is a scalar in some samples and a sequence in others")
-        dtype = ts[0].dtype
-        for t in ts[1:]:
+        dtype = column[0].dtype
+        for t in column[1:]:
             dtype = torch.promote_types(dtype, t.dtype)
         if dims == {0}:
-            out[k] = torch.stack([t.to(dtype) for t in ts])
+            out[k] = torch.stack([t.to(dtype) for t in column])
             continue
         fill = pad_token_id if k == "input_ids" else 0
         padded = torch.full((bsz, max_len), fill, dtype=dtype)
-        for i, t in enumerate(ts):
+        for i, t in enumerate(column):
             padded[i, : t.numel()] = t.to(dtype)
         out[k] = padded
     lens = torch.tensor(lengths)

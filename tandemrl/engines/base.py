@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from tandemrl.api.engine import LossFn, LossWeightFn, PostHook, TrainEngine
+from tandemrl.api.engine import LossFn, LossWeightFn, PostHook, TrainBackend
 from tandemrl.api.net import free_port
 from tandemrl.api.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta, TensorDict
 from tandemrl.configs.engine import OptimizerConfig, TrainEngineConfig
@@ -113,7 +113,7 @@ def _filler_guard(group: list[int]) -> contextlib.AbstractContextManager[None]:
     return stats_tracker.muted() if not group else contextlib.nullcontext()
 
 
-class BaseTrainEngine(TrainEngine):
+class BaseTrainEngine(TrainBackend):
     """Shared engine logic; backends subclass it and implement the ``_hooks``."""
 
     backend: ClassVar[str]  # names the backend in recoverable checkpoints (a checkpoint loads only into it)
@@ -147,7 +147,7 @@ class BaseTrainEngine(TrainEngine):
 
     def _forward_logits(self, mb: TensorDict) -> torch.Tensor:
         """Logits [T, V] of a packed micro-batch already on ``self.device`` (default: the HF model)."""
-        return packed_logits(self.model, mb, self.config.attn_impl)
+        return packed_logits(self.built_model, mb, self.config.attn_impl)
 
     def _backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -287,6 +287,28 @@ class BaseTrainEngine(TrainEngine):
     @property
     def device(self) -> torch.device:
         return self._device
+
+    @property
+    def built_model(self) -> torch.nn.Module:
+        """The model; a one-line error before ``initialize`` (or after ``destroy``)."""
+        if self.model is None:
+            raise RuntimeError(f"{type(self).__name__}: no model (call initialize first)")
+        return self.model
+
+    @property
+    def built_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer; a one-line error on an engine built without ``config.optimizer``."""
+        if self.optimizer is None:
+            raise RuntimeError(f"{type(self).__name__}: no optimizer (config.optimizer is unset: a frozen model)")
+        return self.optimizer
+
+    @property
+    def model_path(self) -> str:
+        return self.config.path
+
+    @property
+    def has_optimizer(self) -> bool:
+        return self.optimizer is not None
 
     def initialize(self, addr: str | None, ft_spec: FinetuneSpec | None) -> None:
         """Join the process groups if not done yet, build the model (and optimizer), enter train mode."""

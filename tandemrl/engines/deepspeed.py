@@ -135,6 +135,7 @@ class DeepSpeedEngine(BaseTrainEngine):
     parallel_dims = "dtc"  # allocation_mode dims it trains with: data, tensor, context
 
     backend = "deepspeed"
+    model: Any  # a deepspeed.DeepSpeedEngine wrapping the HF model (untyped); None before initialize
 
     # ------------------------------------------------------------ groups/ids
     def create_process_group(self, parallel_strategy: ParallelStrategy | None = None) -> None:
@@ -244,7 +245,9 @@ class DeepSpeedEngine(BaseTrainEngine):
     # ----------------------------------------------------------- checkpoints
     def _load_hf(self, meta: SaveLoadMeta) -> None:
         sd = read_hf_state_dict(meta.path, self.model_config)
-        entries = [(n, t) for n, t in self._named_hf_tensors() if isinstance(t, torch.nn.Parameter)]
+        entries: list[tuple[str, torch.Tensor]] = [
+            (n, t) for n, t in self._named_hf_tensors() if isinstance(t, torch.nn.Parameter)
+        ]
         missing = [n for n, _ in entries if n not in sd]
         if missing:
             raise KeyError(f"HF checkpoint {meta.path} has no '{missing[0]}' ({len(missing)} weights missing)")
@@ -252,7 +255,7 @@ class DeepSpeedEngine(BaseTrainEngine):
             with self._gathered([t for _, t in bucket], modifier_rank=0), torch.no_grad():
                 for name, p in bucket:  # ZeRO-3: rank 0's copy is scattered when the context exits
                     p.data.copy_(sd[name].to(device=p.device, dtype=p.dtype))
-        optimizer = getattr(self.model, "optimizer", None)
+        optimizer = self.model.optimizer
         if hasattr(optimizer, "refresh_fp32_params"):  # the fp32 master partitions follow the weights
             optimizer.refresh_fp32_params()
 

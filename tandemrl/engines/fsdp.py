@@ -7,6 +7,7 @@ the packed forward, mesh-aware gradient clipping, and HF/DCP checkpoints.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -46,7 +47,7 @@ def clip_grad_norm_by_mesh(params: list[torch.nn.Parameter], max_norm: float) ->
         groups.setdefault(key, []).append(p)
     total_sq = torch.zeros((), dtype=torch.float32)
     for ps in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in ps], 2.0)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in ps if p.grad is not None], 2.0)
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         total_sq = total_sq.to(norm.device) + norm.float() ** 2
     total = total_sq.sqrt()
@@ -109,7 +110,7 @@ class FSDPEngine(BaseTrainEngine):
         kwargs: dict = {"mesh": self.mesh}
         if precision.mixed:  # sharded fp32 master weights; 16-bit gathered copies; fp32 gradient reduction
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=precision.compute, reduce_dtype=precision.weights)
-        for layer in model.model.layers:
+        for layer in model.get_submodule("model.layers").children():
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)  # root keeps embeddings, final norm and lm_head
         self.build_optimizer([p for p in model.parameters() if p.requires_grad], ft_spec)
@@ -117,12 +118,13 @@ class FSDPEngine(BaseTrainEngine):
 
     # ---------------------------------------------------------------- compute
     def _optimizer_step(self) -> tuple[float, bool]:
-        params = list(self.model.parameters())
+        params = list(self.built_model.parameters())
+        assert self.config.optimizer is not None  # an engine steps only with an optimizer
         norm = float(clip_grad_norm_by_mesh(params, self.config.optimizer.gradient_clipping))
         stepped = bool(torch.isfinite(torch.tensor(norm)))
         if stepped:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            self.built_optimizer.step()
+        self.built_optimizer.zero_grad(set_to_none=True)
         return norm, stepped
 
     # ---------------------------------------------------------- weight export
@@ -130,12 +132,12 @@ class FSDPEngine(BaseTrainEngine):
         """HF names of the (merged, with LoRA) model: adapter tensors are folded into their base weights."""
         return [
             ParamSpec(name, tuple(p.shape), str(p.dtype).removeprefix("torch."))
-            for name, p in self.model.state_dict().items()
+            for name, p in self.built_model.state_dict().items()
             if not is_adapter_key(name)
         ]
 
     def iter_hf_params(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from merged_items(self.model.state_dict(), self._lora_scaling, _full)
+        yield from merged_items(self.built_model.state_dict(), self._lora_scaling, _full)
 
     @property
     def _lora_scaling(self) -> float:
@@ -146,14 +148,14 @@ class FSDPEngine(BaseTrainEngine):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: unsharded CPU weights on rank 0 (empty dict on the other ranks); LoRA merged in."""
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        sd = get_model_state_dict(self.model, options=opts)
+        sd = cast(dict[str, torch.Tensor], get_model_state_dict(self.built_model, options=opts))  # full: tensors
         return dict(merged_items(sd, self._lora_scaling)) if self.config.lora.rank > 0 else sd
 
     def _save_adapter(self, meta: SaveLoadMeta) -> None:
         """Collective: the LoRA adapter as a PEFT directory, written by rank 0."""
         if self.config.lora.rank <= 0:
             raise ValueError("SaveLoadMeta.weight_format='peft' needs lora.rank > 0 (this engine has no adapter)")
-        tensors = {name: _full(t).cpu() for name, t in adapter_items(self.model.state_dict())}
+        tensors = {name: _full(t).cpu() for name, t in adapter_items(self.built_model.state_dict())}
         if dist.get_rank() == 0:
             write_adapter(meta.path, tensors, self.config.lora, self.config.path)
 
@@ -161,25 +163,28 @@ class FSDPEngine(BaseTrainEngine):
         sd = read_hf_state_dict(meta.path, self.model_config)
         # With LoRA an HF directory holds base weights only; the adapters keep their values.
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True, strict=self.config.lora.rank <= 0)
-        set_model_state_dict(self.model, sd, options=opts)
+        set_model_state_dict(self.built_model, cast(dict[str, Any], sd), options=opts)
 
     def _save_checkpoint(self, meta: SaveLoadMeta) -> bool:
         """A torch DCP checkpoint of the sharded model (and optimizer)."""
-        msd, osd = get_state_dict(self.model, self.optimizer) if self.optimizer else (None, None)
-        state = {"model": msd if msd is not None else get_model_state_dict(self.model)}
+        msd, osd = get_state_dict(self.built_model, self.optimizer) if self.optimizer else (None, None)
+        state: dict[str, Any] = {"model": msd if msd is not None else get_model_state_dict(self.built_model)}
         if osd is not None and meta.with_optim:
             state["optim"] = osd
         dcp.save(state, checkpoint_id=meta.path)
         return "optim" in state
 
     def _load_checkpoint(self, meta: SaveLoadMeta, with_optim: bool) -> None:
+        state: dict[str, Any]
         if with_optim:
-            msd, osd = get_state_dict(self.model, self.optimizer)
+            msd, osd = get_state_dict(self.built_model, self.built_optimizer)
             state = {"model": msd, "optim": osd}
         else:
-            state = {"model": get_model_state_dict(self.model)}
+            state = {"model": get_model_state_dict(self.built_model)}
         dcp.load(state, checkpoint_id=meta.path)
         if with_optim:
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            set_state_dict(
+                self.built_model, self.built_optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            )
         else:
-            set_model_state_dict(self.model, state["model"])
+            set_model_state_dict(self.built_model, state["model"])

@@ -9,7 +9,7 @@ Tokenizer and config loading for the rest of the library is in ``tandemrl.models
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,10 +19,13 @@ from tandemrl.engines.prefix_sharing import unshare
 from tandemrl.models.hf import load_hf_config
 from tandemrl.models.varlen_attention import VARLEN_SDPA, register_varlen_attention
 
+if TYPE_CHECKING:
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def auto_model_class(is_critic: bool) -> type:
+def auto_model_class(is_critic: bool) -> type[AutoModelForCausalLM] | type[AutoModelForTokenClassification]:
     """HF auto class of the engine's model: a causal LM, or a 1-label token classifier as critic."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 

@@ -82,7 +82,7 @@ def plan_micro_batches(lengths: Sequence[int], n_mbs: int = 1, max_tokens_per_mb
         return []
     if max_tokens_per_mb is not None and max(lengths) > max_tokens_per_mb:
         # A sequence cannot be split: it gets its own micro-batch, over budget.
-        budget = max(lengths)
+        budget: int | None = max(lengths)
     else:
         budget = max_tokens_per_mb
     k = min(n, max(1, n_mbs))

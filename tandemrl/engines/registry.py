@@ -1,32 +1,37 @@
 """Which class implements each training backend, imported only when asked for.
 
-A backend is one class (a :class:`~tandemrl.api.engine.TrainEngine` that declares its
+A backend is one class (a :class:`~tandemrl.api.engine.TrainBackend` that declares its
 ``parallel_dims``) plus one row here: its ``allocation_mode`` name -> ``"module:Class"`` (or
-the class). ``allocation_mode`` parsing reads the rows through :data:`SHAPES`. Every algorithm (``tandemrl.algorithms``) takes the
+the class). ``allocation_mode`` parsing reads the rows through :data:`SHAPES`. Every algorithm
+(``tandemrl.algorithms``) takes the
 built engine, so a new backend works with all of them and a new algorithm with all backends.
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from tandemrl.api.allocation import LazyShapes
-from tandemrl.api.engine import TrainEngine
+from tandemrl.api.engine import TrainBackend
 from tandemrl.configs.engine import TrainEngineConfig
 
-_ENGINES: dict[str, str | type[TrainEngine]] = {
+if TYPE_CHECKING:
+    from tandemrl.engines.base import BaseTrainEngine
+
+_ENGINES: dict[str, str | type[BaseTrainEngine]] = {
     "fsdp": "tandemrl.engines.fsdp:FSDPEngine",
     "deepspeed": "tandemrl.engines.deepspeed:DeepSpeedEngine",
     "megatron": "tandemrl.engines.megatron.engine:MegatronEngine",
 }
 
 
-def register_engine(backend: str, target: str | type[TrainEngine]) -> None:
+def register_engine(backend: str, target: str | type[BaseTrainEngine]) -> None:
     """Register ``module:Class`` (or the class) as the engine of ``backend`` (e.g. an out-of-tree backend)."""
     _ENGINES[backend] = target
 
 
-def engine_class(backend: str) -> type[TrainEngine]:
+def engine_class(backend: str) -> type[BaseTrainEngine]:
     """The engine class of ``backend``, e.g. ``engine_class("fsdp") -> FSDPEngine``."""
     try:
         target = _ENGINES[backend]
@@ -44,6 +49,6 @@ def engine_class(backend: str) -> type[TrainEngine]:
 SHAPES = LazyShapes("training", _ENGINES, engine_class)
 
 
-def make_engine(backend: str, config: TrainEngineConfig) -> TrainEngine:
+def make_engine(backend: str, config: TrainEngineConfig) -> TrainBackend:
     """An unbuilt engine of ``backend`` for ``config`` (call create_process_group, then initialize)."""
     return engine_class(backend)(config)

@@ -25,7 +25,7 @@ def register_backend(name: str, target: str | type) -> None:
     BACKENDS[name] = target
 
 
-def backend_class(name: str) -> type:
+def backend_class(name: str) -> type[Any]:
     """The backend class of ``name`` (a key of ``BACKENDS``), imported on first use."""
     if name not in BACKENDS:
         known = " or ".join(repr(k) for k in BACKENDS)

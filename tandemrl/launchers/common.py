@@ -328,7 +328,8 @@ def pump(stream: IO[bytes], prefix: str, log_path: Path) -> threading.Thread:
                     log.flush()
                 except OSError as e:
                     _log_lost(log_path, e)
-                    log = _close_quietly(log)
+                    _close_quietly(log)
+                    log = None
             if _ECHO.is_set():
                 write_prefixed(line, prefix)
         if log is not None:
@@ -340,7 +341,7 @@ def pump(stream: IO[bytes], prefix: str, log_path: Path) -> threading.Thread:
 
 
 def _log_lost(path: Path, err: OSError) -> None:
-    code = f" ({errno.errorcode[err.errno]})" if err.errno in errno.errorcode else ""
+    code = f" ({errno.errorcode[err.errno]})" if err.errno is not None and err.errno in errno.errorcode else ""
     print(
         f"[launcher] cannot write {path}: {err.strerror or err}{code}; its output goes to this console only", flush=True
     )

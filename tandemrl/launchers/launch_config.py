@@ -84,7 +84,7 @@ def _load(config_path: str | None, overrides: list[str]) -> Any:
 
     from tandemrl.configs.loader import PRESET_PREFIX, preset_path, read_yaml
 
-    base = OmegaConf.create()
+    base: Any = OmegaConf.create()  # a DictConfig (a YAML list fails the merge below)
     if config_path:
         path = preset_path(config_path[len(PRESET_PREFIX) :]) if config_path.startswith(PRESET_PREFIX) else config_path
         if not os.path.isfile(path):
@@ -175,7 +175,7 @@ def _server_extra(cfg: Any, view: LaunchView, alloc: AllocationMode) -> dict[str
 
     key = f"{LAUNCHER_SECTION}.server_args"
     section = _get(cfg, key, {})
-    table = OmegaConf.to_container(section, resolve=True) if OmegaConf.is_config(section) else section
+    table: Any = OmegaConf.to_container(section, resolve=True) if OmegaConf.is_config(section) else section
     if not isinstance(table, dict) or not all(isinstance(k, str) and k.strip("-_") for k in table):
         raise ValueError(f"config key '{key}' must map server option names to values, e.g. {{max_num_seqs: 64}}")
     args = {k.lstrip("-").replace("-", "_"): v for k, v in table.items()}

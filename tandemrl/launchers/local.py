@@ -179,6 +179,7 @@ def run_trial(script: str, config_path: str | None, overrides: list[str], spec: 
             start_new_session=True,
         )
         started = time.time_ns()
+        assert children.trainer.stdout is not None  # started with stdout=PIPE
         out = pump(children.trainer.stdout, "trainer", run_dir / "trainer.log")
         survivable = spec.weight_update_mode != "collective"
         trainer = children.trainer

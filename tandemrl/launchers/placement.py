@@ -217,8 +217,8 @@ def plan_colocated(alloc: AllocationMode, ranks: list[RankSlot]) -> ColocatedPla
         local = [ranks[i] for i in on_node[node]]
         gpus = [g for r in local for g in r.gpus]
         machine = plan_machine(alloc, True, len(mine), per_server, len(local), gpus, local[0].cpus)
-        for share, env in zip(mine, machine.server_env, strict=True):
-            share.env = env
+        for server, env in zip(mine, machine.server_env, strict=True):
+            server.env = env
         plan.trainer_env[node] = machine.trainer_env
         plan.server_flags = machine.server_flags
     return plan

@@ -412,7 +412,7 @@ def _start_servers(
     extra = {**(plan.server_flags if plan else {}), **spec.server_extra}
     starts = []
     for i, (opts, actor_env) in enumerate(_server_actors(spec, trial, env, gpus, plan)):
-        actor = host_cls.options(max_concurrency=4, **opts).remote(actor_env)
+        actor: Any = host_cls.options(max_concurrency=4, **opts).remote(actor_env)  # a Ray handle
         name = f"{gen.backend}-server-{i}"
         trial.servers.append(_Member(name, actor))
         request_log = str(run_dir / f"{name}-requests.jsonl") if TOKEN_ENV in env else None  # vLLM only
@@ -497,7 +497,7 @@ def _place_ranks(spec: LaunchSpec, run_dir: Path, trial: _Trial, env: dict[str, 
             f"available: {ray.available_resources()}"
         ) from None
     host_cls = ray.remote(RankHost)
-    actors = [
+    actors: list[Any] = [  # Ray handles
         host_cls.options(
             num_cpus=1,
             num_gpus=1 if gpus else 0,
@@ -632,9 +632,10 @@ def connect(specs: list[tuple[list[str], LaunchSpec]]) -> bool:
         try:
             ray.init(address=address, log_to_driver=False)
         except Exception as err:  # Ray's own message is a traceback chain; its root cause says why
-            while err.__cause__ is not None:
-                err = err.__cause__
-            why = first_line(err).split(" Last connection error")[0][:300]
+            root: BaseException = err
+            while root.__cause__ is not None:
+                root = root.__cause__
+            why = first_line(root).split(" Last connection error")[0][:300]
             raise LaunchError(f"cannot join the Ray cluster at RAY_ADDRESS={address}: {why}") from None
         return False
     need = 0

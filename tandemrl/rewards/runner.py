@@ -170,13 +170,16 @@ class RewardRunner:
                     raise
             reward = _as_reward(value)
         except asyncio.TimeoutError:
-            return self._failed("timeout", f"timed out after {self.timeout}s")
+            self._failed("timeout", f"timed out after {self.timeout}s")
+            return None
         except BadReward as e:
-            return self._failed(e.kind, str(e))
+            self._failed(e.kind, str(e))
+            return None
         except Exception as e:  # a bad reward must never crash the rollout
             text = str(e).strip()
             detail = f"raised {type(e).__name__}: {text.splitlines()[0] if text else ''}".rstrip()
-            return self._failed(f"raised {type(e).__name__}", detail)
+            self._failed(f"raised {type(e).__name__}", detail)
+            return None
         stats_tracker.get(self.stat_scope).scalar(reward_failed=0.0)
         return reward
 

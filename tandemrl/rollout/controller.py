@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from tandemrl.api.engine import TrainEngine
+from tandemrl.api.engine import TrainBackend
 from tandemrl.api.inference import WeightUpdateMeta
 from tandemrl.api.types import TensorDict
 from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
@@ -66,7 +66,7 @@ class RolloutController:
     def __init__(
         self,
         client: InferenceClient,
-        engine: TrainEngine,
+        engine: TrainBackend,
         config: InferenceEngineConfig,
         meta: WeightUpdateMeta | None = None,
         eval_stats_name: str | None = None,

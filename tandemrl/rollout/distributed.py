@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from tandemrl.api.engine import TrainEngine
+from tandemrl.api.engine import TrainBackend
 from tandemrl.api.types import TensorDict
 from tandemrl.data.batch import concat_padded_tensors
 from tandemrl.engines.packing import balanced_partition
@@ -50,7 +50,7 @@ def redistribute(batch: TensorDict, granularity: int, group: dist.ProcessGroup |
     return concat_padded_tensors([everything[i] for i in mine])
 
 
-def collect(engine: TrainEngine, produce: Callable[[], TensorDict], granularity: int | None) -> TensorDict:
+def collect(engine: TrainBackend, produce: Callable[[], TensorDict], granularity: int | None) -> TensorDict:
     """This rank's share of a rollout batch; collective over every trainer rank.
 
     The head of each DP replica (every rank under FSDP/DeepSpeed) calls ``produce`` with its

@@ -155,7 +155,7 @@ class WorkflowExecutor:
         self._paused = threading.Event()
         self._closing = False
         self._runner: AsyncTaskRunner | None = None
-        self._tasks: dict[int, asyncio.Task[TensorDict | None]] = {}  # loop thread only
+        self._tasks: dict[int, asyncio.Task[tuple[TensorDict | None, bool]]] = {}  # loop thread only
         self._rids = itertools.count()
         self._orders = itertools.count()
         self._seqs = itertools.count()
@@ -371,12 +371,12 @@ class WorkflowExecutor:
             self._cond.notify_all()
         if outcome != "accepted" or task.tag is not None:
             held.release()
-        if outcome == "failed" and (self._n_failed <= 10 or self._n_failed % 100 == 0):
+        if outcome == "failed" and exc is not None and (self._n_failed <= 10 or self._n_failed % 100 == 0):
             logger.warning(
                 "rollout %d: %s raised %s (%s; %d failures so far)",
                 rid,
                 workflow_name(task.workflow),
-                first_line(exc, with_type=True),  # type: ignore[arg-type]
+                first_line(exc, with_type=True),
                 "re-raised at the next wait()" if self.error_policy == "raise" else "dropped",
                 self._n_failed,
             )

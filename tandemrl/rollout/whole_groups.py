@@ -33,7 +33,7 @@ class WholeGroups(RolloutWorkflow):
     async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> TensorDict | None:
         traj = await self.workflow.arun_episode(engine, data)
         mask = traj.get("attention_mask") if isinstance(traj, dict) else None
-        if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[0] == self.rows:
+        if traj is None or not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[0] == self.rows:
             return traj  # None, a whole group, or a malformed result the executor names
         notes = current_notes()
         if notes is not None and notes.samples == 0:  # what it generated still enters the ledger

@@ -59,7 +59,7 @@ class AdapterTrainer:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         # Wrap every target once (rank 1 placeholders); clients bring their own A and B.
         self.wrapped = apply_lora(model, LoRAConfig(rank=1, alpha=ALPHA_PER_RANK, target_modules=list(ATTN + MLP)))
-        self.model = model.to(self.device).train()
+        self.model = torch.nn.Module.to(model, self.device).train()
         self.modules: dict[str, LoRALinear] = {n: model.get_submodule(n) for n in self.wrapped}  # type: ignore[misc]
         self.adapters: dict[str, Adapter] = {}
 

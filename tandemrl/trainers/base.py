@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar
 import torch.distributed as dist
 
 from tandemrl.api.allocation import AllocationMode
-from tandemrl.api.engine import TrainEngine
+from tandemrl.api.engine import TrainBackend
 from tandemrl.api.types import FinetuneSpec
 from tandemrl.configs.engine import TrainEngineConfig
 from tandemrl.configs.experiment import BaseExperimentConfig
@@ -46,17 +46,17 @@ class TrainerBase(Generic[C]):
     train_dl: StatefulDataLoader
     valid_dl: StatefulDataLoader | None
     ft_spec: FinetuneSpec
-    _main_engine: TrainEngine  # the trained model's engine, destroyed last
-    _extra_engines: list[TrainEngine]  # more engines on the training ranks (RL: reference, critic)
+    _main_engine: TrainBackend  # the trained model's engine, destroyed last
+    _extra_engines: list[TrainBackend]  # more engines on the training ranks (RL: reference, critic)
 
-    def _build_engine_and_data(self, model: TrainEngineConfig, key: str) -> TrainEngine:
+    def _build_engine_and_data(self, model: TrainEngineConfig, key: str) -> TrainBackend:
         """The engine of ``model`` (its path resolved and named ``key`` in errors) on the allocation's training
         ranks; sets ``tokenizer``, ``train_dl``, ``valid_dl`` (None without a validation set) and ``ft_spec``,
         then initializes the engine (its LR schedule spans ``ft_spec.total_train_steps``)."""
         config, alloc = self.config, self.alloc
         assert alloc.train is not None
         model.path = resolve_model_path(model.path, key, corpus_path=config.train_dataset.path)
-        engine = make_engine(alloc.train_backend, model)  # the backend named in allocation_mode
+        engine = make_engine(alloc.train.backend, model)  # the backend named in allocation_mode
         engine.create_process_group(alloc.train.strategy)
         rank, world = engine.data_parallel_rank, engine.data_parallel_world_size
         self.tokenizer = load_hf_tokenizer(config.tokenizer_path or model.path)

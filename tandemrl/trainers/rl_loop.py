@@ -30,6 +30,7 @@ with the restored version) and continues at the next step; see ``tandemrl.traine
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -43,7 +44,7 @@ from tandemrl.algorithms.filters import reject_uniform_rewards
 from tandemrl.algorithms.ppo import PPOActor, PPOBatch, PPOCritic
 from tandemrl.algorithms.reinforce import ReinforceActor
 from tandemrl.api.allocation import AllocationMode
-from tandemrl.api.engine import TrainEngine
+from tandemrl.api.engine import TrainBackend
 from tandemrl.api.inference import WeightUpdateMeta
 from tandemrl.api.types import RolloutBatch, TensorDict
 from tandemrl.api.workflow import RolloutWorkflow
@@ -157,7 +158,7 @@ def _mean(xs: list[float]) -> float:
 class RLTrainer(TrainerBase[GRPOConfig]):
     """Builds the pieces of an RL run from a GRPOConfig (or subclass) and runs the shared loop.
 
-    ``actor`` is the policy's TrainEngine (backend from ``allocation_mode``); the script composes
+    ``actor`` is the policy's TrainBackend (backend from ``allocation_mode``); the script composes
     its algorithm with it, e.g. ``PPOActor(config.actor, trainer.actor)``. The engine, data, saver,
     evaluator, recover handler and logger are built as for SFT (``tandemrl.trainers.base``).
     """
@@ -171,7 +172,7 @@ class RLTrainer(TrainerBase[GRPOConfig]):
         self._reward_service: Any = None  # a RemoteReward, closed with the trainer
 
         # Each trainer rank runs its own client; servers come from the launcher's environment.
-        self.client = RemoteInfEngine.for_backend(alloc.gen_backend, config.rollout)
+        self.client = RemoteInfEngine.for_backend(alloc.gen.backend, config.rollout)
         self.client.initialize()
         self.meta = weight_update_meta(config, alloc)
         eval_stats = EVAL_STATS if self.valid_dl is not None else None
@@ -189,7 +190,7 @@ class RLTrainer(TrainerBase[GRPOConfig]):
         self.gconfig = config.gconfig.new(stop_token_ids=stop)
 
         self._build_bookkeeping()
-        self._named_engines: dict[str, Any] = {"actor": self.actor}
+        self._named_engines: dict[str, TrainBackend] = {"actor": self.actor}
         self.heldout = HeldoutEval(config.heldout_eval, self.tokenizer)
         # Colocated ('|'): the servers sleep during each train_step (turns.py); async is refused at load.
         self.turns = TurnTaker(self.client, alloc.colocated(alloc.gen, alloc.train), self.logger.log_dir)
@@ -198,7 +199,7 @@ class RLTrainer(TrainerBase[GRPOConfig]):
         self.signal = SignalWatch(config.warn_no_signal_steps)
 
     # ------------------------------------------------------------------ parts
-    def add_engine(self, engine_config: TrainEngineConfig, key: str) -> TrainEngine:
+    def add_engine(self, engine_config: TrainEngineConfig, key: str) -> TrainBackend:
         """Another engine on the training ranks (reference, critic) from the config at ``key``.
 
         Its path defaults to the actor's; e.g. ``PPOCritic(config.critic, trainer.add_engine(config.critic.engine,
@@ -206,8 +207,10 @@ class RLTrainer(TrainerBase[GRPOConfig]):
         """
         actor_path = self.config.actor.engine.path
         engine_config.path = resolve_model_path(engine_config.path or actor_path, f"{key}.path")
-        engine = make_engine(self.alloc.train_backend, engine_config)
-        engine.create_process_group(self.alloc.train.strategy)
+        train = self.alloc.train
+        assert train is not None  # __init__ refuses an allocation without one
+        engine = make_engine(train.backend, engine_config)
+        engine.create_process_group(train.strategy)
         engine.initialize(None, self.ft_spec)
         self._extra_engines.append(engine)
         self._named_engines[key.split(".")[0]] = engine
@@ -264,17 +267,17 @@ class RLTrainer(TrainerBase[GRPOConfig]):
             batch = self.rollout.eval_batch(rows, eval_workflow)
             total += float(batch["rewards"].float().sum())
             count += int(batch["rewards"].numel())
-        total, count = self._dp_sum([total, float(count)])
-        accuracy = total / max(count, 1.0)
+        total, n_rows = self._dp_sum([total, float(count)])
+        accuracy = total / max(n_rows, 1.0)
         stats_tracker.get(EVAL_STATS).scalar(accuracy=accuracy)
         step = self.actor.get_version() if global_step is None else global_step
         self.summary.evals.append((step, accuracy))
         return accuracy
 
     # ------------------------------------------------------------------ recovery
-    def _recoverable_engines(self) -> dict[str, Any]:
+    def _recoverable_engines(self) -> dict[str, TrainBackend]:
         """Engines with training state (actor, critic); a frozen reference is rebuilt from its path."""
-        return {n: e for n, e in self._named_engines.items() if getattr(e, "optimizer", None) is not None}
+        return {n: e for n, e in self._named_engines.items() if e.has_optimizer}
 
     def _maybe_resume(self) -> int:
         """Restore a recoverable checkpoint if ``recover.mode`` asks for it; the first step to run."""
@@ -373,7 +376,7 @@ class RLTrainer(TrainerBase[GRPOConfig]):
         if eval_workflow is not None and self.valid_dl is not None:
             with stats_tracker.record_timing("eval"):
                 self.evaluator.evaluate(
-                    lambda gs=global_step + 1: self.evaluate(eval_workflow, gs), epoch, step, global_step
+                    functools.partial(self.evaluate, eval_workflow, global_step + 1), epoch, step, global_step
                 )
         with stats_tracker.record_timing("recover"):
             self.recover.dump(

@@ -48,7 +48,7 @@ def _unwritable(path: str) -> str | None:
             os.fsync(f.fileno())
         os.remove(probe)
     except OSError as e:
-        code = f" ({errno.errorcode[e.errno]})" if e.errno in errno.errorcode else ""
+        code = f" ({errno.errorcode[e.errno]})" if e.errno is not None and e.errno in errno.errorcode else ""
         return (e.strerror or type(e).__name__) + code
     return None
 
@@ -158,7 +158,7 @@ class Saver:
                 os.makedirs(tmp)
             _barrier()
             engine.save(SaveLoadMeta(path=tmp, weight_format="hf", tokenizer_path=tokenizer_path))
-            if tokenizer is not None and tokenizer_path is None and _is_rank0():
+            if tokenizer is not None and not isinstance(tokenizer, str) and _is_rank0():
                 tokenizer.save_pretrained(tmp)
             _barrier()
             if _is_rank0():

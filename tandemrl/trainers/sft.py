@@ -29,7 +29,7 @@ from tandemrl.utils import stats_tracker
 
 
 class SFTTrainer(TrainerBase[SFTConfig]):
-    """An SFT run from an SFTConfig; ``engine`` is the model's TrainEngine, ``sft`` the algorithm on it."""
+    """An SFT run from an SFTConfig; ``engine`` is the model's TrainBackend, ``sft`` the algorithm on it."""
 
     def __init__(self, config: SFTConfig, name: str = "sft") -> None:
         alloc = allocation_of(config)

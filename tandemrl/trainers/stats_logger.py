@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -74,7 +74,7 @@ class StatsLogger:
         os.makedirs(self.log_dir, exist_ok=True)
         # wandb writes its run directory under <dir>/wandb, i.e. <log_dir>/wandb.
         self._wandb_run = wandb.init(
-            mode=cfg.mode,
+            mode=cast(Literal["online", "offline", "disabled"], cfg.mode),  # one of WandBConfig.mode's choices
             project=cfg.project or self.config.experiment_name,
             entity=cfg.entity,
             name=cfg.name or self.config.trial_name,

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from tandemrl.api.engine import TrainEngine
+from tandemrl.api.engine import TrainBackend
 from tandemrl.api.inference import ParamSpec, WeightUpdateMeta
 from tandemrl.api.types import SaveLoadMeta
 from tandemrl.utils import stats_tracker
@@ -110,7 +110,7 @@ class _DeltaState:
 class WeightPusher:
     """Sends one engine's weights to the servers behind one client; collective over all trainer ranks."""
 
-    def __init__(self, engine: TrainEngine, client: WeightReceiver) -> None:
+    def __init__(self, engine: TrainBackend, client: WeightReceiver) -> None:
         self.engine = engine
         self.client = client
         self._group: Any = None

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import Any
+from typing import Any, cast
 
 from tandemrl.api.inference import ModelResponse
 from tandemrl.api.types import TensorDict
@@ -134,7 +134,8 @@ class MultiTurnWorkflow(RLVRWorkflow):
         )
         if self.drop_group([None if r is None else r[1] for r in results]):
             return None
+        done = cast(list[tuple[TensorDict, float, int]], results)  # none failed (drop_group)
         tracker = stats_tracker.get(self.stat_scope)
-        for row, reward, turns in results:
+        for row, reward, turns in done:
             tracker.scalar(reward=reward, num_turns=turns, seq_len=row["input_ids"].shape[1])
-        return concat_padded_tensors([row for row, _, _ in results])
+        return concat_padded_tensors([row for row, _, _ in done])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import Any
+from typing import Any, cast
 
 from tandemrl.api.types import TensorDict
 from tandemrl.api.workflow import GenerationEngine
@@ -38,7 +38,8 @@ class ReMaxRLVRWorkflow(RLVRWorkflow):
         scores = await asyncio.gather(*[self.score(prompt, prompt_ids, r.output_tokens, data) for r in resps])
         if self.drop_group(scores):
             return None
-        sample_rewards, greedy_reward = scores[:n], scores[n]
+        scored = cast(list[float], scores)  # none failed (drop_group)
+        sample_rewards, greedy_reward = scored[:n], scored[n]
         rows = []
         for resp, reward in zip(samples, sample_rewards, strict=True):
             rows.append(completion_row(prompt_ids, resp, reward - greedy_reward))

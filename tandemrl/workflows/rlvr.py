@@ -24,7 +24,7 @@ import os
 import threading
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -238,9 +238,10 @@ class RLVRWorkflow(RolloutWorkflow):
         rewards = await asyncio.gather(*[self.score(prompt, prompt_ids, r.output_tokens, data) for r in resps])
         if self.drop_group(rewards):
             return None
+        scored = cast(list[float], rewards)  # none failed (drop_group)
         rows = []
-        for resp, reward in zip(resps, rewards, strict=True):
+        for resp, reward in zip(resps, scored, strict=True):
             rows.append(completion_row(prompt_ids, resp, reward))
             self.record(resp, reward)
-        self.dump(prompt, resps, rewards)
+        self.dump(prompt, resps, scored)
         return concat_padded_tensors(rows)

@@ -37,7 +37,7 @@ def _is_distributed(optimizer: Any) -> bool:
     return any(isinstance(o, DistributedOptimizer) for o in optimizer.chained_optimizers)
 
 
-def _sharded_state_dict(model: torch.nn.Module, optimizer: Any, with_optim: bool, is_loading: bool) -> dict:
+def _sharded_state_dict(model: Any, optimizer: Any, with_optim: bool, is_loading: bool) -> dict:
     sd: dict[str, Any] = {"model": model.sharded_state_dict()}
     if with_optim:
         _prime_adam_state(optimizer)

@@ -84,13 +84,15 @@ def _shim_cuda_runtime() -> None:
     """Device queries, RNG state and ``.cuda()`` answer for the CPU; DistributedOptimizer's type check passes."""
     # Base: mcore passes torch.cuda.current_device() as device= everywhere (rotary, embeddings, router, ...),
     # calls .cuda() on modules/tensors and seeds/saves CUDA RNG state in its RNG tracker (used by attention).
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.manual_seed = lambda seed: None
-    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
-    torch.cuda.set_rng_state = lambda s, *a, **k: torch.set_rng_state(s)
-    torch.cuda.empty_cache = lambda: None
-    torch.Tensor.cuda = lambda self, *a, **k: self  # also makes nn.Module.cuda() a no-op
+    cuda: Any = torch.cuda  # patched at run time: untyped on purpose
+    tensor_cls: Any = torch.Tensor
+    cuda.current_device = lambda: "cpu"
+    cuda.synchronize = lambda *a, **k: None
+    cuda.manual_seed = lambda seed: None
+    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    cuda.set_rng_state = lambda s, *a, **k: torch.set_rng_state(s)
+    cuda.empty_cache = lambda: None
+    tensor_cls.cuda = lambda self, *a, **k: self  # also makes nn.Module.cuda() a no-op
     from megatron.core.tensor_parallel import random as mc_random
 
     mc_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
@@ -104,7 +106,7 @@ def _shim_cuda_runtime() -> None:
         t = orig_type(self)
         return t if t.startswith("torch.cuda.") else t.replace("torch.", "torch.cuda.", 1)
 
-    torch.Tensor.type = _type
+    tensor_cls.type = _type
 
 
 def _shim_device_literals() -> None:
@@ -119,7 +121,7 @@ def _shim_device_literals() -> None:
         importlib.import_module(mod_name)
     for mod_name, mod in list(sys.modules.items()):
         if mod_name.startswith("megatron.core") and getattr(mod, "torch", None) is torch:
-            mod.torch = proxy
+            vars(mod)["torch"] = proxy
 
 
 def _shim_moe() -> None:
@@ -128,13 +130,14 @@ def _shim_moe() -> None:
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     moe_utils.te_general_gemm = None
+    cuda: Any = torch.cuda  # patched at run time: untyped on purpose
     # MoE alltoall dispatcher creates CUDA streams/events in __init__ and switches streams around comms.
     fake = _FakeStream()
-    torch.cuda.Stream = _FakeStream
-    torch.cuda.Event = _FakeStream
-    torch.cuda.current_stream = lambda *a, **k: fake
-    torch.cuda.default_stream = lambda *a, **k: fake
-    torch.cuda.stream = lambda s=None: contextlib.nullcontext()
+    cuda.Stream = _FakeStream
+    cuda.Event = _FakeStream
+    cuda.current_stream = lambda *a, **k: fake
+    cuda.default_stream = lambda *a, **k: fake
+    cuda.stream = lambda s=None: contextlib.nullcontext()
     # all_to_all_single needs list split sizes; mcore converts only CUDA tensors to numpy.
     orig_move = moe_utils.maybe_move_tensor_to_cpu
 

@@ -75,6 +75,8 @@ class MegatronEngine(BaseTrainEngine):
 
     backend = "megatron"
     supports_prefix_sharing = False  # the GPTModel forward takes no per-block attention layout
+    model: Any  # megatron-core's DistributedDataParallel around a GPTModel (untyped); None before initialize
+    optimizer: Any  # megatron-core's (chained, distributed) optimizer (untyped); None without config.optimizer
 
     def __init__(self, config: TrainEngineConfig):
         super().__init__(config)
@@ -131,8 +133,9 @@ class MegatronEngine(BaseTrainEngine):
         if dist.get_world_size(group) == 1:
             assert batch is not None
             return batch
-        box = [batch]
+        box: list[TensorDict | None] = [batch]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        assert box[0] is not None  # the head's batch
         return box[0]
 
     @property
@@ -476,7 +479,7 @@ class MegatronEngine(BaseTrainEngine):
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
-        assert self.optimizer is not None
+        assert self.optimizer is not None and self.config.optimizer is not None and self._lr_holder is not None
         finalize_model_grads([self.model])
         self._apply_lr()
         self.optimizer.prepare_grads()

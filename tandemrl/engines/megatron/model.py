@@ -31,6 +31,11 @@ def have_transformer_engine() -> bool:
     return True
 
 
+def tag_param(param: torch.Tensor, name: str, value: bool) -> None:
+    """Set a per-parameter flag megatron-core reads (``sequence_parallel``, ``allreduce``)."""
+    setattr(param, name, value)
+
+
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
     """Megatron's vocab-parallel embedding needs rows divisible by TP; extra rows are zero and sliced off."""
     if vocab_size <= 0 or tp <= 0:
@@ -231,7 +236,7 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
         if config.normalization != "RMSNorm" or config.layernorm_zero_centered_gamma:
             raise ValueError("SequenceParallelRMSNorm: only plain RMSNorm (no zero-centered gamma) is supported")
         super().__init__(hidden_size, eps=eps)
-        self.weight.sequence_parallel = bool(config.sequence_parallel)
+        tag_param(self.weight, "sequence_parallel", bool(config.sequence_parallel))
 
 
 def _swap_module(spec: Any, old: type, new: type) -> Any:
@@ -311,7 +316,7 @@ def _mark_expert_tp_params(model: torch.nn.Module, tf_config: TransformerConfig)
     for module in model.modules():
         if getattr(module, "is_expert", False):
             for param in module.parameters(recurse=False):
-                param.allreduce = False
+                tag_param(param, "allreduce", False)
 
 
 def _emulate_padding_idx(model: torch.nn.Module, pad_token_id: int | None) -> None:

@@ -31,7 +31,6 @@ from tandemrl.workflows.proxy.trajectory import Mode, Session
 from tandemrl.workflows.rlvr import check_response
 
 logger = logging.getLogger(__name__)
-_SESSION = web.RequestKey("tandemrl_session", object)
 
 
 @dataclass
@@ -43,6 +42,9 @@ class AgentSession:
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     errors: list[BaseException] = field(default_factory=list)
     model_seconds: float = 0.0  # wall time of its model calls (the rest of its run is the agent's own)
+
+
+_SESSION = web.RequestKey("tandemrl_session", AgentSession)
 
 
 class AgentProxy:
