@@ -65,6 +65,7 @@ def test_every_member_of_the_contract_is_used_by_an_algorithm() -> None:
 def test_the_backend_adds_lifecycle_and_weight_export() -> None:
     assert issubclass(TrainBackend, TrainEngine) and issubclass(BaseTrainEngine, TrainBackend)
     assert _members(TrainBackend) == {
+        "moe_hybrid",  # with parallel_dims (a bare annotation): the allocation_mode shapes it declares
         "create_process_group",
         "initialize",
         "destroy",

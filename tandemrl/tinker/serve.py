@@ -18,12 +18,16 @@ import os
 import signal
 import sys
 import tempfile
+from typing import TYPE_CHECKING
 
 from tandemrl.api.net import free_port
 from tandemrl.models.resolve import resolve_model_path
 from tandemrl.tinker.server import TinkerServer, new_api_key
 from tandemrl.tinker.service import TinkerService
 from tandemrl.utils.cli import first_line
+
+if TYPE_CHECKING:
+    from tandemrl.inference.server import ServerProcess
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
@@ -42,7 +46,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _start_vllm(model_dir: str, max_rank: int, max_adapters: int, log: str) -> object:
+def _start_vllm(model_dir: str, max_rank: int, max_adapters: int, log: str) -> ServerProcess:
     from tandemrl.inference.server import launch_server
     from tandemrl.inference.vllm import VLLMBackend, lora_server_flags
 
@@ -86,14 +90,14 @@ def main(argv: list[str] | None = None) -> None:
         vllm_addr = args.vllm_addr
         if not vllm_addr:
             proc = _start_vllm(model_dir, args.max_lora_rank, args.max_adapters, args.vllm_log)
-            vllm_addr = proc.address  # type: ignore[attr-defined]
+            vllm_addr = proc.address
         asyncio.run(_serve(args, model_dir, vllm_addr))
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {first_line(err)}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     finally:
         if proc is not None:
-            proc.stop()  # type: ignore[attr-defined]
+            proc.stop()
 
 
 if __name__ == "__main__":

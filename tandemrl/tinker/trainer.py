@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -60,7 +60,7 @@ class AdapterTrainer:
         # Wrap every target once (rank 1 placeholders); clients bring their own A and B.
         self.wrapped = apply_lora(model, LoRAConfig(rank=1, alpha=ALPHA_PER_RANK, target_modules=list(ATTN + MLP)))
         self.model = torch.nn.Module.to(model, self.device).train()
-        self.modules: dict[str, LoRALinear] = {n: model.get_submodule(n) for n in self.wrapped}  # type: ignore[misc]
+        self.modules = {n: cast(LoRALinear, model.get_submodule(n)) for n in self.wrapped}
         self.adapters: dict[str, Adapter] = {}
 
     # ------------------------------------------------------------------ adapters
