@@ -126,7 +126,9 @@ def test_main_job_config_dry_run(job: str, gsm8k_dir: str, tmp_path: Path) -> No
     cmd = [sys.executable, "-m", "tandemrl.launchers.local", "examples/gsm8k_grpo.py", "--config"]
     cmd += [config, "--dry-run", f"train_dataset.path={data}"]
     cmd += [f"cluster.fileroot={tmp_path / 'runs'}"]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    # Every key (TANDEMRL_VERBOSE): heldout_eval.path is its default, which the short view leaves out.
+    env = {**ENV, "TANDEMRL_VERBOSE": "1"}
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "samples per step: 64 (x gconfig.n_samples 8)" in proc.stdout, proc.stdout[:3000]
     text = proc.stdout.split("resolved config:\n", 1)[1]

@@ -65,13 +65,12 @@ def _at(config: Any, key: str) -> Any:
 
 def _check_servers(config: Any) -> None:
     """An RL config generates on inference servers: an allocation_mode without them cannot run."""
-    from tandemrl.api.allocation import AllocationMode
     from tandemrl.configs.experiment import GRPOConfig
 
     if not isinstance(config, GRPOConfig):
         return
     mode = config.allocation_mode
-    if AllocationMode.from_str(mode).gen is None:
+    if allocation_of(config).gen is None:
         raise ValueError(
             f"allocation_mode: '{mode}' has no inference component, but {type(config).__name__} generates its "
             f"samples on inference servers: e.g. 'vllm:d1+{mode}' (servers apart) or 'vllm:d1|{mode}' (colocated)"
