@@ -289,9 +289,13 @@ def test_grpo_dp2_sync_and_async_on_deepspeed(tiny_model_dir: str, gsm8k_dir: st
 
 
 @pytest.mark.slow
-def test_grpo_dp2_async_on_megatron(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
+def test_grpo_dp2_async_on_megatron(
+    tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``vllm:d1+megatron:d2``, async: two DP replicas of one rank each, both heads of their replica. (The DP
     dealing of rollouts is the rollout layer's, run sync and async on FSDP2 and DeepSpeed above.)"""
+    # Verbose: Megatron's own start-up notices, which the quiet default hides, show that it trained.
+    monkeypatch.setitem(ENV, "TANDEMRL_VERBOSE", "1")
     run = ["allocation_mode=vllm:d1+megatron:d2", "async_training=true", "trial_name=async"]
     trials = _grpo_dp2(run, tiny_model_dir, gsm8k_dir, tmp_path, sweep=())
     assert list(trials) == ["async"]
