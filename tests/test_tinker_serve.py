@@ -1,5 +1,6 @@
 """The unmodified ``tinker`` SDK against a real ``tandemrl tinker-serve`` and a real LoRA-enabled vLLM server
-on the tiny model (docs/tinker.md). One vLLM server and one tinker-serve process for the whole module."""
+on the tiny model (docs/tinker.md). One vLLM server for the whole module, one LoRA tinker-serve process and one
+``--full-weight fsdp`` tinker-serve process on it."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import requests
 import tinker
+import torch
 from tinker import types
 from utils import REPO_ROOT, free_port
 from vllm_server import launch_test_server
@@ -25,6 +28,7 @@ from tandemrl.inference.vllm import VLLMBackend
 
 pytestmark = pytest.mark.slow
 MAX_ADAPTERS = 3
+BF16_TOL = 0.1
 
 
 @dataclass
@@ -40,44 +44,59 @@ class Tinker:
         return tinker.ServiceClient(base_url=self.url, api_key=self.key)
 
 
+@dataclass
+class Vllm:
+    address: str
+    base_url: str
+
+
 @pytest.fixture(scope="module")
-def served(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tinker]:
-    tmp = tmp_path_factory.mktemp("tinker")
+def lora_vllm(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vllm]:
+    tmp = tmp_path_factory.mktemp("tinker-vllm")
     os.environ.setdefault(TOKEN_ENV, new_token())  # keep the session server's token if it set one
     vllm = launch_test_server(
         tiny_model_dir, str(tmp / "vllm.log"), token=os.environ[TOKEN_ENV],
         enable_lora=True, max_lora_rank=8, max_loras=MAX_ADAPTERS,
     )  # fmt: skip
-    proc = None
     try:
         vllm.wait_healthy(900.0)
-        port, key_file = free_port(), tmp / "key"
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TINKER_TELEMETRY": "0"}
-        cmd = [sys.executable, "-m", "tandemrl.cli", "tinker-serve", "--model", tiny_model_dir, "--port", str(port)]
-        cmd += ["--vllm-addr", vllm.address, "--key-file", str(key_file), "--out", str(tmp / "ckpt")]
-        cmd += ["--max-adapters", str(MAX_ADAPTERS)]
-        log = open(tmp / "tinker.log", "w")  # noqa: SIM115 - closed with the process
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-        url = f"http://127.0.0.1:{port}"
+        yield Vllm(vllm.address, vllm.base_url)
+    finally:
+        vllm.stop()
+
+
+@contextmanager
+def _tinker_serve(model: str, vllm: Vllm, tmp: Path, *extra: str) -> Iterator[Tinker]:
+    """A ``tandemrl tinker-serve`` process on ``vllm``, ready once it wrote its key file."""
+    port, key_file = free_port(), tmp / "key"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TINKER_TELEMETRY": "0"}
+    cmd = [sys.executable, "-m", "tandemrl.cli", "tinker-serve", "--model", model, "--port", str(port)]
+    cmd += ["--vllm-addr", vllm.address, "--key-file", str(key_file), "--out", str(tmp / "ckpt"), *extra]
+    log = open(tmp / "tinker.log", "w")  # noqa: SIM115 - closed with the process
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    telemetry = os.environ.get("TINKER_TELEMETRY")
+    try:
         while not key_file.exists() or not key_file.read_text():
             if proc.poll() is not None:
                 raise RuntimeError(f"tinker-serve exited: {(tmp / 'tinker.log').read_text()[-3000:]}")
             time.sleep(0.5)
-        telemetry = os.environ.get("TINKER_TELEMETRY")
         os.environ["TINKER_TELEMETRY"] = "0"  # this process's SDK clients send none
-        try:
-            yield Tinker(url, key_file.read_text(), vllm.base_url, tiny_model_dir, tmp / "ckpt", proc)
-        finally:
-            if telemetry is None:
-                os.environ.pop("TINKER_TELEMETRY")
-            else:
-                os.environ["TINKER_TELEMETRY"] = telemetry
+        yield Tinker(f"http://127.0.0.1:{port}", key_file.read_text(), vllm.base_url, model, tmp / "ckpt", proc)
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(60)
-            log.close()
-        vllm.stop()
+        if telemetry is None:
+            os.environ.pop("TINKER_TELEMETRY", None)
+        else:
+            os.environ["TINKER_TELEMETRY"] = telemetry
+        proc.terminate()
+        proc.wait(60)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir: str, lora_vllm: Vllm, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tinker]:
+    tmp = tmp_path_factory.mktemp("tinker")
+    with _tinker_serve(tiny_model_dir, lora_vllm, tmp, "--max-adapters", str(MAX_ADAPTERS)) as t:
+        yield t
 
 
 def _datum(tokens: list[int], **inputs: list[float]) -> types.Datum:
@@ -247,3 +266,60 @@ def test_example_rl_loop_runs_three_iterations_through_the_sdk(served: Tinker, g
     assert all(line["samples"] == 8 and 0.0 <= line["reward_mean"] <= 1.0 for line in lines)
     trained = [line for line in lines if line["trained_datums"] > 0]
     assert trained and all(math.isfinite(line["loss"]) for line in trained), lines
+
+
+def _hf_logprobs(model_dir: str, tokens: list[int]) -> list[float]:
+    """Logprob of each of ``tokens[1:]`` under the HF model in ``model_dir`` (transformers, fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tokens])).logits[0, :-1]
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0].tolist()
+
+
+def _tensor_of(model_dir: str | Path, name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            if name in f.keys():  # noqa: SIM118 - safe_open has keys(), no __contains__
+                return f.get_tensor(name).float()
+    raise KeyError(f"{name} not in {model_dir}")
+
+
+def test_full_weight_client_trains_every_weight_and_samples_its_saved_weights(
+    tiny_model_dir: str, lora_vllm: Vllm, tmp_path: Path
+) -> None:
+    """``--full-weight fsdp``: cross_entropy steps on a repeated batch lower the loss; the saved sampler weights
+    differ from the base in a non-adapter tensor (the embeddings); sampling from them gives the logprobs of that
+    saved model (transformers on the saved directory) and the base sampler the base model's again; a second
+    live client is refused in one line."""
+    with _tinker_serve(tiny_model_dir, lora_vllm, tmp_path, "--full-weight", "fsdp") as served:
+        sc = served.client()
+        tc = sc.create_lora_training_client(base_model=served.base, rank=4).result()
+        with pytest.raises(tinker.BadRequestError, match="full-weight client .* is live and --full-weight trains one"):
+            sc.create_lora_training_client(base_model=served.base, rank=4).result()
+        data = [_datum(SEQ, weights=[1.0] * (len(SEQ) - 1))]
+        losses = []
+        for _ in range(3):
+            fb = tc.forward_backward(data, "cross_entropy")
+            tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+            losses.append(fb.result().metrics["loss:sum"])
+        assert losses[2] < losses[1] < losses[0], losses
+        trained = _logprobs(tc, data)[0]
+
+        saved = tc.save_weights_for_sampler("full-1").result()
+        directory = served.out / tc.model_id / "sampler_weights" / "full-1"
+        embed = "model.embed_tokens.weight"
+        assert not torch.allclose(_tensor_of(directory, embed), _tensor_of(tiny_model_dir, embed))
+        new_ref, base_ref = _hf_logprobs(str(directory), SEQ), _hf_logprobs(tiny_model_dir, SEQ)
+        assert trained == pytest.approx(new_ref, abs=1e-4)
+        assert max(abs(a - b) for a, b in zip(new_ref, base_ref, strict=True)) > 0.5
+
+        # The vLLM server computes in bf16: its logprobs sit within BF16_TOL of the fp32 reference.
+        prompt = types.ModelInput.from_ints(SEQ)
+        sampler = sc.create_sampling_client(model_path=saved.path).result()
+        assert sampler.compute_logprobs(prompt).result()[1:] == pytest.approx(new_ref, abs=BF16_TOL)
+        base = sc.create_sampling_client(base_model=served.base).result()  # loads the base weights back
+        assert base.compute_logprobs(prompt).result()[1:] == pytest.approx(base_ref, abs=BF16_TOL)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
 
 from tandemrl.api.generation import GenerationHyperparameters
-from tandemrl.api.inference import HttpRequest, ModelRequest
+from tandemrl.api.inference import HttpRequest, ModelRequest, WeightUpdateMeta
 from tandemrl.inference.http import HttpClient
 from tandemrl.inference.vllm import VLLMBackend
 
@@ -27,8 +29,11 @@ def _with_model(req: HttpRequest, adapter: str | None) -> HttpRequest:
 class VLLMSampler:
     """Samples and prompt logprobs from one vLLM server, base model or a named adapter."""
 
-    def __init__(self, addr: str, request_timeout: float = 600.0) -> None:
+    def __init__(self, addr: str, request_timeout: float = 600.0, base_dir: str = "") -> None:
         self.addr = addr
+        self.weights_dir = base_dir  # full-weight mode: the HF directory the server's weights came from
+        self._readers = 0
+        self._swap = asyncio.Condition()
         self.backend = VLLMBackend(request_timeout=request_timeout, control_timeout=60.0, update_timeout=300.0)
         self.http = HttpClient("tandemrl-tinker-sampler")
         self.loaded: set[str] = set()
@@ -39,6 +44,25 @@ class VLLMSampler:
         body = {"lora_name": name, "lora_path": path}
         await self.http.send(self.addr, HttpRequest("POST", "/v1/load_lora_adapter", body, 300.0), retries=0)
         self.loaded.add(name)
+
+    @asynccontextmanager
+    async def full_weights(self, directory: str) -> AsyncIterator[None]:
+        """Sample with the full weights of ``directory``: load them (a vLLM disk update) once no sample of other
+        weights is in flight; samples of the loaded weights run concurrently."""
+        async with self._swap:
+            while self.weights_dir != directory and self._readers:
+                await self._swap.wait()
+            if self.weights_dir != directory:
+                for call in self.backend.build_update_from_disk(WeightUpdateMeta(type="disk", path=directory)):
+                    await self.http.send(self.addr, call, retries=0)
+                self.weights_dir = directory
+            self._readers += 1
+        try:
+            yield
+        finally:
+            async with self._swap:
+                self._readers -= 1
+                self._swap.notify_all()
 
     async def _one(self, prompt: list[int], params: dict[str, Any], adapter: str | None, seed: int | None) -> Any:
         g = GenerationHyperparameters(

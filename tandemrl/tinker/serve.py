@@ -1,12 +1,13 @@
 """``tandemrl tinker-serve``: the Tinker training and sampling API on this machine (docs/tinker.md).
 
-    tandemrl tinker-serve --model tiny:qwen2 [--port 8080] [--vllm-addr HOST:PORT] [--key-file PATH]
+    tandemrl tinker-serve --model tiny:qwen2 [--port 8080] [--vllm-addr HOST:PORT] [--key-file PATH] [--full-weight fsdp]
 
 Loads the base model once for training (many LoRA adapters on it) and samples through a
 LoRA-enabled vLLM server: the one at ``--vllm-addr`` (started with ``--enable-lora`` and
 runtime adapter loading), or one it starts itself. A fresh API key is made for the run
 (``--api-key`` to choose one); it is printed with the base URL and written to ``--key-file``
-(mode 0600). Point the unmodified ``tinker`` SDK at it with ``TINKER_BASE_URL`` and
+(mode 0600). With ``--full-weight BACKEND`` it trains every weight of the model instead, for one
+training client at a time, on that tandemrl engine (world size 1, in this process). Point the unmodified ``tinker`` SDK at it with ``TINKER_BASE_URL`` and
 ``TINKER_API_KEY``.
 """
 
@@ -42,6 +43,12 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", default="", help="checkpoint directory (default: a temporary one)")
     p.add_argument("--api-key", default="", help="the key clients must send (default: a fresh one; starts with tml-)")
     p.add_argument("--key-file", default="", help="also write the key here (mode 0600)")
+    p.add_argument(
+        "--full-weight",
+        default="",
+        choices=["", "fsdp", "deepspeed", "megatron"],
+        help="train all weights (one client at a time) on this engine instead of LoRA adapters",
+    )
     p.add_argument("--vllm-log", default="", help="log file of the vLLM server it starts")
     return p.parse_args(argv)
 
@@ -60,7 +67,13 @@ async def _serve(args: argparse.Namespace, model_dir: str, vllm_addr: str) -> No
     key = args.api_key or new_api_key()
     out = args.out or tempfile.mkdtemp(prefix="tandemrl-tinker-")
     service = TinkerService(
-        model_dir, args.model_name or args.model, vllm_addr, out, args.max_lora_rank, args.max_adapters
+        model_dir,
+        args.model_name or args.model,
+        vllm_addr,
+        out,
+        args.max_lora_rank,
+        args.max_adapters,
+        full_weight=args.full_weight,
     )
     server = TinkerServer(service, key)
     port = await server.start(args.host, args.port or free_port(args.host))
@@ -86,6 +99,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.api_key and not args.api_key.startswith("tml-"):
             raise ValueError("--api-key: the tinker SDK accepts only keys that start with 'tml-'")
+        if args.full_weight:
+            from tandemrl.tinker.full import check_backend
+
+            check_backend(args.full_weight)
         model_dir = resolve_model_path(args.model, "--model")
         vllm_addr = args.vllm_addr
         if not vllm_addr:

@@ -12,12 +12,14 @@ import asyncio
 import json
 import os
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from tandemrl.tinker import wire
+from tandemrl.tinker.full import FullWeightTrainer
 from tandemrl.tinker.sampler import VLLMSampler
 from tandemrl.tinker.trainer import AdapterTrainer, targets_of
 from tandemrl.tinker.wire import UserError
@@ -54,13 +56,24 @@ def adapter_shape(directory: str) -> tuple[int, tuple[str, ...]]:
 
 
 class TinkerService:
+    """``full_weight`` (a backend name: ``fsdp``, ``deepspeed``) trains one full-weight client instead of adapters."""
+
     def __init__(
-        self, model_dir: str, model_name: str, vllm_addr: str, out_dir: str, max_rank: int = 8, max_adapters: int = 4
+        self,
+        model_dir: str,
+        model_name: str,
+        vllm_addr: str,
+        out_dir: str,
+        max_rank: int = 8,
+        max_adapters: int = 4,
+        full_weight: str = "",
     ) -> None:
         self.model_dir, self.model_name, self.out_dir = model_dir, model_name, out_dir
-        self.max_adapters = max_adapters
-        self.trainer = AdapterTrainer(model_dir, max_rank)
-        self.sampler = VLLMSampler(vllm_addr)
+        self.full: FullWeightTrainer | None = FullWeightTrainer(model_dir, full_weight) if full_weight else None
+        self.max_adapters = 1 if self.full is not None else max_adapters
+        self.trainer: AdapterTrainer | FullWeightTrainer = self.full or AdapterTrainer(model_dir, max_rank)
+        self.full_dirs: dict[str, str] = {}  # full-weight mode: sampler weights name -> HF directory
+        self.sampler = VLLMSampler(vllm_addr, base_dir=model_dir)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="tinker-train")
         self.futures: dict[str, asyncio.Future[Result]] = {}
         self.sessions: set[str] = set()
@@ -116,14 +129,18 @@ class TinkerService:
     def create_model(self, body: dict[str, Any]) -> dict[str, Any]:
         self.check_base(body.get("base_model"))
         lora = body.get("lora_config")
-        if not lora:
+        targets: tuple[str, ...] = ()
+        if self.full is not None:
+            rank = 0  # the SDK always sends a LoRA config; a --full-weight server trains every weight
+        elif not lora:
             raise UserError("lora_config: tinker-serve trains LoRA adapters only; pass a rank")
-        rank = int(lora.get("rank", 0))
-        if not 1 <= rank <= self.trainer.max_rank:
-            raise UserError(f"lora_config.rank: {rank} is outside 1..{self.trainer.max_rank} (--max-lora-rank)")
-        targets = targets_of(bool(lora.get("train_attn", True)), bool(lora.get("train_mlp", True)))
+        else:
+            rank = int(lora.get("rank", 0))
+            if not 1 <= rank <= self.trainer.max_rank:
+                raise UserError(f"lora_config.rank: {rank} is outside 1..{self.trainer.max_rank} (--max-lora-rank)")
+            targets = targets_of(bool(lora.get("train_attn", True)), bool(lora.get("train_mlp", True)))
         model_id = self._new_model(body, rank)
-        seed = lora.get("seed")
+        seed = (lora or {}).get("seed")
 
         def create() -> Result:
             self.trainer.add(model_id, rank, targets, seed)
@@ -133,6 +150,11 @@ class TinkerService:
 
     def _new_model(self, body: dict[str, Any], rank: int) -> str:
         """Register a training client under the id the SDK derives: ``<session>:train:<model_seq_id>``."""
+        if self.full is not None and self.models:
+            raise UserError(
+                f"create_model: full-weight client {next(iter(self.models))!r} is live and --full-weight trains one "
+                "at a time; unload it first"
+            )
         if len(self.models) >= self.max_adapters:
             raise UserError(
                 f"create_model: {len(self.models)} LoRA training clients are live, the cap (--max-adapters); "
@@ -152,9 +174,13 @@ class TinkerService:
         return {
             "type": "get_info",
             "model_id": model_id,
-            "model_data": {"arch": "lora", "model_name": self.model_name, "tokenizer_id": self.model_dir},
-            "is_lora": True,
-            "lora_rank": info.rank,
+            "model_data": {
+                "arch": "lora" if self.full is None else "full",
+                "model_name": self.model_name,
+                "tokenizer_id": self.model_dir,
+            },
+            "is_lora": self.full is None,
+            "lora_rank": info.rank if self.full is None else None,
             "model_name": self.model_name,
         }
 
@@ -221,7 +247,7 @@ class TinkerService:
             self.model(model_id)
         else:
             self.check_base(body.get("base_model"))
-            rank, targets = adapter_shape(directory)
+            rank, targets = adapter_shape(directory) if self.full is None else (0, ())
             model_id, created = self._new_model(body, rank), (rank, targets)
 
         def run() -> Result:
@@ -238,12 +264,14 @@ class TinkerService:
         named = body.get("path") is not None
         path, directory = self._ckpt(model_id, "sampler_weights", body.get("path"))
         adapter = path.removeprefix("tinker://").replace("/", "--")
-        fut = asyncio.get_running_loop().run_in_executor(self.pool, self.trainer.save_adapter, model_id, directory)
+        trainer = self.trainer
+        save = trainer.save_for_sampler if isinstance(trainer, FullWeightTrainer) else trainer.save_adapter
+        fut = asyncio.get_running_loop().run_in_executor(self.pool, save, model_id, directory)
 
         async def run() -> Result:
             await fut
             self.checkpoints[path] = directory
-            await self.sampler.load_adapter(adapter, directory)
+            await self._register_sampler_weights(adapter, directory)
             if named:
                 return Result(json={"type": "save_weights_for_sampler", "path": path})
             sid = self._new_sampler(adapter)
@@ -252,6 +280,24 @@ class TinkerService:
         return self._submit(run)
 
     # ------------------------------------------------------------------ sampling
+    async def _register_sampler_weights(self, name: str, directory: str) -> None:
+        """LoRA: load the adapter into vLLM under ``name``. Full weights: remember the directory; a sample loads it."""
+        if self.full is None:
+            await self.sampler.load_adapter(name, directory)
+        elif "/sampler_weights/" not in directory.replace(os.sep, "/"):
+            raise UserError(f"model_path: {name!r} is a training state, not sampler weights (save_weights_for_sampler)")
+        else:
+            self.full_dirs[name] = directory
+
+    @asynccontextmanager
+    async def _serving(self, adapter: str | None) -> AsyncIterator[str | None]:
+        """The vLLM model name to sample ``adapter`` under; in full-weight mode its weights are loaded for the while."""
+        if self.full is None:
+            yield adapter
+            return
+        async with self.sampler.full_weights(self.model_dir if adapter is None else self.full_dirs[adapter]):
+            yield None
+
     def _new_sampler(self, adapter: str | None) -> str:
         sid = "sampler-" + uuid.uuid4().hex[:12]
         self.samplers[sid] = adapter
@@ -265,7 +311,7 @@ class TinkerService:
         if model_path not in self.checkpoints:
             raise NotFound(f"model_path: no saved weights {model_path!r} on this server")
         adapter = str(model_path).removeprefix("tinker://").replace("/", "--")
-        await self.sampler.load_adapter(adapter, self.checkpoints[model_path])
+        await self._register_sampler_weights(adapter, self.checkpoints[model_path])
         return {"type": "create_sampling_session", "sampling_session_id": self._new_sampler(adapter)}
 
     def get_sampler(self, sid: str) -> dict[str, Any]:
@@ -294,8 +340,9 @@ class TinkerService:
             raise UserError("prompt_logprobs: the prompt needs at least 2 tokens")
 
         async def run() -> Result:
-            seqs = await self.sampler.sample(prompt, n, params, adapter)
-            plp = await self.sampler.prompt_logprobs(prompt, adapter) if want_prompt_lp else None
+            async with self._serving(adapter) as served:
+                seqs = await self.sampler.sample(prompt, n, params, served)
+                plp = await self.sampler.prompt_logprobs(prompt, served) if want_prompt_lp else None
             return Result(proto=wire.sample_output(seqs, plp))
 
         reply = self._submit(run)
