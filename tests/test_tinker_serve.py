@@ -232,6 +232,33 @@ def test_errors_are_the_sdks_typed_errors_with_one_line(served: Tinker) -> None:
         _unload(c)
 
 
+def test_rest_client_lists_training_runs_and_their_checkpoints(served: Tinker) -> None:
+    """RestClient: the training run (LoRA, its rank, its metadata) and its two checkpoints with their types and
+    tinker:// paths; an unknown run is the SDK's NotFoundError."""
+    sc = served.client()
+    tc = sc.create_lora_training_client(base_model=served.base, rank=2, user_metadata={"who": "listing"}).result()
+    state = tc.save_state("st").result().path
+    sampler = tc.save_weights_for_sampler("sw").result().path
+    rest = sc.create_rest_client()
+    runs = rest.list_training_runs(limit=100).result()
+    mine = [r for r in runs.training_runs if r.training_run_id == tc.model_id]
+    assert len(mine) == 1 and mine[0].is_lora and mine[0].lora_rank == 2
+    assert mine[0].user_metadata == {"who": "listing"} and mine[0].base_model == served.base
+    assert runs.cursor.total_count >= 1
+    run = rest.get_training_run(tc.model_id).result()
+    assert run.last_checkpoint is not None and run.last_checkpoint.tinker_path == state
+    assert run.last_sampler_checkpoint is not None and run.last_sampler_checkpoint.tinker_path == sampler
+    listed = rest.list_checkpoints(tc.model_id).result().checkpoints
+    assert [(c.checkpoint_id, c.checkpoint_type, c.tinker_path) for c in listed] == [
+        ("weights/st", "training", state),
+        ("sampler_weights/sw", "sampler", sampler),
+    ]
+    assert all((c.size_bytes or 0) > 0 for c in listed)
+    with pytest.raises(tinker.NotFoundError, match="training_run_id: unknown training run 'nope'"):
+        rest.get_training_run("nope").result()
+    _unload(tc)
+
+
 # ---------------------------------------------------------------------------------------------- helpers
 
 

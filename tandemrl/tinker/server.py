@@ -66,6 +66,9 @@ class TinkerServer:
         post("/api/v1/retrieve_future", self._retrieve)
         get("/api/v1/samplers/{sid}", self._sampler)
         post("/api/v1/sessions/{sid}/finish", self._json(lambda _b: {}))
+        get("/api/v1/training_runs", self._query(lambda q: s.listing.list_runs(q.get("limit"), q.get("offset"))))
+        get("/api/v1/training_runs/{rid}", self._query(lambda q: s.listing.run(q["rid"])))
+        get("/api/v1/training_runs/{rid}/checkpoints", self._query(lambda q: s.listing.list_checkpoints(q["rid"])))
         return app
 
     async def start(self, host: str, port: int) -> int:
@@ -119,6 +122,14 @@ class TinkerServer:
     def _async_json(self, fn: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]) -> Handler:
         async def handle(request: web.Request) -> web.StreamResponse:
             return web.json_response(await fn(await self._body(request)))
+
+        return handle
+
+    def _query(self, fn: Callable[[dict[str, str]], dict[str, Any]]) -> Handler:
+        """A GET route: ``fn`` of the query parameters and the path's match info."""
+
+        async def handle(request: web.Request) -> web.StreamResponse:
+            return web.json_response(fn({**request.query, **request.match_info}))
 
         return handle
 

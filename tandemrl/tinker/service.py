@@ -20,13 +20,10 @@ from typing import Any
 
 from tandemrl.tinker import wire
 from tandemrl.tinker.full import FullWeightTrainer
+from tandemrl.tinker.listing import Listing
 from tandemrl.tinker.sampler import VLLMSampler
 from tandemrl.tinker.trainer import AdapterTrainer, targets_of
-from tandemrl.tinker.wire import UserError
-
-
-class NotFound(UserError):
-    """An id the server does not know (HTTP 404)."""
+from tandemrl.tinker.wire import NotFound, UserError
 
 
 @dataclass
@@ -73,6 +70,7 @@ class TinkerService:
         self.max_adapters = 1 if self.full is not None else max_adapters
         self.trainer: AdapterTrainer | FullWeightTrainer = self.full or AdapterTrainer(model_dir, max_rank)
         self.full_dirs: dict[str, str] = {}  # full-weight mode: sampler weights name -> HF directory
+        self.listing = Listing(model_name)
         self.sampler = VLLMSampler(vllm_addr, base_dir=model_dir)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="tinker-train")
         self.futures: dict[str, asyncio.Future[Result]] = {}
@@ -99,6 +97,7 @@ class TinkerService:
     def model(self, model_id: str) -> ModelInfo:
         if model_id not in self.models:
             raise NotFound(f"model_id: unknown model {model_id!r} (create it with create_lora_training_client)")
+        self.listing.touch(model_id)
         return self.models[model_id]
 
     def check_base(self, base_model: str | None) -> None:
@@ -167,6 +166,7 @@ class TinkerService:
         if model_id in self.models:
             raise UserError(f"model_seq_id: model {model_id!r} exists already")
         self.models[model_id] = ModelInfo(session_id, rank)
+        self.listing.add_run(model_id, rank if self.full is None else None, body.get("user_metadata"))
         return model_id
 
     def get_info(self, model_id: str) -> dict[str, Any]:
@@ -231,6 +231,7 @@ class TinkerService:
         def run() -> Result:
             self.trainer.save_state(model_id, directory)
             self.checkpoints[path] = directory
+            self.listing.add_checkpoint(path, directory)
             return Result(json={"type": "save_weights", "path": path})
 
         return self._train(run)
@@ -271,6 +272,7 @@ class TinkerService:
         async def run() -> Result:
             await fut
             self.checkpoints[path] = directory
+            self.listing.add_checkpoint(path, directory)
             await self._register_sampler_weights(adapter, directory)
             if named:
                 return Result(json={"type": "save_weights_for_sampler", "path": path})

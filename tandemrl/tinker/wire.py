@@ -22,6 +22,10 @@ class UserError(ValueError):
     """A bad request: one line, naming the field."""
 
 
+class NotFound(UserError):
+    """An id the server does not know (HTTP 404)."""
+
+
 def _tensor(msg: Any, where: str) -> np.ndarray:
     if msg.HasField("sparse_csr"):
         raise UserError(f"{where}: sparse tensors are not supported by tinker-serve; send dense ones")
