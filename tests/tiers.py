@@ -52,6 +52,7 @@ TIERS: dict[str, str] = {
     "test_stats_logger.py": "unit",
     "test_tiers.py": "unit",
     "test_time_split.py": "unit",
+    "test_tinker_job.py": "unit",
     "test_tinker_losses.py": "unit",
     "test_tool_latency.py": "unit",
     "test_truncation.py": "unit",
@@ -97,6 +98,7 @@ TIERS: dict[str, str] = {
     "test_weight_sync.py": "integration",
     # e2e
     "test_determinism_launcher.py": "e2e",
+    "test_tinker_launcher.py": "e2e",
     "test_eval_cli.py": "e2e",
     "test_examples_e2e.py": "e2e",
     "test_failure_budget.py": "e2e",  # hand cases, and one launched run that must stop (80 s)

@@ -1,0 +1,53 @@
+"""The config of a ``tandemrl tinker-serve`` job started by a launcher (docs/tinker.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandemrl.configs.utils import ClusterConfig
+
+
+@dataclass
+class TinkerModelConfig:
+    """The base model; the launcher starts the inference servers on the same ``path``."""
+
+    path: str = field(
+        default="",
+        metadata={"help": "HF model directory, hub id, `tiny:qwen2` or `smollm2-135m` (as every model path)."},
+    )
+
+
+@dataclass
+class TinkerSection:
+    """What ``tandemrl tinker-serve`` takes on its command line."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "Address the Tinker API binds."})
+    port: int = field(default=0, metadata={"help": "Port of the Tinker API (0: a free one).", "min": 0})
+    model_name: str = field(default="", metadata={"help": "Name clients pass as base_model (empty: model.path)."})
+    full_weight: bool = field(
+        default=False,
+        metadata={
+            "help": "Train every weight for one client at a time on allocation_mode's training backend "
+            "(fsdp or deepspeed, d1) instead of LoRA adapters."
+        },
+    )
+    max_lora_rank: int = field(default=8, metadata={"help": "Largest adapter rank a client may ask for.", "min": 1})
+    max_adapters: int = field(default=4, metadata={"help": "Most live LoRA training clients.", "min": 1})
+    out: str = field(default="", metadata={"help": "Checkpoint directory (empty: the run directory's ckpt/)."})
+    api_key: str = field(default="", metadata={"help": "Key clients must send (empty: a fresh tml- key)."})
+    key_file: str = field(default="", metadata={"help": "Also write the key here (mode 0600)."})
+
+
+@dataclass
+class TinkerServeConfig:
+    """A Tinker API job: ``allocation_mode`` names one inference server (LoRA-enabled through
+    ``launcher.server_args`` unless ``tinker.full_weight``) and a training component of size 1."""
+
+    experiment_name: str = field(default="tinker", metadata={"help": "Groups trials; names output folders."})
+    trial_name: str = field(default="trial0", metadata={"help": "One run of an experiment."})
+    allocation_mode: str = field(
+        default="vllm:d1+fsdp:d1", metadata={"help": "One inference server and one training process."}
+    )
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    model: TinkerModelConfig = field(default_factory=TinkerModelConfig)
+    tinker: TinkerSection = field(default_factory=TinkerSection)

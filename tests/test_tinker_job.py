@@ -1,0 +1,54 @@
+"""The launcher job of ``tandemrl tinker-serve`` (``tandemrl.tinker.job``): its config becomes the server's
+command line, and what it cannot serve is one line naming the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandemrl.configs.loader import read_config
+from tandemrl.configs.tinker import TinkerServeConfig
+from tandemrl.engines.registry import SHAPES as TRAINING_SHAPES
+from tandemrl.inference.registry import SHAPES as INFERENCE_SHAPES
+from tandemrl.tinker.full import check_backend
+from tandemrl.tinker.job import serve_argv
+
+
+def _config(*overrides: str) -> TinkerServeConfig:
+    config, _ = read_config(
+        ["model.path=tiny:qwen2", *overrides], TinkerServeConfig, (TRAINING_SHAPES, INFERENCE_SHAPES)
+    )
+    return config
+
+
+def test_config_becomes_the_serve_command_line() -> None:
+    argv = serve_argv(_config("tinker.max_adapters=2", "cluster.fileroot=/r", "trial_name=t"), "127.0.0.1:9")
+    assert argv[:4] == ["--model", "tiny:qwen2", "--vllm-addr", "127.0.0.1:9"]
+    assert argv[argv.index("--max-adapters") + 1] == "2"
+    assert argv[argv.index("--out") + 1] == "/r/logs/tinker/t/ckpt"
+    assert "--full-weight" not in argv
+    full = serve_argv(_config("tinker.full_weight=true", "allocation_mode=vllm:d1+deepspeed:d1"), "127.0.0.1:9")
+    assert full[full.index("--full-weight") + 1] == "deepspeed"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "addrs", "message"),
+    [
+        (["allocation_mode=vllm:d1+fsdp:d2"], "a:1", "allocation_mode: tinker-serve trains in one process"),
+        (["allocation_mode=vllm:d2+fsdp:d1"], "a:1,b:2", "allocation_mode: tinker-serve samples through one"),
+        ([], "a:1,b:2", "TANDEMRL_LLM_SERVER_ADDRS: expected one server address"),
+    ],
+)
+def test_what_tinker_serve_cannot_run_is_one_line_naming_the_key(
+    overrides: list[str], addrs: str, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message) as err:
+        serve_argv(_config(*overrides), addrs)
+    assert "\n" not in str(err.value)
+
+
+def test_full_weight_backends() -> None:
+    check_backend("fsdp")
+    with pytest.raises(ValueError, match="--full-weight: megatron is not served in-process"):
+        check_backend("megatron")
+    with pytest.raises(ValueError, match="--full-weight: unknown backend 'nope'"):
+        check_backend("nope")
