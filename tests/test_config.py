@@ -23,6 +23,7 @@ from tandemrl.configs import (
 )
 from tandemrl.configs.agent import AgentGRPOConfig
 from tandemrl.configs.loader import list_presets
+from tandemrl.configs.tinker import TinkerServeConfig
 from tandemrl.trainers.entry import load_config, load_config_or_exit
 
 GRPO_YAML = {
@@ -314,6 +315,7 @@ YAML_SCHEMAS = {
     EXAMPLES / "gsm8k_ppo.yaml": PPOConfig,
     EXAMPLES / "gsm8k_agent.yaml": AgentGRPOConfig,
     EXAMPLES / "gsm8k_distill.yaml": DistillConfig,
+    EXAMPLES / "tinker_serve.yaml": TinkerServeConfig,
     PRESETS / "grpo_gsm8k.yaml": GRPOConfig,
     PRESETS / "sft_gsm8k.yaml": SFTConfig,
 }
@@ -350,10 +352,15 @@ def test_yaml_list_covers_every_shipped_yaml() -> None:
 
 
 @pytest.mark.parametrize("path", sorted(YAML_SCHEMAS), ids=lambda p: p.name)
-def test_shipped_yamls_load_and_restate_no_defaults(path: Path) -> None:
+def test_shipped_yamls_load_and_restate_no_defaults(path: Path, tmp_path: Path) -> None:
+    from tandemrl.launchers.launch_config import LAUNCHER_SECTION, script_config
+
     schema = YAML_SCHEMAS[path]
-    key = "model.path" if schema is SFTConfig else "actor.engine.path"
-    cfg, _ = load_config(["--config", str(path), f"{key}=/models/tiny"], schema)
+    key = "model.path" if schema in (SFTConfig, TinkerServeConfig) else "actor.engine.path"
+    # The script reads the file the launcher hands it: without the launcher's own section.
+    script_path, _ = script_config(str(path), [], str(tmp_path / path.name))
+    cfg, _ = load_config(["--config", str(script_path), f"{key}=/models/tiny"], schema)
     assert type(cfg) is schema
     data = yaml.safe_load(path.read_text())
+    data.pop(LAUNCHER_SECTION, None)
     assert _restated_defaults(data, schema()) == [], f"{path.name} restates schema defaults"
