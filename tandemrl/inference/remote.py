@@ -1,10 +1,10 @@
 """Client of a fleet of remote inference servers: generation, pause/resume, versions.
 
-``RemoteInfEngine`` runs on every trainer process. It finds the servers (explicit list,
-``InferenceEngineConfig.server_addrs`` or the launcher's ``TANDEMRL_LLM_SERVER_ADDRS``),
+``RemoteInferenceClient`` runs on every trainer process. It finds the servers (explicit list,
+``InferenceClientConfig.server_addrs`` or the launcher's ``TANDEMRL_LLM_SERVER_ADDRS``),
 routes each generation call to one of them, and survives the two things that interrupt
 a generation: a weight update and a server dying (the partial output is resubmitted to
-another server). At a weight update ``InferenceEngineConfig.pause_mode`` decides: "abort"
+another server). At a weight update ``InferenceClientConfig.pause_mode`` decides: "abort"
 (the server returns in-flight requests' partial output and the client resubmits prompt +
 partial output once generation resumes) or "keep" (the server holds them and continues them
 on the new weights; the client's call simply lasts longer). Requests are built and parsed by an
@@ -35,7 +35,7 @@ import os
 import threading
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandemrl.api.backend import InferenceBackend
 from tandemrl.api.inference import (
@@ -45,7 +45,8 @@ from tandemrl.api.inference import (
     ModelResponse,
     StopReason,
 )
-from tandemrl.configs.rollout import InferenceEngineConfig
+from tandemrl.api.renamed import retired_names
+from tandemrl.configs.rollout import InferenceClientConfig
 from tandemrl.inference.busy import BusyClock
 from tandemrl.inference.http import HttpClient, InferenceServerError, shared_client
 from tandemrl.inference.registry import backend_class
@@ -55,7 +56,7 @@ from tandemrl.inference.weight_calls import WeightCalls
 logger = logging.getLogger(__name__)
 
 
-class RemoteInfEngine(WeightCalls):
+class RemoteInferenceClient(WeightCalls):
     """Generation client of remote inference servers; see the module docstring. Its weight-update calls
     are ``WeightCalls`` (``tandemrl.inference.weight_calls``)."""
 
@@ -66,23 +67,23 @@ class RemoteInfEngine(WeightCalls):
 
     @classmethod
     def for_backend(
-        cls, name: str, config: InferenceEngineConfig, http_client: HttpClient | None = None
-    ) -> RemoteInfEngine:
+        cls, name: str, config: InferenceClientConfig, http_client: HttpClient | None = None
+    ) -> RemoteInferenceClient:
         """The client of allocation_mode's inference backend ``name``, its row in ``inference.registry``."""
         return cls(config, backend_class(name).from_config(config), http_client)
 
     def __init__(
-        self, config: InferenceEngineConfig, backend: InferenceBackend, http_client: HttpClient | None = None
+        self, config: InferenceClientConfig, backend: InferenceBackend, http_client: HttpClient | None = None
     ) -> None:
         if config.request_retries < 0:
-            raise ValueError(f"InferenceEngineConfig.request_retries must be >= 0, got {config.request_retries}")
+            raise ValueError(f"InferenceClientConfig.request_retries must be >= 0, got {config.request_retries}")
         if config.request_backoff < 0:
-            raise ValueError(f"InferenceEngineConfig.request_backoff must be >= 0, got {config.request_backoff}")
+            raise ValueError(f"InferenceClientConfig.request_backoff must be >= 0, got {config.request_backoff}")
         if config.setup_timeout <= 0:
-            raise ValueError(f"InferenceEngineConfig.setup_timeout must be positive, got {config.setup_timeout}")
+            raise ValueError(f"InferenceClientConfig.setup_timeout must be positive, got {config.setup_timeout}")
         if config.pause_mode not in PAUSE_MODES:
             raise ValueError(
-                f"InferenceEngineConfig.pause_mode must be one of {PAUSE_MODES}, got {config.pause_mode!r}"
+                f"InferenceClientConfig.pause_mode must be one of {PAUSE_MODES}, got {config.pause_mode!r}"
             )
         self.config = config
         self.backend = backend
@@ -131,12 +132,12 @@ class RemoteInfEngine(WeightCalls):
         if addrs:
             return parse_server_addrs(list(addrs), "initialize(addrs=...)")
         if self.config.server_addrs:
-            return parse_server_addrs(list(self.config.server_addrs), "InferenceEngineConfig.server_addrs")
+            return parse_server_addrs(list(self.config.server_addrs), "InferenceClientConfig.server_addrs")
         env = os.environ.get(SERVER_ADDRS_ENV, "")
         found = [a for a in env.split(",") if a.strip()]
         if not found:
             raise ValueError(
-                "no inference servers: pass initialize(addrs=[...]), set InferenceEngineConfig.server_addrs, "
+                "no inference servers: pass initialize(addrs=[...]), set InferenceClientConfig.server_addrs, "
                 f"or export {SERVER_ADDRS_ENV}=host:port[,host:port...]"
             )
         return parse_server_addrs(found, f"${SERVER_ADDRS_ENV}")
@@ -166,7 +167,7 @@ class RemoteInfEngine(WeightCalls):
                 why = "; ".join(f"{a} ({health.method} {health.path}: {last.get(a, 'no reply')})" for a in pending)
                 raise ServerUnavailableError(
                     f"{len(pending)} of {len(addrs)} {self.backend.name} servers not healthy within "
-                    f"InferenceEngineConfig.setup_timeout={timeout:g}s: {why}"
+                    f"InferenceClientConfig.setup_timeout={timeout:g}s: {why}"
                 )
             await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
@@ -352,8 +353,11 @@ class RemoteInfEngine(WeightCalls):
 
 __all__ = [
     "SERVER_ADDRS_ENV",
-    "RemoteInfEngine",
+    "RemoteInferenceClient",
     "ServerPool",
     "ServerUnavailableError",
     "parse_server_addrs",
 ]
+
+if not TYPE_CHECKING:  # old names fail with the line naming the new one (tandemrl.api.renamed)
+    __getattr__ = retired_names(__name__)

@@ -1,6 +1,6 @@
 """The inference client's weight-update calls: what a weight push asks of every server.
 
-``WeightCalls`` is composed into ``RemoteInfEngine`` (``tandemrl.inference.remote``), which keeps
+``WeightCalls`` is composed into ``RemoteInferenceClient`` (``tandemrl.inference.remote``), which keeps
 generation, pause/resume and versions. Its calls load a checkpoint or a LoRA adapter from disk, or
 join, receive through and leave the trainer's weight-update group (``tandemrl.weights``); each runs
 in the background on the shared HTTP client, pausing the servers for the update (``pause_mode``) and
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from tandemrl.api.backend import InferenceBackend
 from tandemrl.api.inference import HttpRequest, ParamSpec, WeightUpdateMeta
-from tandemrl.configs.rollout import InferenceEngineConfig
+from tandemrl.configs.rollout import InferenceClientConfig
 from tandemrl.inference.http import HttpClient, InferenceServerError
 from tandemrl.inference.servers import ServerPool, ServerUnavailableError
 
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 class WeightCalls:
     """The weight-update half of the inference client (see the module docstring)."""
 
-    config: InferenceEngineConfig
+    config: InferenceClientConfig
     backend: InferenceBackend
     _state_lock: threading.Lock
     _updates_running: int  # weight updates holding the servers paused
@@ -158,7 +158,7 @@ class WeightCalls:
             raise ServerUnavailableError(self.pool.all_dead_message())
         if pause and version is None and self.config.pause_mode == "keep":
             raise ValueError(
-                "InferenceEngineConfig.pause_mode='keep' needs WeightUpdateMeta.version: the prefix cache of "
+                "InferenceClientConfig.pause_mode='keep' needs WeightUpdateMeta.version: the prefix cache of "
                 "requests sent after the update is keyed by it (a kept request's old-weight KV cannot be flushed)"
             )
         if pause:

@@ -39,13 +39,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandemrl.api.determinism import RolloutKey, rollout_key_context
 from tandemrl.api.episode import EpisodeNotes, current_notes, notes_in
+from tandemrl.api.renamed import RenamedAttribute
 from tandemrl.api.types import TensorDict
-from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
-from tandemrl.configs.rollout import InferenceEngineConfig
+from tandemrl.api.workflow import GenerationClient, RolloutWorkflow
+from tandemrl.configs.rollout import InferenceClientConfig
 from tandemrl.data.loader import cycle_batches
 from tandemrl.rollout.batches import (
     Accepted,
@@ -100,10 +101,13 @@ class _Running:
 class WorkflowExecutor:
     """Streams rollouts of submitted rows and collates accepted ones into training batches."""
 
+    if not TYPE_CHECKING:  # the old name fails with the line naming the new one (tandemrl.api.renamed)
+        inference_engine = RenamedAttribute("client")
+
     def __init__(
         self,
-        config: InferenceEngineConfig,
-        inference_engine: GenerationEngine,
+        config: InferenceClientConfig,
+        client: GenerationClient,
         consumer_batch_size: int = 1,
         deterministic: bool = False,
     ) -> None:
@@ -111,16 +115,16 @@ class WorkflowExecutor:
         ``deterministic``: see the module docstring."""
         if config.workflow_error_policy not in ERROR_POLICIES:
             raise ValueError(
-                f"InferenceEngineConfig.workflow_error_policy must be one of {ERROR_POLICIES}, "
+                f"InferenceClientConfig.workflow_error_policy must be one of {ERROR_POLICIES}, "
                 f"got {config.workflow_error_policy!r}"
             )
         self.config = config
-        self.inference_engine = inference_engine
+        self.client = client
         self.consumer_batch_size = consumer_batch_size
         self.max_concurrent_rollouts = config.concurrency(consumer_batch_size)
         self.queue_size = config.queue_size or self.max_concurrent_rollouts * 16
         if self.queue_size < 1:
-            raise ValueError(f"InferenceEngineConfig.queue_size must be positive, got {config.queue_size}")
+            raise ValueError(f"InferenceClientConfig.queue_size must be positive, got {config.queue_size}")
         self.staleness = StalenessManager(
             self.max_concurrent_rollouts, consumer_batch_size, config.max_head_offpolicyness
         )
@@ -197,15 +201,15 @@ class WorkflowExecutor:
 
     # ------------------------------------------------------------ version/pause
     def get_version(self) -> int:
-        """The weight version of the inference engine (the source of truth)."""
-        return int(self.inference_engine.get_version())
+        """The weight version of the inference client (the source of truth)."""
+        return int(self.client.get_version())
 
     def set_version(self, version: int) -> None:
         """Set the engine's version (if it differs) and re-evaluate capacity now."""
         if self.get_version() != version:
-            setter = getattr(self.inference_engine, "set_version", None)
+            setter = getattr(self.client, "set_version", None)
             if setter is None:
-                raise AttributeError(f"{type(self.inference_engine).__name__} has no set_version(); cannot set it")
+                raise AttributeError(f"{type(self.client).__name__} has no set_version(); cannot set it")
             setter(version)
         self._wake()
 
@@ -281,7 +285,7 @@ class WorkflowExecutor:
     async def _run_episode(self, task: _Task) -> tuple[TensorDict | None, bool]:
         """(trajectory or None, accepted). Records ``env_wait``, the seconds the episode waited on its
         environment (``tandemrl.api.episode.waiting``), held with the episode's other scalars."""
-        traj = await task.workflow.arun_episode(self.inference_engine, task.data)
+        traj = await task.workflow.arun_episode(self.client, task.data)
         notes = current_notes()
         stats_tracker.get(self.config.stats_name).scalar(env_wait=notes.wait_seconds if notes else 0.0)
         if traj is None:
@@ -396,7 +400,7 @@ class WorkflowExecutor:
         with self._cond:
             if len(self._input) >= self.queue_size:
                 raise queue.Full(
-                    f"rollout input queue is full ({self.queue_size} rows, InferenceEngineConfig.queue_size); "
+                    f"rollout input queue is full ({self.queue_size} rows, InferenceClientConfig.queue_size); "
                     "wait() for results before submitting more"
                 )
             task = _Task(data, workflow, should_accept_fn, tag, next(self._orders), key, pulled)
@@ -428,7 +432,7 @@ class WorkflowExecutor:
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         raise RuntimeError(
             f"rollout workflow failed: {first_line(first, with_type=True)}{more}; "
-            "set InferenceEngineConfig.workflow_error_policy='drop' to skip failed rollouts"
+            "set InferenceClientConfig.workflow_error_policy='drop' to skip failed rollouts"
         ) from first
 
     def _outstanding_locked(self, before: float = float("inf")) -> bool:
@@ -542,7 +546,7 @@ class WorkflowExecutor:
         self._check_count(batch_size, "prepare_batch")
         if self.queue_size < batch_size:
             raise ValueError(
-                f"prepare_batch: InferenceEngineConfig.queue_size={self.queue_size} is smaller than the "
+                f"prepare_batch: InferenceClientConfig.queue_size={self.queue_size} is smaller than the "
                 f"dataloader batch size {batch_size}"
             )
         if self._data_iter is None or self._data_source is not dataloader:
