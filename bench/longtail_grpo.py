@@ -25,7 +25,7 @@ def main(argv: list[str]) -> None:
     config, _ = load_config_or_exit(argv, GRPOConfig)
     min_tokens, alpha = os.environ.get("TANDEMRL_BENCH_TAIL", "16,1.2").split(",")
     trainer = RLTrainer(config, name="grpo-longtail")
-    actor = PPOActor(config.actor, trainer.actor)
+    actor = PPOActor(config.actor, trainer.actor_engine)
     workflow, eval_workflow = trainer.rlvr_workflows(
         gsm8k_reward_fn, LongTailWorkflow, min_tokens=int(min_tokens), alpha=float(alpha)
     )

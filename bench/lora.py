@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from tandemrl.algorithms.lm import LMEngine
+from tandemrl.algorithms.sft import SFTActor
 from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.configs.engine import LoRAConfig, MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from tandemrl.engines.fsdp import FSDPEngine
@@ -67,7 +67,7 @@ def main(args: argparse.Namespace) -> None:
         b = batch(vocab, step, args.rows, args.length)
         for name, e in engines.items():
             start = time.perf_counter()
-            LMEngine(e).train_lm(b)
+            SFTActor(e).train_lm(b)
             if step >= args.warmup:
                 times[name].append(time.perf_counter() - start)
     for name, e in engines.items():

@@ -1,4 +1,4 @@
-"""Rollout throughput: ``RemoteInfEngine.agenerate`` vs bare aiohttp requests to the same vLLM server.
+"""Rollout throughput: ``RemoteInferenceClient.agenerate`` vs bare aiohttp requests to the same vLLM server.
 
 Both paths send the same prompts with the same sampling parameters to
 ``/inference/v1/generate`` at the same concurrency, so the ratio is the client's overhead
@@ -137,8 +137,8 @@ def timed(coro_fn: Callable[[], Awaitable[int]]) -> tuple[int, float]:
 def run(a: argparse.Namespace) -> None:
     from transformers import AutoConfig
 
-    from tandemrl.configs.rollout import InferenceEngineConfig
-    from tandemrl.inference.remote import RemoteInfEngine
+    from tandemrl.configs.rollout import InferenceClientConfig
+    from tandemrl.inference.remote import RemoteInferenceClient
 
     server = None
     model = a.model
@@ -162,7 +162,7 @@ def run(a: argparse.Namespace) -> None:
         prompts = make_prompts(a, vocab)
         # The rollout defaults (request_retries=3: the keep-alive session that generation uses in training;
         # request_retries=0 would open a new connection per request).
-        engine = RemoteInfEngine.for_backend("vllm", InferenceEngineConfig(setup_timeout=60.0))
+        engine = RemoteInferenceClient.for_backend("vllm", InferenceClientConfig(setup_timeout=60.0))
         engine.initialize([addr])
         print(
             f"server {addr} model {model}\n{a.prompts} prompts x {a.prompt_len} tokens, {a.new_tokens} new tokens, "
@@ -171,11 +171,15 @@ def run(a: argparse.Namespace) -> None:
         # Warm-up: one small round each (connections, server-side caches).
         timed(lambda: direct_round(a, addr, prompts[: a.concurrency], "warm-direct"))
         timed(lambda: client_round(a, engine, prompts[: a.concurrency], "warm-client"))
-        rates: dict[str, list[float]] = {"direct aiohttp": [], "RemoteInfEngine": []}
+        rates: dict[str, list[float]] = {"direct aiohttp": [], "RemoteInferenceClient": []}
         expected = a.prompts * a.new_tokens
         print(f"\n{'round':>5}  {'path':<16}{'tokens':>8}{'seconds':>9}{'tok/s':>9}")
         for r in range(a.rounds):
-            for name in ("direct aiohttp", "RemoteInfEngine") if r % 2 == 0 else ("RemoteInfEngine", "direct aiohttp"):
+            for name in (
+                ("direct aiohttp", "RemoteInferenceClient")
+                if r % 2 == 0
+                else ("RemoteInferenceClient", "direct aiohttp")
+            ):
                 if name == "direct aiohttp":
                     tokens, secs = timed(lambda r=r: direct_round(a, addr, prompts, f"d{r}"))
                 else:
@@ -184,10 +188,10 @@ def run(a: argparse.Namespace) -> None:
                     raise SystemExit(f"{name} round {r}: {tokens} tokens generated, expected {expected}")
                 rates[name].append(tokens / secs)
                 print(f"{r:>5}  {name:<16}{tokens:>8}{secs:>9.2f}{tokens / secs:>9.0f}")
-        direct, client = statistics.median(rates["direct aiohttp"]), statistics.median(rates["RemoteInfEngine"])
-        print(f"\nmedian tok/s: direct aiohttp {direct:.0f}, RemoteInfEngine {client:.0f}")
-        print(f"ratio of the medians RemoteInfEngine / direct: {client / direct:.3f}")
-        paired = [c / d for c, d in zip(rates["RemoteInfEngine"], rates["direct aiohttp"], strict=True)]
+        direct, client = statistics.median(rates["direct aiohttp"]), statistics.median(rates["RemoteInferenceClient"])
+        print(f"\nmedian tok/s: direct aiohttp {direct:.0f}, RemoteInferenceClient {client:.0f}")
+        print(f"ratio of the medians RemoteInferenceClient / direct: {client / direct:.3f}")
+        paired = [c / d for c, d in zip(rates["RemoteInferenceClient"], rates["direct aiohttp"], strict=True)]
         print(f"median of the per-round ratios (back-to-back pairs): {statistics.median(paired):.3f}")
     finally:
         if engine is not None:

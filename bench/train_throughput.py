@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tandemrl.algorithms.lm import LMEngine
+from tandemrl.algorithms.sft import SFTActor
 from tandemrl.api.types import FinetuneSpec, TensorDict
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from tandemrl.engines.base import BaseTrainEngine
@@ -61,7 +61,7 @@ DEFAULT_DATA = REPO_ROOT.parent / "shared" / "data" / "gsm8k"
 HEAD_DIM = 32  # the tiny-model recipe's head size
 
 
-class PaddedLM(LMEngine):
+class PaddedLM(SFTActor):
     """The baseline: SFT on the whole right-padded [B, L] batch in one forward/backward (FSDP engine internals)."""
 
     def __init__(self, engine: FSDPEngine):
@@ -203,16 +203,16 @@ def build_engine(
     return e
 
 
-def build_methods(model: str, a: argparse.Namespace, n_steps: int) -> dict[str, LMEngine]:
+def build_methods(model: str, a: argparse.Namespace, n_steps: int) -> dict[str, SFTActor]:
     """The two interleaved methods of ``--compare``, by name."""
     if a.compare == "precision":
         return {
-            "fp32": LMEngine(build_engine(model, a, n_steps, mixed_precision=None)),
-            "bf16": LMEngine(build_engine(model, a, n_steps, mixed_precision="bfloat16")),
+            "fp32": SFTActor(build_engine(model, a, n_steps, mixed_precision=None)),
+            "bf16": SFTActor(build_engine(model, a, n_steps, mixed_precision="bfloat16")),
         }
     precision = None if a.dtype == "fp32" else a.dtype
     packed, padded = (build_engine(model, a, n_steps, mixed_precision=precision) for _ in range(2))
-    return {"packed": LMEngine(packed), "padded": PaddedLM(padded)}
+    return {"packed": SFTActor(packed), "padded": PaddedLM(padded)}
 
 
 def sync(device: torch.device) -> None:
@@ -223,7 +223,7 @@ def sync(device: torch.device) -> None:
         dist.barrier()
 
 
-def timed_step(method: LMEngine, batch: TensorDict) -> tuple[float, float]:
+def timed_step(method: SFTActor, batch: TensorDict) -> tuple[float, float]:
     sync(method.engine.device)
     t0 = time.perf_counter()
     stats = method.train_lm(batch)

@@ -101,7 +101,7 @@ def pack_seconds(engine: Any, bucket_mb: int) -> float:
 def sft_step(engine: Any, vocab: int, seed: int) -> None:
     import torch
 
-    from tandemrl.algorithms.lm import LMEngine
+    from tandemrl.algorithms.sft import SFTActor
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (8, 128), generator=g)
@@ -110,7 +110,7 @@ def sft_step(engine: Any, vocab: int, seed: int) -> None:
         "attention_mask": torch.ones_like(ids, dtype=torch.bool),
         "loss_mask": torch.ones_like(ids),
     }
-    LMEngine(engine).train_lm(batch)
+    SFTActor(engine).train_lm(batch)
 
 
 def run(a: argparse.Namespace) -> None:
@@ -118,10 +118,10 @@ def run(a: argparse.Namespace) -> None:
 
     from tandemrl.api.types import FinetuneSpec
     from tandemrl.configs.engine import OptimizerConfig, TrainEngineConfig
-    from tandemrl.configs.rollout import InferenceEngineConfig
+    from tandemrl.configs.rollout import InferenceClientConfig
     from tandemrl.engines.registry import make_engine
     from tandemrl.engines.teardown import destroy_process_groups
-    from tandemrl.inference.remote import RemoteInfEngine
+    from tandemrl.inference.remote import RemoteInferenceClient
     from tandemrl.inference.server import launch_server
     from tandemrl.inference.vllm import VLLMBackend
     from tandemrl.rollout.controller import RolloutController
@@ -144,8 +144,8 @@ def run(a: argparse.Namespace) -> None:
         n_params = sum(t.numel() for _, t in engine.iter_hf_params())
         vocab = int(engine.model_config.vocab_size)
         print(f"server healthy after {server.wait_healthy(900):.0f}s; {n_params / 1e6:.1f}M parameters", flush=True)
-        client = RemoteInfEngine.for_backend(
-            "vllm", InferenceEngineConfig(request_retries=0, setup_timeout=60.0, request_timeout=600.0)
+        client = RemoteInferenceClient.for_backend(
+            "vllm", InferenceClientConfig(request_retries=0, setup_timeout=60.0, request_timeout=600.0)
         )
         client.initialize([server.address])
         meta = collective_update(

@@ -33,14 +33,14 @@ def main(argv: list[str]) -> None:
     if config.valid_dataset is None:
         raise ValueError("valid_dataset: the learning check needs a held-out split to measure accuracy on")
     trainer = RLTrainer(config, name="grpo")
-    actor = PPOActor(config.actor, trainer.actor)
+    actor = PPOActor(config.actor, trainer.actor_engine)
     ref = trainer.reference()
     workflow, eval_workflow = trainer.rlvr_workflows(gsm8k_reward_fn)
     before = trainer.evaluate(eval_workflow, 0)
     summary = trainer.run(workflow, ppo_train_step(actor, ref=ref), eval_workflow)
     after = trainer.evaluate(eval_workflow, summary.steps)
     if dist.get_rank() == 0:
-        n = len(trainer.valid_dl.dataset) * trainer.actor.data_parallel_world_size
+        n = len(trainer.valid_dl.dataset) * trainer.actor_engine.data_parallel_world_size
         print(
             f"arith accuracy (greedy, {n} held-out problems): {before:.1%} before GRPO -> {after:.1%} after "
             f"{summary.steps} steps ({100 * (after - before):+.1f} points); GRPO {summary.seconds:.0f} s, "

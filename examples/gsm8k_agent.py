@@ -86,7 +86,7 @@ async def calculator_agent(client: Any, sample: dict[str, Any]) -> float:
 def main(argv: list[str]) -> None:
     config, _ = load_config_or_exit(argv, AgentGRPOConfig)
     trainer = RLTrainer(config, name="grpo-agent")
-    actor = PPOActor(config.actor, trainer.actor)
+    actor = PPOActor(config.actor, trainer.actor_engine)
     # config.agent is the agent section (AgentConfig: proxy and episode settings); its field `agent` names the
     # agent function, 'module:function' (agent.agent=my_pkg.agents:run on the command line); empty: this file's.
     agent = config.agent.agent or calculator_agent

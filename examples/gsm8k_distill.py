@@ -29,7 +29,7 @@ from tandemrl.workflows.distill import TeacherScoredWorkflow, connect_teacher
 def main(argv: list[str]) -> None:
     config, _ = load_config_or_exit(argv, DistillConfig)
     trainer = RLTrainer(config, name="distill")
-    actor = DistillActor(config.actor, trainer.actor)  # the algorithm on the backend's engine
+    actor = DistillActor(config.actor, trainer.actor_engine)  # the algorithm on the backend's engine
     # teacher.server_addrs if set, else the launcher's vllm[teacher] servers.
     teacher = connect_teacher(config.teacher, trainer.alloc.gen_backend, lookup=aux_server_addresses)
     workflow, eval_workflow = trainer.rlvr_workflows(gsm8k_reward_fn)

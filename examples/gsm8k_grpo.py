@@ -23,7 +23,7 @@ from tandemrl.utils.cli import run_main
 def main(argv: list[str]) -> None:
     config, _ = load_config_or_exit(argv, GRPOConfig)
     trainer = RLTrainer(config, name="grpo")
-    actor = PPOActor(config.actor, trainer.actor)  # the algorithm on the backend's engine
+    actor = PPOActor(config.actor, trainer.actor_engine)  # the algorithm on the backend's engine
     ref = trainer.reference()
     workflow, eval_workflow = trainer.rlvr_workflows(gsm8k_reward_fn)
     trainer.run(workflow, ppo_train_step(actor, ref=ref), eval_workflow)

@@ -24,7 +24,7 @@ def main(argv: list[str]) -> None:
     if not config.critic.engine.is_critic:
         raise ValueError("critic.engine.is_critic: must be true for PPO with a critic (it builds the value head)")
     trainer = RLTrainer(config, name="ppo")
-    actor = PPOActor(config.actor, trainer.actor)
+    actor = PPOActor(config.actor, trainer.actor_engine)
     ref = trainer.reference()
     critic = PPOCritic(config.critic, trainer.add_engine(config.critic.engine, "critic.engine"))
     workflow, eval_workflow = trainer.rlvr_workflows(gsm8k_reward_fn)

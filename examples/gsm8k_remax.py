@@ -5,7 +5,7 @@
 
 A workflow plus an algorithm (docs/customize_algorithm.md): ``ReMaxRLVRWorkflow`` generates
 n sampled and one greedy completion per prompt and rewards each sample with
-``r(sample) - r(greedy)``; ``ReinforceActor(trainer.actor, config.actor).train_reinforce`` (on the
+``r(sample) - r(greedy)``; ``ReinforceActor(config.actor, trainer.actor_engine).train_reinforce`` (on the
 engine of the backend in allocation_mode) takes one step of ``-w * A * log p`` per batch, with log p
 at the sampling temperature (``actor.temperature``) under the sampler's truncation (the replay) and
 ``w`` the off-policy correction's weight (``actor.offpolicy_correction``, default token TIS).
@@ -27,7 +27,7 @@ def main(argv: list[str]) -> None:
     config, _ = load_config_or_exit(argv, GRPOConfig)
     trainer = RLTrainer(config, name="remax")
     workflow, eval_workflow = trainer.rlvr_workflows(gsm8k_reward_fn, workflow_cls=ReMaxRLVRWorkflow)
-    trainer.run(workflow, reinforce_train_step(ReinforceActor(trainer.actor, config.actor)), eval_workflow)
+    trainer.run(workflow, reinforce_train_step(ReinforceActor(config.actor, trainer.actor_engine)), eval_workflow)
     trainer.close()
 
 

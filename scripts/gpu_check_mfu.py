@@ -140,7 +140,7 @@ def run_mfu(out_dir: str, cpu: bool) -> dict[str, Any]:
     """Measure the peak, then time FSDP2 bf16 training steps of the MFU model; returns the figures."""
     import torch.distributed as dist
 
-    from tandemrl.algorithms.lm import LMEngine
+    from tandemrl.algorithms.sft import SFTActor
     from tandemrl.api.types import FinetuneSpec
     from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
     from tandemrl.engines.fsdp import FSDPEngine
@@ -156,7 +156,7 @@ def run_mfu(out_dir: str, cpu: bool) -> dict[str, Any]:
         optimizer=OptimizerConfig(lr=1e-5, gradient_clipping=1.0),
     )
     engine = FSDPEngine(cfg)
-    sft = LMEngine(engine)
+    sft = SFTActor(engine)
     engine.create_process_group()
     device = engine.device
     peak = matmul_peak_tflops(device, shape.peak_n)

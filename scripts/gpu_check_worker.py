@@ -72,7 +72,7 @@ def run_sft(backend: str, model: str) -> dict[str, Any]:
     """``steps`` optimizer steps on one fixed batch (so the loss must fall); losses, grad norms, s/step."""
     from parity_checks import apply_overrides, dp_slice
 
-    from tandemrl.algorithms.lm import LMEngine
+    from tandemrl.algorithms.sft import SFTActor
     from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 
     prefix, fields, steps = SFT[backend]
@@ -81,7 +81,7 @@ def run_sft(backend: str, model: str) -> dict[str, Any]:
     cfg.optimizer = OptimizerConfig(lr=SFT_LR, gradient_clipping=1.0)
     apply_overrides(cfg, fields)
     engine = build_engine(f"{prefix}:d{world}", cfg, steps)
-    sft = LMEngine(engine)
+    sft = SFTActor(engine)
     batch = dp_slice(engine, sft_batch(engine.model_config.vocab_size, seed=11, n=8 * world))
     losses, norms, times = [], [], []
     for _ in range(steps):

@@ -25,8 +25,8 @@ from tandemrl.api.inference import ModelRequest, ModelResponse
 from tandemrl.configs.agent import AgentConfig
 from tandemrl.configs.engine import TrainEngineConfig
 from tandemrl.configs.ppo import PPOActorConfig
-from tandemrl.configs.rollout import GenerationHyperparameters, InferenceEngineConfig
-from tandemrl.inference.remote import RemoteInfEngine
+from tandemrl.configs.rollout import GenerationHyperparameters, InferenceClientConfig
+from tandemrl.inference.remote import RemoteInferenceClient
 from tandemrl.utils import stats_tracker
 from tandemrl.workflows.agent import AgentWorkflow, turn_returns
 from tandemrl.workflows.proxy import AgentProxy
@@ -75,7 +75,7 @@ def forced(regex: str) -> dict[str, Any]:
 class Tap:
     """Forwards to the real engine and keeps each request's prompt and response (ground truth)."""
 
-    def __init__(self, engine: RemoteInfEngine) -> None:
+    def __init__(self, engine: RemoteInferenceClient) -> None:
         self.engine = engine
         self.calls: list[tuple[list[int], ModelResponse]] = []
 
@@ -90,7 +90,7 @@ class Tap:
 
 @pytest.fixture(scope="module")
 def engine(vllm_server: Any) -> Any:
-    eng = RemoteInfEngine.for_backend("vllm", InferenceEngineConfig(request_retries=1, setup_timeout=60))
+    eng = RemoteInferenceClient.for_backend("vllm", InferenceClientConfig(request_retries=1, setup_timeout=60))
     eng.initialize([vllm_server.proc.address])
     eng.set_version(3)  # tokens the server leaves unlabelled carry it
     yield eng

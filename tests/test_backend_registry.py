@@ -18,11 +18,11 @@ from types import ModuleType
 import pytest
 
 from tandemrl.api.allocation import AllocationValidationError
-from tandemrl.configs import GRPOConfig, InferenceEngineConfig
+from tandemrl.configs import GRPOConfig, InferenceClientConfig
 from tandemrl.configs.experiment import parsed_allocation
 from tandemrl.engines import registry as engine_registry
 from tandemrl.inference import registry as inference_registry
-from tandemrl.inference.remote import RemoteInfEngine
+from tandemrl.inference.remote import RemoteInferenceClient
 from tandemrl.launchers.launch_config import read_launch_spec
 from tandemrl.trainers.entry import load_config, parse_allocation
 
@@ -100,7 +100,7 @@ def test_loader_launcher_and_client_take_the_toy_backend(toy: ModuleType, tmp_pa
     )
     assert spec.allocation.gen_backend == "toy" and spec.server_extra == {"max_num_seqs": 4}
 
-    client = RemoteInfEngine.for_backend(alloc.gen_backend, InferenceEngineConfig(setup_timeout=5.0))
+    client = RemoteInferenceClient.for_backend(alloc.gen_backend, InferenceClientConfig(setup_timeout=5.0))
     assert isinstance(client.backend, toy.ToyBackend)
     assert client.backend.build_health().path == "/toy_health"
 
@@ -109,4 +109,4 @@ def test_unregistered_backend_is_named_with_the_registered_ones() -> None:
     with pytest.raises(AllocationValidationError, match=r"unknown backend 'toy' in 'toy:d1'; expected one of .*'vllm'"):
         parse_allocation("toy:d1+fsdp:d1")
     with pytest.raises(ValueError, match=r"unknown inference backend 'toy'"):
-        RemoteInfEngine.for_backend("toy", InferenceEngineConfig())
+        RemoteInferenceClient.for_backend("toy", InferenceClientConfig())

@@ -17,9 +17,9 @@ import pytest
 from test_launcher import _grpo_args, _run
 
 from tandemrl.api.inference import HttpRequest, ModelRequest, ModelResponse
-from tandemrl.configs.rollout import InferenceEngineConfig
+from tandemrl.configs.rollout import InferenceClientConfig
 from tandemrl.inference.http import HttpClient
-from tandemrl.inference.remote import RemoteInfEngine
+from tandemrl.inference.remote import RemoteInferenceClient
 from tandemrl.inference.request_log import read_request_log
 from tandemrl.inference.sglang import SGLangBackend
 from tandemrl.inference.vllm import VLLMBackend
@@ -135,7 +135,7 @@ def test_sleep_holds_generation_until_wake_up_on_real_vllm(vllm_server) -> None:
     """Level 1 (the GPU level; a CPU worker keeps its memory) aborts the running request, the server
     reports it is sleeping, and after wake_up the request finishes with its full length."""
     client = PathsClient()
-    engine = RemoteInfEngine.for_backend("vllm", InferenceEngineConfig(setup_timeout=60), http_client=client)
+    engine = RemoteInferenceClient.for_backend("vllm", InferenceClientConfig(setup_timeout=60), http_client=client)
     engine.initialize([vllm_server.proc.address])
     n, prompt = 32, [9, 31, 77, 5, 120, 64]
     req = ModelRequest(input_ids=list(prompt), metadata={"ignore_eos": True})

@@ -20,7 +20,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from tandemrl.api.determinism import RolloutKey, request_seed, rollout_key_context, sample_seed
 from tandemrl.api.inference import ModelRequest, ModelResponse
-from tandemrl.configs.rollout import GenerationHyperparameters, InferenceEngineConfig
+from tandemrl.configs.rollout import GenerationHyperparameters, InferenceClientConfig
 from tandemrl.data.loader import collate_as_list
 from tandemrl.inference.sglang import SGLangBackend
 from tandemrl.inference.vllm import VLLMBackend
@@ -126,7 +126,7 @@ def _rows(n: int) -> list[dict[str, Any]]:
 
 
 def _executor(engine: SeededEngine, k: int, bsz: int) -> WorkflowExecutor:
-    ex = WorkflowExecutor(InferenceEngineConfig(max_head_offpolicyness=k), engine, bsz, deterministic=True)
+    ex = WorkflowExecutor(InferenceClientConfig(max_head_offpolicyness=k), engine, bsz, deterministic=True)
     ex.initialize()
     return ex
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 from vllm_server import VLLMTestServer, load_hf, perturbed_model
 
-from tandemrl.configs.rollout import GenerationHyperparameters, InferenceEngineConfig
+from tandemrl.configs.rollout import GenerationHyperparameters, InferenceClientConfig
 from tandemrl.inference.backend import BadServerPayload
-from tandemrl.inference.remote import RemoteInfEngine
+from tandemrl.inference.remote import RemoteInferenceClient
 from tandemrl.inference.sglang import SGLangBackend
 from tandemrl.inference.vllm import VLLMBackend
 from tandemrl.models.hf import load_hf_tokenizer
@@ -57,12 +57,12 @@ def test_sglang_prompt_logprobs_request_and_reply_not_run_against_real_server() 
 def test_teacher_addresses_come_from_config_or_lookup_never_the_policy_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEMRL_LLM_SERVER_ADDRS", "127.0.0.1:9")  # the student's servers: never used
     with pytest.raises(ValueError, match=r"^teacher\.server_addrs: empty") as exc:
-        teacher_addresses(InferenceEngineConfig())
+        teacher_addresses(InferenceClientConfig())
     assert "\n" not in str(exc.value)
-    assert teacher_addresses(InferenceEngineConfig(server_addrs=["h:1"])) == ["h:1"]
-    assert teacher_addresses(InferenceEngineConfig(), lookup=lambda name: {"teacher": ["h:2"]}[name]) == ["h:2"]
+    assert teacher_addresses(InferenceClientConfig(server_addrs=["h:1"])) == ["h:1"]
+    assert teacher_addresses(InferenceClientConfig(), lookup=lambda name: {"teacher": ["h:2"]}[name]) == ["h:2"]
     with pytest.raises(ValueError, match="teacher.server_addrs"):
-        teacher_addresses(InferenceEngineConfig(server_addrs=["nohostport"]))
+        teacher_addresses(InferenceClientConfig(server_addrs=["nohostport"]))
 
 
 # ------------------------------------------------------------------ a real vLLM server as the teacher
@@ -71,8 +71,8 @@ def _addr(server: VLLMTestServer) -> str:
 
 
 @pytest.fixture(scope="module")
-def teacher(vllm_server: VLLMTestServer) -> Iterator[RemoteInfEngine]:
-    client = connect_teacher(InferenceEngineConfig(server_addrs=[_addr(vllm_server)], setup_timeout=60.0))
+def teacher(vllm_server: VLLMTestServer) -> Iterator[RemoteInferenceClient]:
+    client = connect_teacher(InferenceClientConfig(server_addrs=[_addr(vllm_server)], setup_timeout=60.0))
     yield client
     client.destroy()
 
@@ -84,7 +84,7 @@ def _hf_logprobs(model: torch.nn.Module, ids: list[int]) -> list[float]:
     return lp[:-1].gather(-1, x[0, 1:, None]).squeeze(-1).tolist()
 
 
-def test_teacher_logprobs_match_transformers(vllm_server: VLLMTestServer, teacher: RemoteInfEngine) -> None:
+def test_teacher_logprobs_match_transformers(vllm_server: VLLMTestServer, teacher: RemoteInferenceClient) -> None:
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(3, 1000, (12,), generator=g).tolist()
     ids = prompt + vllm_server.generate(prompt, 20).output_tokens  # a prompt and what a policy sampled
@@ -103,12 +103,12 @@ def _reward(**_: Any) -> float:
 
 
 def test_teacher_scored_workflow_adds_teacher_logprobs_on_generated_tokens(
-    vllm_server: VLLMTestServer, teacher: RemoteInfEngine
+    vllm_server: VLLMTestServer, teacher: RemoteInferenceClient
 ) -> None:
     """Student and teacher are the same model here, so at temperature 1 the teacher's logprobs of
     the sampled tokens equal the sampler's own (up to bf16 batch effects): reverse KL ~ 0."""
-    student = RemoteInfEngine.for_backend(
-        "vllm", InferenceEngineConfig(server_addrs=[_addr(vllm_server)], setup_timeout=60.0)
+    student = RemoteInferenceClient.for_backend(
+        "vllm", InferenceClientConfig(server_addrs=[_addr(vllm_server)], setup_timeout=60.0)
     )
     student.initialize()
     gconfig = GenerationHyperparameters(n_samples=3, max_new_tokens=12, temperature=1.0)

@@ -81,7 +81,7 @@ def test_paired_change_counts_gained_and_lost_questions_with_exact_mcnemar_p() -
 
 
 class _CannedEngine:
-    """In-process GenerationEngine: answers row i's prompt with ``answers[i]``; holds each request
+    """In-process GenerationClient: answers row i's prompt with ``answers[i]``; holds each request
     until ``hold_until`` requests are in flight together (bounded wait), and records the peak."""
 
     def __init__(self, tokenizer: Any, prompts: list[list[int]], answers: list[str], hold_until: int) -> None:

@@ -22,8 +22,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from tandemrl.api.inference import ModelRequest, ModelResponse
 from tandemrl.api.types import TensorDict
-from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
-from tandemrl.configs.rollout import InferenceEngineConfig
+from tandemrl.api.workflow import GenerationClient, RolloutWorkflow
+from tandemrl.configs.rollout import InferenceClientConfig
 from tandemrl.data.batch import concat_padded_tensors
 from tandemrl.data.loader import collate_as_list
 from tandemrl.rollout.executor import WorkflowExecutor
@@ -78,7 +78,7 @@ class ToyWorkflow(RolloutWorkflow):
     def __init__(self, fail_ids: set[int] | None = None) -> None:
         self.fail_ids = fail_ids or set()
 
-    async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> TensorDict | None:
+    async def arun_episode(self, engine: GenerationClient, data: dict[str, Any]) -> TensorDict | None:
         pid = int(data["id"])
         if pid in self.fail_ids:
             raise ValueError(f"boom on row {pid}")
@@ -98,7 +98,7 @@ def mixed_rewards(traj: TensorDict) -> bool:
 
 def make_executor(k: int = 0, bsz: int = 4, max_conc: int | None = None, **cfg: Any) -> tuple[WorkflowExecutor, Any]:
     engine = RandomDelayEngine(seed=k)
-    config = InferenceEngineConfig(max_head_offpolicyness=k, max_concurrent_rollouts=max_conc, **cfg)
+    config = InferenceClientConfig(max_head_offpolicyness=k, max_concurrent_rollouts=max_conc, **cfg)
     ex = WorkflowExecutor(config, engine, consumer_batch_size=bsz)
     ex.initialize()
     return ex, engine
@@ -266,7 +266,7 @@ def test_unset_concurrency_runs_all_the_staleness_bound_allows() -> None:
 class RecordingWorkflow(ToyWorkflow):
     """ToyWorkflow that records its row's id as the scalar ``rollout/episode_id``."""
 
-    async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> TensorDict | None:
+    async def arun_episode(self, engine: GenerationClient, data: dict[str, Any]) -> TensorDict | None:
         stats_tracker.get("rollout").scalar(episode_id=float(data["id"]))
         return await super().arun_episode(engine, data)
 
@@ -351,12 +351,12 @@ def test_drop_policy_skips_failed_rollouts() -> None:
 
 def test_invalid_error_policy_is_rejected() -> None:
     with pytest.raises(ValueError, match="workflow_error_policy"):
-        WorkflowExecutor(InferenceEngineConfig(workflow_error_policy="ignore"), RandomDelayEngine())
+        WorkflowExecutor(InferenceClientConfig(workflow_error_policy="ignore"), RandomDelayEngine())
 
 
 def test_workflow_returning_junk_is_a_clear_error() -> None:
     class Junk(RolloutWorkflow):
-        async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> Any:
+        async def arun_episode(self, engine: GenerationClient, data: dict[str, Any]) -> Any:
             return [1, 2, 3]
 
     ex, _ = make_executor()
@@ -415,7 +415,7 @@ def test_destroy_stops_the_thread_with_episodes_running() -> None:
 
 
 def test_submit_before_initialize_is_a_clear_error() -> None:
-    ex = WorkflowExecutor(InferenceEngineConfig(), RandomDelayEngine())
+    ex = WorkflowExecutor(InferenceClientConfig(), RandomDelayEngine())
     with pytest.raises(RuntimeError, match="initialize"):
         ex.submit({"id": 0}, ToyWorkflow())
 

@@ -12,7 +12,7 @@ from test_launcher import _grpo_args, _run
 
 from tandemrl.api.episode import note_failure
 from tandemrl.api.types import TensorDict
-from tandemrl.api.workflow import GenerationEngine
+from tandemrl.api.workflow import GenerationClient
 from tandemrl.rollout.failure_budget import FailureBudget, FailureBudgetExceeded
 
 
@@ -50,7 +50,7 @@ def test_a_share_of_zero_stops_at_the_first_drop_of_a_full_window() -> None:
 class AlwaysFailing(ToyWorkflow):
     """Every episode notes a reward failure and drops its group."""
 
-    async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> TensorDict | None:
+    async def arun_episode(self, engine: GenerationClient, data: dict[str, Any]) -> TensorDict | None:
         await super().arun_episode(engine, data)
         note_failure("reward raised ZeroDivisionError", "reward function bad raised ZeroDivisionError: boom")
         return None

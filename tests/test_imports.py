@@ -12,7 +12,7 @@ def test_import_leaves_heavy_backends_out() -> None:
     code = (
         "import sys, tandemrl, tandemrl.engines, tandemrl.configs, tandemrl.utils, tandemrl.data, tandemrl.models;"
         "import tandemrl.engines.fsdp, tandemrl.engines.registry, tandemrl.utils.stats_tracker, tandemrl.api.allocation;"
-        "import tandemrl.algorithms.ppo, tandemrl.algorithms.lm, tandemrl.algorithms.reinforce;"
+        "import tandemrl.algorithms.ppo, tandemrl.algorithms.sft, tandemrl.algorithms.reinforce;"
         # Launcher modules load their backends (ray...) only when they run.
         "import tandemrl.launchers.local, tandemrl.launchers.ray, tandemrl.launchers.slurm, tandemrl.launchers.serve;"
         f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))"

@@ -216,7 +216,7 @@ def test_vllm_control_requests() -> None:
     assert b.build_pause("keep").path == "/pause?mode=keep&clear_cache=false"
     with pytest.raises(ValueError) as exc:
         b.build_pause("wait")  # type: ignore[arg-type]
-    assert_one_line_error(exc, "InferenceEngineConfig.pause_mode", "vllm")
+    assert_one_line_error(exc, "InferenceClientConfig.pause_mode", "vllm")
     assert (resume.method, resume.path) == ("POST", "/resume")
     assert (health.method, health.path) == ("GET", "/health")
     assert (b.build_version_get().method, b.build_version_get().path) == ("GET", "/weight_info")
@@ -516,7 +516,7 @@ def test_sglang_control_requests_not_run_against_real_server() -> None:
     b = SGLangBackend(control_timeout=9.0)
     with pytest.raises(ValueError) as exc:
         b.build_pause("keep")
-    assert_one_line_error(exc, "InferenceEngineConfig.pause_mode", "sglang")
+    assert_one_line_error(exc, "InferenceClientConfig.pause_mode", "sglang")
     pause = b.build_pause()
     assert (pause.method, pause.path, pause.json, pause.timeout) == (
         "POST",

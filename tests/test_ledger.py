@@ -16,7 +16,7 @@ from test_executor import N_SAMPLES, make_executor, make_loader, mixed_rewards, 
 from tandemrl.api.episode import note_generated
 from tandemrl.api.inference import ModelRequest
 from tandemrl.api.types import TensorDict
-from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
+from tandemrl.api.workflow import GenerationClient, RolloutWorkflow
 from tandemrl.data.batch import concat_padded_tensors
 from tandemrl.rollout.ledger import REASONS, Ledger, LedgerError, LedgerTotals, Tally
 from tandemrl.workflows.rlvr import completion_row
@@ -127,7 +127,7 @@ class EveryFateWorkflow(RolloutWorkflow):
         self.generated: list[tuple[str, Tally]] = []
         self._lock = threading.Lock()
 
-    async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> TensorDict | None:
+    async def arun_episode(self, engine: GenerationClient, data: dict[str, Any]) -> TensorDict | None:
         pid = int(data["id"])
         prompt = [pid, 7, 8]
         resps = await asyncio.gather(*[engine.agenerate(ModelRequest(input_ids=prompt)) for _ in range(N_SAMPLES)])
@@ -183,7 +183,7 @@ class FailsAfterAnAcceptedRow(EveryFateWorkflow):
         super().__init__()
         self.returned = threading.Event()
 
-    async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> TensorDict | None:
+    async def arun_episode(self, engine: GenerationClient, data: dict[str, Any]) -> TensorDict | None:
         while int(data["id"]) % 4 == 0 and not self.returned.is_set():
             await asyncio.sleep(0.002)
         traj = await super().arun_episode(engine, data)
@@ -254,7 +254,7 @@ def test_rlvr_groups_dropped_for_a_failed_reward_are_counted_with_their_tokens(t
 
     engine = ScriptedEngine(tokenizer, cycle_texts(["#### 72"]))
     ex, _ = make_executor(k=0, bsz=2, max_conc=2)
-    ex.inference_engine = engine
+    ex.client = engine
     wf = RLVRWorkflow(reward, GenerationHyperparameters(n_samples=2), tokenizer, stat_scope="test-ledger-rlvr")
     try:  # the dropped row is replaced by the next one round-robin: the good row again
         batch = ex.rollout_batch([row(), row(answer="none")], wf, timeout=30)

@@ -1,8 +1,8 @@
-"""A request in flight at a weight update, in both ``InferenceEngineConfig.pause_mode`` s (the session vLLM
+"""A request in flight at a weight update, in both ``InferenceClientConfig.pause_mode`` s (the session vLLM
 server, all ``slow``).
 
 One greedy request is held by the server after ``K`` tokens (tests/vllm_gate.py), the weights are
-updated through ``RemoteInfEngine`` (from disk, or by a collective broadcast) while it is held, and it
+updated through ``RemoteInferenceClient`` (from disk, or by a collective broadcast) while it is held, and it
 is let go. In both modes it finishes with all ``N`` tokens, the tokens before the update on the old
 weights' greedy path and labelled version 0, the rest labelled 1. What differs:
 
@@ -35,7 +35,7 @@ from test_stale_kv import generate as salted
 from vllm_server import VLLMTestServer, load_hf, perturbed_model
 
 from tandemrl.api.inference import ModelRequest, WeightUpdateMeta
-from tandemrl.inference.remote import RemoteInfEngine
+from tandemrl.inference.remote import RemoteInferenceClient
 
 K = 6  # tokens granted before the update
 N = K + 8  # tokens the request asks for
@@ -43,14 +43,14 @@ TOL = 0.5  # bf16 server vs fp32 reference, max |logprob diff| (measured up to 0
 
 
 @contextlib.contextmanager
-def by_disk(engine: RemoteInfEngine, new: torch.nn.Module, out: Path) -> Iterator[Callable[[], None]]:
+def by_disk(engine: RemoteInferenceClient, new: torch.nn.Module, out: Path) -> Iterator[Callable[[], None]]:
     """Yields the update: ``new`` saved to ``out`` and loaded, labelled version 1."""
     new.save_pretrained(out)
     yield lambda: engine.update_weights_from_disk(WeightUpdateMeta(type="disk", path=str(out), version=1)).result()
 
 
 def by_broadcast(
-    engine: RemoteInfEngine, new: torch.nn.Module, out: Path
+    engine: RemoteInferenceClient, new: torch.nn.Module, out: Path
 ) -> contextlib.AbstractContextManager[Callable[[], None]]:
     """Yields the update: ``new`` broadcast over a group joined beforehand (so only the update itself
     reaches the server while the request is held)."""

@@ -13,7 +13,7 @@ from test_executor import ToyWorkflow, make_executor, wait_until
 from tandemrl.api import episode
 from tandemrl.api.episode import note_waited, waiting
 from tandemrl.api.types import TensorDict
-from tandemrl.api.workflow import GenerationEngine
+from tandemrl.api.workflow import GenerationClient
 from tandemrl.trainers.pipeline_metrics import oldest_version_lag, pipeline_shares, record_staleness
 from tandemrl.utils import stats_tracker
 
@@ -55,7 +55,7 @@ def test_staleness_counts_each_sample_at_its_oldest_token_weighted_by_tokens() -
 class WaitingWorkflow(ToyWorkflow):
     """Reports 1.5 s of tool wait for its row, then 2.5 s through ``waiting()`` on a stepped clock."""
 
-    async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> TensorDict | None:
+    async def arun_episode(self, engine: GenerationClient, data: dict[str, Any]) -> TensorDict | None:
         note_waited(1.5)
         with waiting():
             await asyncio.sleep(0)

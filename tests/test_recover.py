@@ -26,7 +26,7 @@ from test_executor import RandomDelayEngine, ToyWorkflow
 from utils import REPO_ROOT, is_torchrun
 
 from tandemrl.configs.data import DatasetConfig
-from tandemrl.configs.rollout import InferenceEngineConfig
+from tandemrl.configs.rollout import InferenceClientConfig
 from tandemrl.configs.utils import RecoverConfig
 from tandemrl.data.gsm8k import get_gsm8k_rl_dataset
 from tandemrl.data.loader import collate_as_list, create_dataloader, cycle_batches, dataset_from_config
@@ -330,7 +330,7 @@ def _executor(k: int, version: int = 0) -> tuple[WorkflowExecutor, RandomDelayEn
     """An executor as a trainer resumed at ``version`` has it (servers at that version, capacity from it)."""
     engine = RandomDelayEngine(seed=k)
     engine.set_version(version)
-    ex = WorkflowExecutor(InferenceEngineConfig(max_head_offpolicyness=k), engine, consumer_batch_size=BSZ)
+    ex = WorkflowExecutor(InferenceClientConfig(max_head_offpolicyness=k), engine, consumer_batch_size=BSZ)
     ex.staleness.set_base_version(version)
     ex.initialize()
     return ex, engine

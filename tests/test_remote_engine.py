@@ -1,4 +1,4 @@
-"""RemoteInfEngine and the shared HTTP client against real HTTP servers on loopback.
+"""RemoteInferenceClient and the shared HTTP client against real HTTP servers on loopback.
 
 ``FakeVLLM`` is an in-process aiohttp server speaking the shapes of vLLM's
 ``/inference/v1/generate``, ``/pause``, ``/resume``, ``/health`` and weight routes: a
@@ -23,13 +23,13 @@ from aiohttp import web
 from utils import free_port
 
 from tandemrl.api.inference import HttpRequest, ModelRequest, ModelResponse, ParamSpec, WeightUpdateMeta
-from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
-from tandemrl.configs.rollout import InferenceEngineConfig
+from tandemrl.api.workflow import GenerationClient, RolloutWorkflow
+from tandemrl.configs.rollout import InferenceClientConfig
 from tandemrl.inference import http as http_module
 from tandemrl.inference.http import MAX_BACKOFF, HttpClient, InferenceServerError, retry_delay, send, send_sync
 from tandemrl.inference.remote import (
     SERVER_ADDRS_ENV,
-    RemoteInfEngine,
+    RemoteInferenceClient,
     ServerUnavailableError,
 )
 from tandemrl.rollout.executor import WorkflowExecutor
@@ -263,11 +263,11 @@ def servers():
 
 @pytest.fixture
 def engines():
-    made: list[RemoteInfEngine] = []
+    made: list[RemoteInferenceClient] = []
 
-    def make(addrs: list[str] | None, **cfg: Any) -> RemoteInfEngine:
+    def make(addrs: list[str] | None, **cfg: Any) -> RemoteInferenceClient:
         defaults: dict[str, Any] = {"request_retries": 2, "request_backoff": 0.02, "setup_timeout": 5.0}
-        engine = RemoteInfEngine.for_backend("vllm", InferenceEngineConfig(**{**defaults, **cfg}))
+        engine = RemoteInferenceClient.for_backend("vllm", InferenceClientConfig(**{**defaults, **cfg}))
         made.append(engine)
         engine.initialize(addrs)
         return engine
@@ -285,7 +285,7 @@ def make_req(max_new_tokens: int, rid: str | None = None, prompt: list[int] = PR
     return req
 
 
-def generate_all(engine: RemoteInfEngine, reqs: list[ModelRequest]) -> list[ModelResponse]:
+def generate_all(engine: RemoteInferenceClient, reqs: list[ModelRequest]) -> list[ModelResponse]:
     async def run() -> list[ModelResponse]:
         return list(await asyncio.gather(*(engine.agenerate(r) for r in reqs)))
 
@@ -371,19 +371,19 @@ def test_discovery_from_env_var(servers, engines, monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setenv(SERVER_ADDRS_ENV, f"{a.addr},localhost")
     with pytest.raises(ValueError) as exc:
-        RemoteInfEngine.for_backend("vllm", InferenceEngineConfig()).initialize()
+        RemoteInferenceClient.for_backend("vllm", InferenceClientConfig()).initialize()
     assert f"${SERVER_ADDRS_ENV}" in str(exc.value) and "'localhost'" in str(exc.value)
 
     monkeypatch.delenv(SERVER_ADDRS_ENV)
     with pytest.raises(ValueError, match=SERVER_ADDRS_ENV):
-        RemoteInfEngine.for_backend("vllm", InferenceEngineConfig()).initialize()
+        RemoteInferenceClient.for_backend("vllm", InferenceClientConfig()).initialize()
 
 
 def test_health_check_failure_names_unreachable_servers(servers) -> None:
     good, sick = servers(2)
     sick.health_status = 503
     missing = f"127.0.0.1:{free_port()}"
-    engine = RemoteInfEngine.for_backend("vllm", InferenceEngineConfig(setup_timeout=1.0))
+    engine = RemoteInferenceClient.for_backend("vllm", InferenceClientConfig(setup_timeout=1.0))
     with pytest.raises(ServerUnavailableError) as exc:
         engine.initialize([good.addr, sick.addr, missing])
     msg = str(exc.value)
@@ -585,12 +585,12 @@ def test_pause_generation_holds_requests_until_continue(servers, engines) -> Non
 
 
 def test_pause_mode_bad_values_are_one_line_errors_naming_the_field(servers, engines) -> None:
-    with pytest.raises(ValueError, match="InferenceEngineConfig.pause_mode") as exc:
-        RemoteInfEngine.for_backend("vllm", InferenceEngineConfig(pause_mode="hold"))
+    with pytest.raises(ValueError, match="InferenceClientConfig.pause_mode") as exc:
+        RemoteInferenceClient.for_backend("vllm", InferenceClientConfig(pause_mode="hold"))
     assert "\n" not in str(exc.value)
-    with pytest.raises(ValueError, match="InferenceEngineConfig.pause_mode='keep' is not supported") as exc:
-        RemoteInfEngine.for_backend(
-            "sglang", InferenceEngineConfig(pause_mode="keep")
+    with pytest.raises(ValueError, match="InferenceClientConfig.pause_mode='keep' is not supported") as exc:
+        RemoteInferenceClient.for_backend(
+            "sglang", InferenceClientConfig(pause_mode="keep")
         )  # refused before any server is asked
     assert "\n" not in str(exc.value)
     (srv,) = servers(1)
@@ -644,8 +644,8 @@ def test_collective_update_rank_offsets_and_bucket_sequence(servers, engines) ->
 def test_collective_update_one_request_per_bucket_for_sglang(servers) -> None:
     """A backend without multi-bucket receive (SGLang) gets one request per bucket, in broadcast order."""
     (srv,) = servers(1)
-    config = InferenceEngineConfig(request_retries=0, setup_timeout=5.0)
-    engine = RemoteInfEngine.for_backend("sglang", config)
+    config = InferenceClientConfig(request_retries=0, setup_timeout=5.0)
+    engine = RemoteInferenceClient.for_backend("sglang", config)
     engine.initialize([srv.addr])
     try:
         assert engine.backend.multi_bucket_collective is False
@@ -675,7 +675,7 @@ def test_collective_update_one_request_per_bucket_for_sglang(servers) -> None:
 
 
 class EchoWorkflow(RolloutWorkflow):
-    async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> dict[str, torch.Tensor]:
+    async def arun_episode(self, engine: GenerationClient, data: dict[str, Any]) -> dict[str, torch.Tensor]:
         resp = await engine.agenerate(make_req(4, prompt=[int(data["id"]) + 1, 2, 3]))
         ids = resp.input_tokens + resp.output_tokens
         return {
@@ -688,7 +688,7 @@ def test_executor_drives_the_client(servers, engines) -> None:
     """The client owns no executor; a WorkflowExecutor over it rolls out, pauses and follows its version."""
     (srv,) = servers(1)
     engine = engines([srv.addr])
-    assert not hasattr(engine, "executor") and not hasattr(RemoteInfEngine, "rollout_batch")
+    assert not hasattr(engine, "executor") and not hasattr(RemoteInferenceClient, "rollout_batch")
     executor = WorkflowExecutor(engine.config, engine, consumer_batch_size=3)
     executor.initialize()
     try:
@@ -731,8 +731,8 @@ def test_agenerate_against_real_vllm(vllm_server) -> None:
     grants one, so the pause always interrupts it mid-decode, on any machine and any load.
     """
     client = CountingClient()
-    config = InferenceEngineConfig(request_retries=1, request_backoff=0.1, setup_timeout=60)
-    engine = RemoteInfEngine.for_backend("vllm", config, http_client=client)
+    config = InferenceClientConfig(request_retries=1, request_backoff=0.1, setup_timeout=60)
+    engine = RemoteInferenceClient.for_backend("vllm", config, http_client=client)
     engine.initialize([vllm_server.proc.address])
     try:
         n = 64

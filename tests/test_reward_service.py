@@ -20,7 +20,7 @@ from test_workflows import ScriptedEngine, cycle_texts, row
 from tandemrl.api.aux_servers import AUX_SERVERS_ENV, aux_server_addresses, format_aux_addresses
 from tandemrl.configs import GRPOConfig
 from tandemrl.configs.loader import ConfigError
-from tandemrl.configs.rollout import GenerationHyperparameters, InferenceEngineConfig
+from tandemrl.configs.rollout import GenerationHyperparameters, InferenceClientConfig
 from tandemrl.configs.services import RewardServiceConfig
 from tandemrl.inference.reward_service import RemoteReward
 from tandemrl.launchers.common import refuse_aux_servers
@@ -127,7 +127,7 @@ def test_timeouts_are_retried_then_drop_the_group_and_the_batch_goes_on(server: 
     cfg = RewardServiceConfig(url=server.url, timeout=0.5, retries=2, backoff=0.01, max_concurrency=8)
     reward = RemoteReward(cfg, stat_scope="svc")
     engine = ScriptedEngine(tokenizer, cycle_texts(["so #### 72"]))
-    ex = WorkflowExecutor(InferenceEngineConfig(max_head_offpolicyness=0), engine, consumer_batch_size=3)
+    ex = WorkflowExecutor(InferenceClientConfig(max_head_offpolicyness=0), engine, consumer_batch_size=3)
     ex.initialize()
     rows = [row("ok", "#### 72"), row("hang", "#### 72"), row("flaky", "#### 72")]
     try:

@@ -3,7 +3,7 @@
 vLLM's prefix cache keys a KV block by its tokens, not by the weights that computed it: a prompt
 whose first block was cached before an update would, without a flush, be served from old-weight
 KV after it. Each test caches such a prefix under the original weights (and checks that a request
-hits it), pushes new weights through ``RemoteInfEngine`` (disk, collective broadcast, or disk with
+hits it), pushes new weights through ``RemoteInferenceClient`` (disk, collective broadcast, or disk with
 a request interrupted by the update), then compares the served greedy tokens and logprobs with those
 of the same server after the test's own ``/reset_prefix_cache`` (a cold server on the new weights):
 exactly equal (token ids and logprobs), while the old weights' logprobs differ from them by more than
@@ -31,8 +31,8 @@ from utils import free_port
 from vllm_server import VLLMTestServer, perturbed_model, restore_original
 
 from tandemrl.api.inference import HttpRequest, ModelRequest, WeightUpdateMeta
-from tandemrl.configs.rollout import InferenceEngineConfig
-from tandemrl.inference.remote import RemoteInfEngine
+from tandemrl.configs.rollout import InferenceClientConfig
+from tandemrl.inference.remote import RemoteInferenceClient
 from tandemrl.weights.group import destroy_group, host_group
 from tandemrl.weights.wire import broadcast_buckets, pack_bucket, split_buckets
 
@@ -90,11 +90,13 @@ def assert_served_cold(served: Reply, oracle: Reply, old: Reply) -> None:
 
 
 @contextlib.contextmanager
-def engine_on(server: VLLMTestServer, **config: Any) -> Iterator[RemoteInfEngine]:
-    """A client on the session server (``config``: InferenceEngineConfig fields); afterwards the server
+def engine_on(server: VLLMTestServer, **config: Any) -> Iterator[RemoteInferenceClient]:
+    """A client on the session server (``config``: InferenceClientConfig fields); afterwards the server
     has its original weights and label."""
     label = server.call(HttpRequest("GET", "/weight_info", None, 60.0))["weight_version"]
-    eng = RemoteInfEngine.for_backend("vllm", InferenceEngineConfig(request_retries=1, setup_timeout=60.0, **config))
+    eng = RemoteInferenceClient.for_backend(
+        "vllm", InferenceClientConfig(request_retries=1, setup_timeout=60.0, **config)
+    )
     eng.initialize([server.proc.address])
     try:
         yield eng
@@ -105,7 +107,7 @@ def engine_on(server: VLLMTestServer, **config: Any) -> Iterator[RemoteInfEngine
 
 
 @pytest.fixture
-def engine(vllm_server: VLLMTestServer) -> Iterator[RemoteInfEngine]:
+def engine(vllm_server: VLLMTestServer) -> Iterator[RemoteInferenceClient]:
     with engine_on(vllm_server) as eng:
         yield eng
 
@@ -123,13 +125,13 @@ def warm_prefix(server: VLLMTestServer, seed: int) -> tuple[list[int], Reply]:
     return prompt, again
 
 
-def push_from_disk(engine: RemoteInfEngine, model_dir: str, out: Path) -> None:
+def push_from_disk(engine: RemoteInferenceClient, model_dir: str, out: Path) -> None:
     perturbed_model(model_dir, seed=7, out_dir=out)
     engine.update_weights_from_disk(WeightUpdateMeta(type="disk", path=str(out), version=1)).result()
 
 
 @contextlib.contextmanager
-def joined_group(engine: RemoteInfEngine, new: torch.nn.Module) -> Iterator[Callable[[], None]]:
+def joined_group(engine: RemoteInferenceClient, new: torch.nn.Module) -> Iterator[Callable[[], None]]:
     """Yields the update that broadcasts ``new`` (version 1). The trainer's side is this process: rank 0
     of a 2-rank gloo group with the server, joined before the yield and left after it."""
     meta = WeightUpdateMeta(type="collective", group_port=free_port(), world_size=2, comm_backend="gloo", version=1)
@@ -150,7 +152,7 @@ def joined_group(engine: RemoteInfEngine, new: torch.nn.Module) -> Iterator[Call
         destroy_group(pg)
 
 
-def push_by_broadcast(engine: RemoteInfEngine, model_dir: str, out: Path) -> None:
+def push_by_broadcast(engine: RemoteInferenceClient, model_dir: str, out: Path) -> None:
     with joined_group(engine, perturbed_model(model_dir, seed=8)) as update:
         update()
 
@@ -160,7 +162,7 @@ def push_by_broadcast(engine: RemoteInfEngine, model_dir: str, out: Path) -> Non
     ("push", "seed"), [(push_from_disk, 101), (push_by_broadcast, 102)], ids=["disk", "collective"]
 )
 def test_update_serves_no_stale_prefix(
-    vllm_server: VLLMTestServer, engine: RemoteInfEngine, tmp_path: Path, push: Callable[..., None], seed: int
+    vllm_server: VLLMTestServer, engine: RemoteInferenceClient, tmp_path: Path, push: Callable[..., None], seed: int
 ) -> None:
     prompt, old = warm_prefix(vllm_server, seed)
     push(engine, vllm_server.model_dir, tmp_path / "new")
@@ -171,7 +173,7 @@ def test_update_serves_no_stale_prefix(
 
 @pytest.mark.slow
 def test_request_interrupted_by_update_is_resumed_without_stale_kv(
-    vllm_server: VLLMTestServer, engine: RemoteInfEngine, tmp_path: Path
+    vllm_server: VLLMTestServer, engine: RemoteInferenceClient, tmp_path: Path
 ) -> None:
     """A greedy request is held after ``k`` tokens, paused (abort), the weights updated from disk, resumed.
     The first KV block ends inside the tokens generated before the pause and was cached under the old

@@ -13,7 +13,7 @@ from test_executor import make_executor
 from utils import REPO_ROOT
 
 from tandemrl.api.types import TensorDict
-from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
+from tandemrl.api.workflow import GenerationClient, RolloutWorkflow
 from tandemrl.workflows.rlvr import completion_row
 
 sys.path.insert(0, str(REPO_ROOT / "bench"))
@@ -28,7 +28,7 @@ class ToolWorkflow(RolloutWorkflow):
     def __init__(self, url: str) -> None:
         self.url = url
 
-    async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> TensorDict | None:
+    async def arun_episode(self, engine: GenerationClient, data: dict[str, Any]) -> TensorDict | None:
         answer = float(await call_tool(data["expression"], url=self.url))
         resp = ModelResponse(input_tokens=[1, 2], output_tokens=[3], output_logprobs=[-0.5], output_versions=[0])
         return completion_row([1, 2], resp, answer)

@@ -47,10 +47,10 @@ from vllm_server import (
 
 from tandemrl.api.inference import HttpRequest, ModelRequest, ModelResponse, WeightUpdateMeta
 from tandemrl.api.types import TensorDict
-from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
-from tandemrl.configs.rollout import InferenceEngineConfig
+from tandemrl.api.workflow import GenerationClient, RolloutWorkflow
+from tandemrl.configs.rollout import InferenceClientConfig
 from tandemrl.inference.http import HttpClient
-from tandemrl.inference.remote import RemoteInfEngine, ServerUnavailableError
+from tandemrl.inference.remote import RemoteInferenceClient, ServerUnavailableError
 from tandemrl.inference.server import ServerProcess
 from tandemrl.rollout.executor import WorkflowExecutor
 from tandemrl.weights.group import destroy_group, host_group
@@ -407,8 +407,8 @@ def test_interrupted_generation_switches_version(
     n, min_side = 64, 20  # tokens in all; at least this many per version
     prompt = [5, 17, 42, 99, 100, 7, 301, 12]
     client = ReplyRecorder()
-    engine = RemoteInfEngine.for_backend(
-        "vllm", InferenceEngineConfig(request_retries=1, setup_timeout=60.0), http_client=client
+    engine = RemoteInferenceClient.for_backend(
+        "vllm", InferenceClientConfig(request_retries=1, setup_timeout=60.0), http_client=client
     )
     engine.initialize([vllm_server.proc.address])
 
@@ -488,7 +488,7 @@ class NumberedWorkflow(RolloutWorkflow):
     def __init__(self, new_tokens: int) -> None:
         self.new_tokens = new_tokens
 
-    async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> TensorDict:
+    async def arun_episode(self, engine: GenerationClient, data: dict[str, Any]) -> TensorDict:
         i = int(data["id"])
         req = ModelRequest(rid=f"kill-{i}", input_ids=[*KILL_PROMPT, 3 + i], metadata={"ignore_eos": True})
         req.gconfig = req.gconfig.new(max_new_tokens=self.new_tokens)
@@ -514,11 +514,11 @@ def test_killed_server_mid_rollout_fails_over(vllm_server: VLLMTestServer, big_s
     dead, survivor = big_server.proc.address, vllm_server.proc.address
     base = {"request_retries": 2, "request_backoff": 0.2, "request_timeout": 30.0, "setup_timeout": 60.0}
     client = RecordingClient()
-    both = RemoteInfEngine.for_backend(
-        "vllm", InferenceEngineConfig(**base, max_concurrent_rollouts=rows), http_client=client
+    both = RemoteInferenceClient.for_backend(
+        "vllm", InferenceClientConfig(**base, max_concurrent_rollouts=rows), http_client=client
     )
     both.initialize([dead, survivor])  # round-robin: rows alternate between the servers
-    only = RemoteInfEngine.for_backend("vllm", InferenceEngineConfig(**base))
+    only = RemoteInferenceClient.for_backend("vllm", InferenceClientConfig(**base))
     only.initialize([dead])
     executor = WorkflowExecutor(both.config, both, consumer_batch_size=rows)
     executor.initialize()

@@ -13,7 +13,7 @@ import torch
 from test_executor import N_SAMPLES, ToyWorkflow, make_executor, make_loader
 
 from tandemrl.api.types import TensorDict
-from tandemrl.api.workflow import GenerationEngine
+from tandemrl.api.workflow import GenerationClient
 from tandemrl.rollout.failure_budget import FailureBudgetExceeded
 from tandemrl.rollout.ledger import Tally, tally_of
 from tandemrl.rollout.whole_groups import WholeGroups
@@ -26,7 +26,7 @@ class OddRowsOnOddIds(ToyWorkflow):
         super().__init__()
         self.extra = Tally()
 
-    async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> TensorDict | None:
+    async def arun_episode(self, engine: GenerationClient, data: dict[str, Any]) -> TensorDict | None:
         traj = await super().arun_episode(engine, data)
         assert traj is not None
         if int(data["id"]) % 2 == 0:
@@ -57,7 +57,7 @@ def test_a_workflow_that_never_returns_a_whole_group_spends_the_budget_naming_it
     ex, _ = make_executor(k=1, bsz=2, max_conc=2, max_consecutive_drops=3)
 
     class AlwaysOdd(OddRowsOnOddIds):
-        async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> TensorDict | None:
+        async def arun_episode(self, engine: GenerationClient, data: dict[str, Any]) -> TensorDict | None:
             return await super().arun_episode(engine, {"id": 2 * int(data["id"]) + 1})
 
     try:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tandemrl.api.inference import ModelRequest, ModelResponse
-from tandemrl.configs.rollout import GenerationHyperparameters, InferenceEngineConfig
+from tandemrl.configs.rollout import GenerationHyperparameters, InferenceClientConfig
 from tandemrl.data.batch import concat_padded_tensors
 from tandemrl.data.gsm8k import user_messages
 from tandemrl.models.hf import load_hf_tokenizer
@@ -323,7 +323,7 @@ def test_executor_runs_rlvr_on_gsm8k_rows(tokenizer: Any, gsm8k_dir: str) -> Non
         return rows[k]["answer"] if k % 2 else "#### -1"
 
     engine = ScriptedEngine(tokenizer, pick)
-    config = InferenceEngineConfig(max_head_offpolicyness=0)
+    config = InferenceClientConfig(max_head_offpolicyness=0)
     ex = WorkflowExecutor(config, engine, consumer_batch_size=3)
     ex.initialize()
     try:

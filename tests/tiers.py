@@ -57,6 +57,7 @@ TIERS: dict[str, str] = {
     "test_tool_latency.py": "unit",
     "test_truncation.py": "unit",
     "test_type_ignores.py": "unit",
+    "test_vocabulary.py": "unit",
     "test_varlen_attention.py": "unit",
     "test_weight_delta.py": "unit",
     "test_weights.py": "unit",

@@ -4,7 +4,7 @@ The functions re-exported here are pure tensor math (advantages, reward shaping,
 value losses): plain tensors and numbers, no configs, no torch.distributed, tested on
 hand-computed values. The algorithm classes compose them with an engine, e.g.
 ``PPOActor(config.actor, make_engine(backend, config.actor.engine))``: ``ppo`` (PPOActor,
-PPOCritic, PPOBatch), ``reinforce`` (ReinforceActor), ``lm`` (LMEngine, SFT). This package
+PPOCritic, PPOBatch), ``reinforce`` (ReinforceActor), ``sft`` (SFTActor, supervised fine-tuning). This package
 imports only ``tandemrl.api``, ``configs``, ``models`` and ``utils.stats_tracker``, never an engine.
 """
 

@@ -1,41 +1,8 @@
-"""Supervised fine-tuning written once against the TrainEngine contract: ``LMEngine(engine)`` on any backend."""
+"""Retired module: its class moved to ``tandemrl.algorithms.sft`` (see ``tandemrl.api.renamed``)."""
 
-from __future__ import annotations
+from typing import TYPE_CHECKING
 
-import torch
+from tandemrl.api.renamed import retired_names
 
-from tandemrl.algorithms.sft import sft_loss, sft_loss_weight, sft_token_logprobs
-from tandemrl.api.engine import TrainEngine
-from tandemrl.api.types import TensorDict
-from tandemrl.utils import stats_tracker
-
-
-def _lm_loss(logits: torch.Tensor, mb: TensorDict) -> torch.Tensor:
-    logp, mask = sft_token_logprobs(logits, mb["input_ids"], mb["loss_mask"], mb["cu_seqlens"])
-    stats_tracker.denominator(n_tokens=torch.ones_like(mask), n_loss_tokens=mask)
-    stats_tracker.stat(ppl_logp=logp.detach(), denominator="n_loss_tokens")
-    return sft_loss(logits, mb["input_ids"], mb["loss_mask"], mb["cu_seqlens"])
-
-
-def _lm_weight(mb: TensorDict) -> torch.Tensor:
-    return sft_loss_weight(mb["loss_mask"], mb["cu_seqlens"])
-
-
-class LMEngine:
-    """Next-token training and evaluation on padded batches with a ``loss_mask``."""
-
-    def __init__(self, engine: TrainEngine):
-        self.engine = engine
-
-    def train_lm(self, batch: TensorDict) -> dict[str, float]:
-        """One optimizer step of SFT on the masked tokens; returns the step statistics."""
-        self.engine.train()
-        with stats_tracker.scope("sft"):
-            return self.engine.train_batch(batch, loss_fn=_lm_loss, loss_weight_fn=_lm_weight)
-
-    def evaluate_lm(self, batch: TensorDict) -> float:
-        """Token-weighted mean loss over the batch on all DP ranks."""
-        self.engine.eval()
-        with stats_tracker.scope("sft_eval"):
-            loss = self.engine.eval_batch(batch, loss_fn=_lm_loss, loss_weight_fn=_lm_weight)
-        return float(loss)
+if not TYPE_CHECKING:  # mypy keeps reporting unknown names
+    __getattr__ = retired_names(__name__)

@@ -1,6 +1,6 @@
 """REINFORCE with a reward-difference signal (e.g. ReMax), written once against TrainEngine (any backend).
 
-``ReinforceActor(engine, config.actor)`` reads three things of the actor's config: the sampling
+``ReinforceActor(config.actor, engine)`` reads three things of the actor's config: the sampling
 ``temperature``, the truncation replay (``truncation_replay`` + ``top_k``/``top_p``/``min_p``)
 and ``offpolicy_correction``. Each token's loss is ``-w * A * log p`` with ``w`` the detached
 correction weight on ``rho = exp(log p - behaviour log p)`` (the update is one optimizer step,
@@ -20,6 +20,7 @@ from tandemrl.algorithms.ppo import action_mask_of, correction_of, record_routin
 from tandemrl.algorithms.recompute import needs_logp_recompute, server_logp
 from tandemrl.algorithms.truncation import Truncation, policy_logprobs, replay_of
 from tandemrl.api.engine import TrainEngine
+from tandemrl.api.renamed import RENAMED_IN
 from tandemrl.api.types import ROUTED_EXPERTS, RolloutBatch, TensorDict
 from tandemrl.configs.ppo import PPOActorConfig
 from tandemrl.models.functional import next_token_labels
@@ -98,7 +99,12 @@ def reinforce_advantages(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tenso
 class ReinforceActor:
     """One optimizer step of ``-w * A * log p(token)`` averaged over generated tokens (module docstring)."""
 
-    def __init__(self, engine: TrainEngine, config: PPOActorConfig):
+    def __init__(self, config: PPOActorConfig, engine: TrainEngine):
+        if not isinstance(config, PPOActorConfig):  # the order was (engine, config) before RENAMED_IN
+            raise TypeError(
+                f"ReinforceActor(config, engine): config must be a PPOActorConfig, got {type(config).__name__} "
+                f"(the arguments are in PPOActor's order since tandemrl {RENAMED_IN})"
+            )
         self.engine = engine
         self.config = config
         self.correction = correction_of(config)

@@ -3,13 +3,15 @@
 - ``engine``: ``TrainEngine`` (what an algorithm sees), ``TrainBackend`` (what a training backend implements)
   and the loss/hook signatures.
 - ``backend``: ``InferenceBackend``, the request builder/parser protocol of an inference server.
-- ``workflow``: ``RolloutWorkflow`` and the ``GenerationEngine`` slice a workflow may call.
+- ``workflow``: ``RolloutWorkflow`` and the ``GenerationClient`` slice a workflow may call.
 - ``inference``: ``ModelRequest``/``ModelResponse``, ``ParamSpec``, ``WeightUpdateMeta`` and the
   other values that cross the HTTP boundary.
 - ``generation``: ``GenerationHyperparameters`` (sampling parameters of one request).
 - ``types``: ``TensorDict``, ``RolloutBatch``, ``ParallelStrategy``, ``FinetuneSpec``, ``SaveLoadMeta``.
 - ``allocation``: ``AllocationMode``, the parsed ``allocation_mode`` string.
 """
+
+from typing import TYPE_CHECKING
 
 from tandemrl.api.allocation import AllocationMode
 from tandemrl.api.backend import InferenceBackend
@@ -25,14 +27,15 @@ from tandemrl.api.inference import (
     VersionSpan,
     WeightUpdateMeta,
 )
+from tandemrl.api.renamed import retired_names
 from tandemrl.api.types import FinetuneSpec, ParallelStrategy, RolloutBatch, SaveLoadMeta, TensorDict
-from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
+from tandemrl.api.workflow import GenerationClient, RolloutWorkflow
 
 __all__ = [
     "AllocationMode",
     "FinetuneSpec",
     "GenerateChunk",
-    "GenerationEngine",
+    "GenerationClient",
     "GenerationHyperparameters",
     "HttpRequest",
     "InferenceBackend",
@@ -53,3 +56,6 @@ __all__ = [
     "VersionSpan",
     "WeightUpdateMeta",
 ]
+
+if not TYPE_CHECKING:  # old names fail with the line naming the new one (tandemrl.api.renamed)
+    __getattr__ = retired_names(__name__)

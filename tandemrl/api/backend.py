@@ -44,7 +44,7 @@ class InferenceBackend(Protocol):
         """Stop generating. ``"abort"``: in-flight requests return their partial output as "abort".
         ``"keep"``: they stay in the server with their KV cache and continue after ``build_resume``;
         a backend whose server cannot do that raises a one-line ValueError naming
-        ``InferenceEngineConfig.pause_mode``."""
+        ``InferenceClientConfig.pause_mode``."""
         ...
 
     def build_resume(self) -> HttpRequest: ...

@@ -1,6 +1,6 @@
 """The backend-agnostic training-engine contracts.
 
-- :class:`TrainEngine`: what an algorithm (``PPOActor``, ``LMEngine``, ...) is written against: forward,
+- :class:`TrainEngine`: what an algorithm (``PPOActor``, ``SFTActor``, ...) is written against: forward,
   train and evaluate a batch, the data-parallel layout, the weight version, and the optional capabilities a
   backend declares (``router_replay``) instead of an algorithm probing for attributes. So every algorithm runs
   unchanged on FSDP2, Megatron-core and DeepSpeed.

@@ -1,11 +1,14 @@
 """Structured configs (dataclasses) and their YAML/CLI loader."""
 
+from typing import TYPE_CHECKING
+
+from tandemrl.api.renamed import retired_names
 from tandemrl.configs.data import DatasetConfig
 from tandemrl.configs.distill import DistillActorConfig, DistillConfig
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from tandemrl.configs.experiment import BaseExperimentConfig, GRPOConfig, PPOConfig, SFTConfig
 from tandemrl.configs.ppo import PPOActorConfig, PPOCriticConfig
-from tandemrl.configs.rollout import GenerationHyperparameters, InferenceEngineConfig
+from tandemrl.configs.rollout import GenerationHyperparameters, InferenceClientConfig
 from tandemrl.configs.utils import (
     ClusterConfig,
     EvaluatorConfig,
@@ -27,7 +30,7 @@ __all__ = [
     "HeldoutEvalConfig",
     "GRPOConfig",
     "GenerationHyperparameters",
-    "InferenceEngineConfig",
+    "InferenceClientConfig",
     "MicroBatchSpec",
     "OptimizerConfig",
     "PPOActorConfig",
@@ -59,3 +62,6 @@ __all__ += [
     "register_configs",
     "save_config",
 ]
+
+if not TYPE_CHECKING:  # old names fail with the line naming the new one (tandemrl.api.renamed)
+    __getattr__ = retired_names(__name__)

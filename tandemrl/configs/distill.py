@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from tandemrl.configs.experiment import GRPOConfig
 from tandemrl.configs.ppo import PPOActorConfig
-from tandemrl.configs.rollout import InferenceEngineConfig
+from tandemrl.configs.rollout import InferenceClientConfig
 
 
 @dataclass
@@ -33,8 +33,8 @@ class DistillConfig(GRPOConfig):
     """GRPOConfig with a distillation actor and the teacher's inference client."""
 
     actor: DistillActorConfig = field(default_factory=DistillActorConfig)
-    teacher: InferenceEngineConfig = field(
-        default_factory=InferenceEngineConfig,
+    teacher: InferenceClientConfig = field(
+        default_factory=InferenceClientConfig,
         metadata={
             "help": "Client of the teacher's servers; teacher.server_addrs lists them (host:port). It never "
             "falls back to the policy servers' environment."

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from tandemrl.configs.data import DatasetConfig
 from tandemrl.configs.engine import TrainEngineConfig
 from tandemrl.configs.ppo import PPOActorConfig, PPOCriticConfig
-from tandemrl.configs.rollout import GenerationHyperparameters, InferenceEngineConfig
+from tandemrl.configs.rollout import GenerationHyperparameters, InferenceClientConfig
 from tandemrl.configs.services import AuxServerConfig, RewardServiceConfig
 from tandemrl.configs.utils import (
     ClusterConfig,
@@ -123,7 +123,7 @@ class GRPOConfig(BaseExperimentConfig):
         },
     )
     gconfig: GenerationHyperparameters = field(default_factory=GenerationHyperparameters)
-    rollout: InferenceEngineConfig = field(default_factory=InferenceEngineConfig)
+    rollout: InferenceClientConfig = field(default_factory=InferenceClientConfig)
     actor: PPOActorConfig = field(default_factory=PPOActorConfig)
     ref: TrainEngineConfig | None = field(
         default=None, metadata={"help": "Frozen reference model for the KL term (path empty = actor's)."}

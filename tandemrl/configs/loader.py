@@ -40,7 +40,7 @@ from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngine
 from tandemrl.configs.experiment import GRPOConfig, PPOConfig, SFTConfig
 from tandemrl.configs.moved import retired_key
 from tandemrl.configs.ppo import PPOActorConfig, PPOCriticConfig
-from tandemrl.configs.rollout import GenerationHyperparameters, InferenceEngineConfig
+from tandemrl.configs.rollout import GenerationHyperparameters, InferenceClientConfig
 from tandemrl.configs.utils import (
     ClusterConfig,
     EvaluatorConfig,
@@ -79,7 +79,7 @@ COMPONENT_CONFIGS: dict[tuple[str, str], type] = {
     ("model", "train_engine"): TrainEngineConfig,
     ("actor", "ppo_actor"): PPOActorConfig,
     ("actor", "distill_actor"): DistillActorConfig,
-    ("teacher", "remote"): InferenceEngineConfig,
+    ("teacher", "remote"): InferenceClientConfig,
     ("critic", "ppo_critic"): PPOCriticConfig,
     ("ref", "train_engine"): TrainEngineConfig,
     ("engine", "train_engine"): TrainEngineConfig,
@@ -88,7 +88,7 @@ COMPONENT_CONFIGS: dict[tuple[str, str], type] = {
     ("train_dataset", "dataset"): DatasetConfig,
     ("valid_dataset", "dataset"): DatasetConfig,
     ("gconfig", "default"): GenerationHyperparameters,
-    ("rollout", "remote"): InferenceEngineConfig,
+    ("rollout", "remote"): InferenceClientConfig,
     ("cluster", "local"): ClusterConfig,
     ("saver", "default"): SaverConfig,
     ("recover", "default"): RecoverConfig,

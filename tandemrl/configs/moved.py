@@ -2,7 +2,8 @@
 
 ``retired_key(parent, prefix, name, rest)`` is asked by the loader for each key it walks:
 ``parent`` is the dataclass holding ``name`` at dotted ``prefix``; ``rest`` is what follows the
-key in an override (``.lr`` in ``actor.optimizer.lr=...``). It returns the one-line reason, or None.
+key in an override (``.lr`` in ``actor.optimizer.lr=...``). It returns the one-line reason, or None. Each line says when the notice goes (``REMOVED_IN``,
+``tandemrl.api.renamed``, with the retired Python names); after that an old key is an unknown one.
 """
 
 from __future__ import annotations
@@ -10,15 +11,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from tandemrl.api.renamed import REMOVED_IN
 from tandemrl.configs.engine import TrainEngineConfig
 from tandemrl.configs.ppo import PPOActorConfig
-from tandemrl.configs.rollout import InferenceEngineConfig
+from tandemrl.configs.rollout import InferenceClientConfig
 
 # (schema, field) -> why a field the schema had may no longer be set.
 _REMOVED: dict[tuple[type, str], str] = {
     (TrainEngineConfig, "backend"): "was removed (it was never read; DeepSpeed and Megatron options are under "
     "deepspeed.* and megatron.*)",
-    (InferenceEngineConfig, "consumer_batch_size"): "was removed: the trainer derives it (train_dataset.batch_size "
+    (InferenceClientConfig, "consumer_batch_size"): "was removed: the trainer derives it (train_dataset.batch_size "
     "per data-parallel rank)",
 }
 
@@ -40,6 +42,11 @@ def _join(prefix: str, name: str) -> str:
 
 def retired_key(parent: type, prefix: str, name: str, rest: str = "") -> str | None:
     """Why ``prefix.name`` cannot be set (it moved or was removed), or None if it is fine."""
+    why = _retired(parent, prefix, name, rest)
+    return None if why is None else f"{why}; this notice goes in tandemrl {REMOVED_IN}"
+
+
+def _retired(parent: type, prefix: str, name: str, rest: str) -> str | None:
     old = _join(prefix, name) + rest
     reason = _REMOVED.get((parent, name))
     if reason is not None:

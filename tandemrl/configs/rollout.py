@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tandemrl.api.generation import GenerationHyperparameters
+from tandemrl.api.renamed import retired_names
 
 
 @dataclass
-class InferenceEngineConfig:
+class InferenceClientConfig:
     """The client of remote inference servers and the rollout executor that drives it."""
 
     experiment_name: str = field(default="${experiment_name}", metadata={"help": "Filled from the root config."})
@@ -95,4 +97,7 @@ class InferenceEngineConfig:
         return (self.max_head_offpolicyness + 1) * per_rank_batch
 
 
-__all__ = ["GenerationHyperparameters", "InferenceEngineConfig"]
+__all__ = ["GenerationHyperparameters", "InferenceClientConfig"]
+
+if not TYPE_CHECKING:  # old names fail with the line naming the new one (tandemrl.api.renamed)
+    __getattr__ = retired_names(__name__)

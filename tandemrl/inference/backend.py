@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from tandemrl.api.inference import ModelRequest, ParamSpec, WeightUpdateMeta
 
 if TYPE_CHECKING:
-    from tandemrl.configs.rollout import InferenceEngineConfig
+    from tandemrl.configs.rollout import InferenceClientConfig
 
 _B = TypeVar("_B", bound="TimeoutsMixin")
 
@@ -154,6 +154,6 @@ class TimeoutsMixin:
         self.update_timeout = update_timeout  # weight loading and collective receive
 
     @classmethod
-    def from_config(cls: type[_B], config: InferenceEngineConfig) -> _B:
+    def from_config(cls: type[_B], config: InferenceClientConfig) -> _B:
         """Timeouts from the client config (generate and update share ``request_timeout``)."""
         return cls(request_timeout=config.request_timeout, update_timeout=config.request_timeout)

@@ -1,14 +1,18 @@
-"""Client of a fleet of remote inference servers: generation, pause/resume, weight updates.
+"""Client of a fleet of remote inference servers: generation, pause/resume, versions.
 
-``RemoteInfEngine`` runs on every trainer process. It finds the servers (explicit list,
-``InferenceEngineConfig.server_addrs`` or the launcher's ``TANDEMRL_LLM_SERVER_ADDRS``),
+``RemoteInferenceClient`` runs on every trainer process. It finds the servers (explicit list,
+``InferenceClientConfig.server_addrs`` or the launcher's ``TANDEMRL_LLM_SERVER_ADDRS``),
 routes each generation call to one of them, and survives the two things that interrupt
 a generation: a weight update and a server dying (the partial output is resubmitted to
-another server). At a weight update ``InferenceEngineConfig.pause_mode`` decides: "abort"
+another server). At a weight update ``InferenceClientConfig.pause_mode`` decides: "abort"
 (the server returns in-flight requests' partial output and the client resubmits prompt +
 partial output once generation resumes) or "keep" (the server holds them and continues them
 on the new weights; the client's call simply lasts longer). Requests are built and parsed by an
 ``InferenceBackend`` and sent by the shared client in ``tandemrl.inference.http``.
+
+Its weight-update calls are ``WeightCalls`` (``tandemrl.inference.weight_calls``); the server list
+(``ServerPool``, ``parse_server_addrs``, ``ServerUnavailableError``) is ``tandemrl.inference.servers``,
+re-exported here.
 
 The client owns no rollout machinery: ``tandemrl.rollout`` (the executor and the
 ``RolloutController``) drives it through ``agenerate``, the pause/resume calls and the
@@ -24,7 +28,6 @@ server is left, calls raise ``ServerUnavailableError``.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import logging
 import math
@@ -32,9 +35,7 @@ import os
 import threading
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandemrl.api.backend import InferenceBackend
 from tandemrl.api.inference import (
@@ -42,105 +43,22 @@ from tandemrl.api.inference import (
     HttpRequest,
     ModelRequest,
     ModelResponse,
-    ParamSpec,
     StopReason,
-    WeightUpdateMeta,
 )
-from tandemrl.configs.rollout import InferenceEngineConfig
+from tandemrl.api.renamed import retired_names
+from tandemrl.configs.rollout import InferenceClientConfig
 from tandemrl.inference.busy import BusyClock
 from tandemrl.inference.http import HttpClient, InferenceServerError, shared_client
 from tandemrl.inference.registry import backend_class
+from tandemrl.inference.servers import SERVER_ADDRS_ENV, ServerPool, ServerUnavailableError, parse_server_addrs
+from tandemrl.inference.weight_calls import WeightCalls
 
 logger = logging.getLogger(__name__)
 
-SERVER_ADDRS_ENV = "TANDEMRL_LLM_SERVER_ADDRS"  # comma-separated host:port list the launcher exports
 
-
-class ServerUnavailableError(RuntimeError):
-    """No inference server can take the call (none healthy at setup, or all marked dead)."""
-
-
-# ----------------------------------------------------------------------------- servers
-
-
-def parse_server_addrs(addrs: list[str], source: str) -> list[str]:
-    """``addrs`` after checking each is ``host:port``; the one-line error names ``source``."""
-    out: list[str] = []
-    for raw in addrs:
-        addr = str(raw).strip()
-        host, sep, port = addr.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"{source}: bad inference server address {raw!r} (expected host:port)")
-        if addr in out:
-            raise ValueError(f"{source}: inference server {addr!r} is listed twice")
-        out.append(addr)
-    return out
-
-
-class ServerPool:
-    """Which server a request goes to, and which servers are dead (thread-safe)."""
-
-    def __init__(self, addrs: list[str], max_sticky: int = 100_000) -> None:
-        if not addrs:
-            raise ValueError("ServerPool needs at least one server address")
-        self.addrs = list(addrs)
-        self._dead: dict[str, str] = {}  # addr -> why
-        self._sticky: OrderedDict[str, str] = OrderedDict()  # rid -> addr, oldest first
-        self._max_sticky = max_sticky
-        self._next = 0
-        self._lock = threading.Lock()
-
-    def live(self) -> list[str]:
-        with self._lock:
-            return [a for a in self.addrs if a not in self._dead]
-
-    def dead(self) -> dict[str, str]:
-        with self._lock:
-            return dict(self._dead)
-
-    def is_dead(self, addr: str) -> bool:
-        with self._lock:
-            return addr in self._dead
-
-    def mark_dead(self, addr: str, why: str) -> None:
-        with self._lock:
-            if addr not in self._dead:
-                self._dead[addr] = why
-                logger.warning("inference server %s marked dead: %s", addr, why)
-
-    def choose(self, rid: str | None) -> str:
-        """The live server ``rid`` used last, else the next live one round-robin."""
-        with self._lock:
-            if rid is not None:
-                addr = self._sticky.get(rid)
-                if addr is not None and addr not in self._dead:
-                    self._sticky.move_to_end(rid)
-                    return addr
-            n = len(self.addrs)
-            for i in range(n):
-                addr = self.addrs[(self._next + i) % n]
-                if addr not in self._dead:
-                    self._next = (self._next + i + 1) % n
-                    break
-            else:
-                raise ServerUnavailableError(self.all_dead_message())
-            if rid is not None:
-                self._sticky[rid] = addr
-                self._sticky.move_to_end(rid)
-                while len(self._sticky) > self._max_sticky:
-                    self._sticky.popitem(last=False)
-            return addr
-
-    def all_dead_message(self) -> str:
-        why = "; ".join(f"{a} ({self._dead[a]})" for a in self.addrs)
-        return f"all {len(self.addrs)} inference servers are marked dead: {why}"
-
-
-# ------------------------------------------------------------------------------ engine
-
-
-class RemoteInfEngine:
-    """Generation client of remote inference servers; see the module docstring."""
+class RemoteInferenceClient(WeightCalls):
+    """Generation client of remote inference servers; see the module docstring. Its weight-update calls
+    are ``WeightCalls`` (``tandemrl.inference.weight_calls``)."""
 
     # After an "abort" (a pause for a weight update), wait this long before resubmitting.
     abort_retry_delay = 0.1
@@ -149,23 +67,23 @@ class RemoteInfEngine:
 
     @classmethod
     def for_backend(
-        cls, name: str, config: InferenceEngineConfig, http_client: HttpClient | None = None
-    ) -> RemoteInfEngine:
+        cls, name: str, config: InferenceClientConfig, http_client: HttpClient | None = None
+    ) -> RemoteInferenceClient:
         """The client of allocation_mode's inference backend ``name``, its row in ``inference.registry``."""
         return cls(config, backend_class(name).from_config(config), http_client)
 
     def __init__(
-        self, config: InferenceEngineConfig, backend: InferenceBackend, http_client: HttpClient | None = None
+        self, config: InferenceClientConfig, backend: InferenceBackend, http_client: HttpClient | None = None
     ) -> None:
         if config.request_retries < 0:
-            raise ValueError(f"InferenceEngineConfig.request_retries must be >= 0, got {config.request_retries}")
+            raise ValueError(f"InferenceClientConfig.request_retries must be >= 0, got {config.request_retries}")
         if config.request_backoff < 0:
-            raise ValueError(f"InferenceEngineConfig.request_backoff must be >= 0, got {config.request_backoff}")
+            raise ValueError(f"InferenceClientConfig.request_backoff must be >= 0, got {config.request_backoff}")
         if config.setup_timeout <= 0:
-            raise ValueError(f"InferenceEngineConfig.setup_timeout must be positive, got {config.setup_timeout}")
+            raise ValueError(f"InferenceClientConfig.setup_timeout must be positive, got {config.setup_timeout}")
         if config.pause_mode not in PAUSE_MODES:
             raise ValueError(
-                f"InferenceEngineConfig.pause_mode must be one of {PAUSE_MODES}, got {config.pause_mode!r}"
+                f"InferenceClientConfig.pause_mode must be one of {PAUSE_MODES}, got {config.pause_mode!r}"
             )
         self.config = config
         self.backend = backend
@@ -214,12 +132,12 @@ class RemoteInfEngine:
         if addrs:
             return parse_server_addrs(list(addrs), "initialize(addrs=...)")
         if self.config.server_addrs:
-            return parse_server_addrs(list(self.config.server_addrs), "InferenceEngineConfig.server_addrs")
+            return parse_server_addrs(list(self.config.server_addrs), "InferenceClientConfig.server_addrs")
         env = os.environ.get(SERVER_ADDRS_ENV, "")
         found = [a for a in env.split(",") if a.strip()]
         if not found:
             raise ValueError(
-                "no inference servers: pass initialize(addrs=[...]), set InferenceEngineConfig.server_addrs, "
+                "no inference servers: pass initialize(addrs=[...]), set InferenceClientConfig.server_addrs, "
                 f"or export {SERVER_ADDRS_ENV}=host:port[,host:port...]"
             )
         return parse_server_addrs(found, f"${SERVER_ADDRS_ENV}")
@@ -249,7 +167,7 @@ class RemoteInfEngine:
                 why = "; ".join(f"{a} ({health.method} {health.path}: {last.get(a, 'no reply')})" for a in pending)
                 raise ServerUnavailableError(
                     f"{len(pending)} of {len(addrs)} {self.backend.name} servers not healthy within "
-                    f"InferenceEngineConfig.setup_timeout={timeout:g}s: {why}"
+                    f"InferenceClientConfig.setup_timeout={timeout:g}s: {why}"
                 )
             await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
@@ -432,207 +350,14 @@ class RemoteInfEngine:
         self._sleep_level = None
         self.continue_generation()
 
-    # ------------------------------------------------------------------ weight updates
-    def update_weights_from_disk(self, meta: WeightUpdateMeta) -> concurrent.futures.Future[None]:
-        """Load the HF checkpoint at ``meta.path`` into every live server, in the background.
-
-        Call it once the trainer has finished writing ``meta.path``. The servers are paused
-        for the update and resumed afterwards; with ``meta.version`` set, the servers'
-        weights are relabelled and the engine's version becomes ``meta.version`` before
-        they resume. A dead server is skipped (it never comes back).
-        """
-        if meta.type != "disk":
-            raise ValueError(f"update_weights_from_disk needs a 'disk' WeightUpdateMeta, got type {meta.type!r}")
-        steps = self.backend.build_update_from_disk(meta)
-        plan = {addr: list(steps) for addr in self.pool.live()}
-        return self._start_update(plan, meta.version, pause=True, skip_dead=True)
-
-    def adapter_rank_limit(self) -> int:
-        """The largest LoRA rank every live server loads at run time; 0 if one of them loads none."""
-        probe = self.backend.build_lora_probe()
-
-        async def ask() -> list[int]:
-            replies = await asyncio.gather(*(self.http.send(a, probe) for a in self.pool.live()))
-            return [self.backend.parse_lora_probe(r) for r in replies]
-
-        limits = self.http.run_sync(ask())
-        if not limits:
-            raise ServerUnavailableError(self.pool.all_dead_message())
-        return min(limits)
-
-    def update_adapter_from_disk(self, meta: WeightUpdateMeta) -> concurrent.futures.Future[None]:
-        """Load the PEFT adapter directory at ``meta.path`` into every live server, in the background.
-
-        As ``update_weights_from_disk`` (paused, relabelled with ``meta.version``, dead servers
-        skipped); once loaded, every later generation uses the adapter.
-        """
-        if meta.type != "disk":
-            raise ValueError(f"update_adapter_from_disk needs a 'disk' WeightUpdateMeta, got type {meta.type!r}")
-        steps = self.backend.build_load_adapter(meta)
-        plan = {addr: list(steps) for addr in self.pool.live()}
-        return self._start_update(plan, meta.version, pause=True, skip_dead=True, after=self.backend.adapter_loaded)
-
-    def init_weights_update_group(self, meta: WeightUpdateMeta) -> concurrent.futures.Future[None]:
-        """Ask every server to join the trainer's weight-update group, in the background.
-
-        The servers' ranks are ``1..meta.world_size-1``, split evenly in server order; the
-        calls block until the trainer (rank 0) joins too, so create rank 0 after this.
-        """
-        addrs = self._all_servers_for_collective("init_weights_update_group", meta)
-        per_server = (meta.world_size - 1) // len(addrs)
-        plan = {a: [self.backend.build_init_weight_group(meta, 1 + i * per_server)] for i, a in enumerate(addrs)}
-        return self._start_update(plan, None, pause=False)
-
-    def leave_weights_update_group(self, meta: WeightUpdateMeta) -> concurrent.futures.Future[None]:
-        """Ask every live server to leave the weight-update group, in the background (see
-        ``InferenceBackend.build_leave_weight_group``); a dead one has left already."""
-        plan = {a: [self.backend.build_leave_weight_group(meta)] for a in self.pool.live()}
-        return self._start_update(plan, None, pause=False, skip_dead=True)
-
-    def update_weights_from_distributed(
-        self, meta: WeightUpdateMeta, param_specs_per_bucket: list[list[ParamSpec]]
-    ) -> concurrent.futures.Future[None]:
-        """Receive the trainer's broadcast buckets on every server, in the background.
-
-        The trainer broadcasts the buckets in this order while the future runs. A backend
-        with ``multi_bucket_collective`` gets ONE request per server listing every bucket;
-        otherwise one request per bucket, sent in order. The servers are paused, receive,
-        drop stale KV cache, get relabelled (``meta.version``) and are resumed, as in
-        ``update_weights_from_disk``.
-        """
-        addrs = self._all_servers_for_collective("update_weights_from_distributed", meta)
-        buckets = list(param_specs_per_bucket)
-        if not buckets or not all(buckets):
-            raise ValueError("update_weights_from_distributed: param_specs_per_bucket must hold non-empty buckets")
-        per_request = [buckets] if self.backend.multi_bucket_collective else [[b] for b in buckets]
-        steps = [self.backend.build_update_from_collective(meta, group) for group in per_request]
-        steps.append(self.backend.build_flush_cache())
-        if meta.version is not None:
-            steps.append(self.backend.build_set_version(meta.version))
-        return self._start_update({a: list(steps) for a in addrs}, meta.version, pause=True)
-
-    def _all_servers_for_collective(self, what: str, meta: WeightUpdateMeta) -> list[str]:
-        """Every server (the group's size counts all of them), after checking none is dead."""
-        if meta.type != "collective":
-            raise ValueError(f"{what} needs a 'collective' WeightUpdateMeta, got type {meta.type!r}")
-        pool = self.pool
-        dead = pool.dead()
-        if dead:
-            raise ServerUnavailableError(
-                f"{what}: the weight-update group needs all {len(pool.addrs)} servers, but "
-                + "; ".join(f"{a} is dead ({why})" for a, why in dead.items())
-            )
-        n = len(pool.addrs)
-        if (meta.world_size - 1) % n:
-            raise ValueError(
-                f"{what}: WeightUpdateMeta.world_size - 1 = {meta.world_size - 1} inference ranks do not split "
-                f"evenly over {n} servers"
-            )
-        return list(pool.addrs)
-
-    def _start_update(
-        self,
-        plan: dict[str, list[HttpRequest]],
-        version: int | None,
-        pause: bool,
-        skip_dead: bool = False,
-        after: Callable[[], None] | None = None,
-    ) -> concurrent.futures.Future[None]:
-        """``after`` runs once the plan succeeded, before the servers resume."""
-        if not plan:
-            raise ServerUnavailableError(self.pool.all_dead_message())
-        if pause and version is None and self.config.pause_mode == "keep":
-            raise ValueError(
-                "InferenceEngineConfig.pause_mode='keep' needs WeightUpdateMeta.version: the prefix cache of "
-                "requests sent after the update is keyed by it (a kept request's old-weight KV cannot be flushed)"
-            )
-        if pause:
-            with self._state_lock:
-                self._updates_running += 1  # generations wait from now on
-        try:
-            return self.http.submit(self._update(plan, version, pause, skip_dead, after))
-        except BaseException:
-            if pause:
-                with self._state_lock:
-                    self._updates_running -= 1
-            raise
-
-    async def _update(
-        self,
-        plan: dict[str, list[HttpRequest]],
-        version: int | None,
-        pause: bool,
-        skip_dead: bool,
-        after: Callable[[], None] | None = None,
-    ) -> None:
-        """``skip_dead``: a server found dead (at the pause or during its steps) is left out
-        (disk loads); otherwise the update fails with one line naming it (a collective group
-        needs every member)."""
-        failed: BaseException | None = None
-        try:
-            if pause:
-                await self._broadcast(self._update_pause)
-            dead = {a: why for a, why in self.pool.dead().items() if a in plan}
-            if dead and not skip_dead:
-                raise ServerUnavailableError(
-                    "weight update: " + "; ".join(f"inference server {a} is dead ({why})" for a, why in dead.items())
-                )
-            await self._run_plan({a: s for a, s in plan.items() if a not in dead}, skip_dead)
-            if after is not None:
-                after()
-            if version is not None:
-                self.set_version(version)
-        except BaseException as e:
-            failed = e
-            raise
-        finally:
-            if pause:
-                try:
-                    await self._end_update()
-                except Exception as e:
-                    if failed is None:
-                        raise
-                    logger.error("resuming servers after a failed weight update also failed: %s", e)
-
-    async def _end_update(self) -> None:
-        with self._state_lock:
-            self._updates_running -= 1
-            resume = self._updates_running == 0 and not self._user_paused
-        if resume:
-            await self._broadcast(self.backend.build_resume())
-
-    async def _run_plan(self, plan: dict[str, list[HttpRequest]], skip_dead: bool = False) -> None:
-        """Each server's steps in order, servers concurrently; no retries (a receive is not repeatable).
-
-        ``skip_dead``: a server that cannot be reached is marked dead and left out, as long as one is left.
-        """
-
-        async def run(addr: str, steps: list[HttpRequest]) -> None:
-            for step in steps:
-                try:
-                    await self.http.send(addr, step, retries=0)
-                except InferenceServerError as e:
-                    if not (skip_dead and e.retryable and e.status is None):
-                        raise
-                    self.pool.mark_dead(addr, f"{step.method} {step.path}: {e.detail}")
-                    return
-
-        if not plan:
-            raise ServerUnavailableError(self.pool.all_dead_message())
-        results = await asyncio.gather(*(run(a, s) for a, s in plan.items()), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            if len(errors) > 1:
-                logger.error("weight update failed on %d of %d servers", len(errors), len(plan))
-            raise errors[0]
-        if not self.pool.live():
-            raise ServerUnavailableError(self.pool.all_dead_message())
-
 
 __all__ = [
     "SERVER_ADDRS_ENV",
-    "RemoteInfEngine",
+    "RemoteInferenceClient",
     "ServerPool",
     "ServerUnavailableError",
     "parse_server_addrs",
 ]
+
+if not TYPE_CHECKING:  # old names fail with the line naming the new one (tandemrl.api.renamed)
+    __getattr__ = retired_names(__name__)

@@ -143,7 +143,7 @@ class SGLangBackend(TimeoutsMixin):
     def build_pause(self, mode: PauseMode = "abort") -> HttpRequest:
         """Abort only: keeping requests over an update is implemented for vLLM alone."""
         if mode != "abort":
-            raise ValueError(f"{self.name}: InferenceEngineConfig.pause_mode={mode!r} is not supported; use 'abort'")
+            raise ValueError(f"{self.name}: InferenceClientConfig.pause_mode={mode!r} is not supported; use 'abort'")
         return HttpRequest("POST", "/pause_generation", {"mode": "abort"}, self.control_timeout)
 
     def build_resume(self) -> HttpRequest:

@@ -187,7 +187,7 @@ class VLLMBackend(TimeoutsMixin):
         if mode == "keep":
             return HttpRequest("POST", "/pause?mode=keep&clear_cache=false", None, self.control_timeout)
         if mode != "abort":
-            raise ValueError(f"{self.name}: InferenceEngineConfig.pause_mode must be 'abort' or 'keep', got {mode!r}")
+            raise ValueError(f"{self.name}: InferenceClientConfig.pause_mode must be 'abort' or 'keep', got {mode!r}")
         return HttpRequest("POST", "/pause?mode=abort", None, self.control_timeout)
 
     def build_resume(self) -> HttpRequest:

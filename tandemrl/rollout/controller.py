@@ -5,7 +5,7 @@ client (generation and the servers' weight-receive calls), a training engine (tr
 weight export) and the ``WorkflowExecutor`` that streams episodes through the client. Every
 trainer rank builds one; batch and weight methods are collective over all trainer ranks::
 
-    client = RemoteInfEngine.for_backend("vllm", config.rollout); client.initialize()
+    client = RemoteInferenceClient.for_backend("vllm", config.rollout); client.initialize()
     rollout = RolloutController(client, actor, config.rollout, meta, eval_stats_name="eval-rollout",
                                 consumer_batch_size=batch_size // dp_world_size)
     batch = rollout.prepare_batch(train_dl, workflow, granularity=group_size)  # or rollout_batch(rows, ...)
@@ -25,8 +25,8 @@ import torch.distributed as dist
 from tandemrl.api.engine import TrainBackend
 from tandemrl.api.inference import WeightUpdateMeta
 from tandemrl.api.types import TensorDict
-from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
-from tandemrl.configs.rollout import InferenceEngineConfig
+from tandemrl.api.workflow import GenerationClient, RolloutWorkflow
+from tandemrl.configs.rollout import InferenceClientConfig
 from tandemrl.rollout.distributed import collect
 from tandemrl.rollout.executor import ShouldAcceptFn, WorkflowExecutor
 from tandemrl.rollout.ledger import Ledger, LedgerTotals, Tally
@@ -38,8 +38,8 @@ from tandemrl.weights.push import SyncStats, WeightPusher, WeightReceiver
 UNBOUNDED_STALENESS = 10**6
 
 
-class InferenceClient(GenerationEngine, WeightReceiver, Protocol):
-    """What the controller needs of an inference client (``RemoteInfEngine`` implements it)."""
+class InferenceClient(GenerationClient, WeightReceiver, Protocol):
+    """What the controller needs of an inference client (``RemoteInferenceClient`` implements it)."""
 
     def set_version(self, version: int) -> None: ...
 
@@ -67,7 +67,7 @@ class RolloutController:
         self,
         client: InferenceClient,
         engine: TrainBackend,
-        config: InferenceEngineConfig,
+        config: InferenceClientConfig,
         meta: WeightUpdateMeta | None = None,
         eval_stats_name: str | None = None,
         consumer_batch_size: int = 1,

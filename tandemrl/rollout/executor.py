@@ -39,19 +39,26 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tandemrl.api.determinism import RolloutKey, rollout_key_context
 from tandemrl.api.episode import EpisodeNotes, current_notes, notes_in
+from tandemrl.api.renamed import RenamedAttribute
 from tandemrl.api.types import TensorDict
-from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
-from tandemrl.configs.rollout import InferenceEngineConfig
-from tandemrl.data.batch import concat_padded_tensors
+from tandemrl.api.workflow import GenerationClient, RolloutWorkflow
+from tandemrl.configs.rollout import InferenceClientConfig
 from tandemrl.data.loader import cycle_batches
+from tandemrl.rollout.batches import (
+    Accepted,
+    check_trajectory,
+    collate,
+    must_wait_for_older,
+    record_hand_out,
+    samples_of,
+    split_batch,
+)
 from tandemrl.rollout.failure_budget import FailureBudget, FailureBudgetExceeded
-from tandemrl.rollout.ledger import Ledger, LedgerTotals, Tally, tally_of, total
+from tandemrl.rollout.ledger import Ledger, LedgerTotals, Tally, tally_of
 from tandemrl.rollout.staleness import RolloutStat, StalenessManager
 from tandemrl.rollout.task_runner import AsyncTaskRunner
 from tandemrl.rollout.whole_groups import workflow_name
@@ -85,40 +92,22 @@ class _Task:
 
 
 @dataclass
-class _Done:
-    """An accepted trajectory."""
-
-    traj: TensorDict
-    version: int  # weight version when the rollout started
-    seq: int  # acceptance order
-    order: int  # submission order
-    data: dict[str, Any]  # the row it was generated from
-    held: stats_tracker.HeldScalars  # the episode's scalars, recorded when the trainer consumes it
-
-
-@dataclass
 class _Running:
     version: int
     tag: int | None
     order: int
 
 
-def _check_trajectory(traj: Any, workflow: RolloutWorkflow) -> None:
-    mask = traj.get("attention_mask") if isinstance(traj, dict) else None
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
-        raise TypeError(
-            f"{type(workflow).__name__}.arun_episode returned {type(traj).__name__} without a 2-D 'attention_mask' "
-            "tensor; expected a dict of padded tensors [n, L] or None"
-        )
-
-
 class WorkflowExecutor:
     """Streams rollouts of submitted rows and collates accepted ones into training batches."""
 
+    if not TYPE_CHECKING:  # the old name fails with the line naming the new one (tandemrl.api.renamed)
+        inference_engine = RenamedAttribute("client")
+
     def __init__(
         self,
-        config: InferenceEngineConfig,
-        inference_engine: GenerationEngine,
+        config: InferenceClientConfig,
+        client: GenerationClient,
         consumer_batch_size: int = 1,
         deterministic: bool = False,
     ) -> None:
@@ -126,16 +115,16 @@ class WorkflowExecutor:
         ``deterministic``: see the module docstring."""
         if config.workflow_error_policy not in ERROR_POLICIES:
             raise ValueError(
-                f"InferenceEngineConfig.workflow_error_policy must be one of {ERROR_POLICIES}, "
+                f"InferenceClientConfig.workflow_error_policy must be one of {ERROR_POLICIES}, "
                 f"got {config.workflow_error_policy!r}"
             )
         self.config = config
-        self.inference_engine = inference_engine
+        self.client = client
         self.consumer_batch_size = consumer_batch_size
         self.max_concurrent_rollouts = config.concurrency(consumer_batch_size)
         self.queue_size = config.queue_size or self.max_concurrent_rollouts * 16
         if self.queue_size < 1:
-            raise ValueError(f"InferenceEngineConfig.queue_size must be positive, got {config.queue_size}")
+            raise ValueError(f"InferenceClientConfig.queue_size must be positive, got {config.queue_size}")
         self.staleness = StalenessManager(
             self.max_concurrent_rollouts, consumer_batch_size, config.max_head_offpolicyness
         )
@@ -146,8 +135,8 @@ class WorkflowExecutor:
 
         self._cond = threading.Condition()
         self._input: deque[_Task] = deque()
-        self._accepted: list[_Done] = []  # untagged results, not yet handed out
-        self._tag_results: dict[int, list[_Done]] = {}
+        self._accepted: list[Accepted] = []  # untagged results, not yet handed out
+        self._tag_results: dict[int, list[Accepted]] = {}
         self._tag_rejections: dict[int, int] = {}
         self._running: dict[int, _Running] = {}
         self._errors: list[BaseException] = []
@@ -212,15 +201,15 @@ class WorkflowExecutor:
 
     # ------------------------------------------------------------ version/pause
     def get_version(self) -> int:
-        """The weight version of the inference engine (the source of truth)."""
-        return int(self.inference_engine.get_version())
+        """The weight version of the inference client (the source of truth)."""
+        return int(self.client.get_version())
 
     def set_version(self, version: int) -> None:
         """Set the engine's version (if it differs) and re-evaluate capacity now."""
         if self.get_version() != version:
-            setter = getattr(self.inference_engine, "set_version", None)
+            setter = getattr(self.client, "set_version", None)
             if setter is None:
-                raise AttributeError(f"{type(self.inference_engine).__name__} has no set_version(); cannot set it")
+                raise AttributeError(f"{type(self.client).__name__} has no set_version(); cannot set it")
             setter(version)
         self._wake()
 
@@ -296,12 +285,12 @@ class WorkflowExecutor:
     async def _run_episode(self, task: _Task) -> tuple[TensorDict | None, bool]:
         """(trajectory or None, accepted). Records ``env_wait``, the seconds the episode waited on its
         environment (``tandemrl.api.episode.waiting``), held with the episode's other scalars."""
-        traj = await task.workflow.arun_episode(self.inference_engine, task.data)
+        traj = await task.workflow.arun_episode(self.client, task.data)
         notes = current_notes()
         stats_tracker.get(self.config.stats_name).scalar(env_wait=notes.wait_seconds if notes else 0.0)
         if traj is None:
             return None, False
-        _check_trajectory(traj, task.workflow)
+        check_trajectory(traj, task.workflow)
         if task.should_accept_fn is not None and not task.should_accept_fn(traj):
             return traj, False
         return traj, True
@@ -348,7 +337,7 @@ class WorkflowExecutor:
             if accepted:
                 assert traj is not None
                 self.staleness.on_accept()
-                done = _Done(traj, version, next(self._seqs), task.order, task.data, held)
+                done = Accepted(traj, version, next(self._seqs), task.order, task.data, held)
                 if task.tag is None:
                     self._accepted.append(done)
                 elif task.tag in self._tag_results:
@@ -411,7 +400,7 @@ class WorkflowExecutor:
         with self._cond:
             if len(self._input) >= self.queue_size:
                 raise queue.Full(
-                    f"rollout input queue is full ({self.queue_size} rows, InferenceEngineConfig.queue_size); "
+                    f"rollout input queue is full ({self.queue_size} rows, InferenceClientConfig.queue_size); "
                     "wait() for results before submitting more"
                 )
             task = _Task(data, workflow, should_accept_fn, tag, next(self._orders), key, pulled)
@@ -443,67 +432,33 @@ class WorkflowExecutor:
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         raise RuntimeError(
             f"rollout workflow failed: {first_line(first, with_type=True)}{more}; "
-            "set InferenceEngineConfig.workflow_error_policy='drop' to skip failed rollouts"
+            "set InferenceClientConfig.workflow_error_policy='drop' to skip failed rollouts"
         ) from first
-
-    def _must_wait_for_older(self, rest: list[_Done], count: int, version: int) -> bool:
-        """Would handing out this batch leave an older rollout unable to be consumed in time?
-
-        A rollout started at version v must be consumed by trainer version v + k. After this
-        batch, the trainer (at ``version``) consumes ``count`` per step, so for every deadline
-        d the leftovers due by d must fit in ``(d - version) * count`` slots. Only deadlines
-        before version + k are at risk (later ones are covered by the capacity formula), and
-        waiting only helps if a rollout due in that window is still running.
-        """
-        k = self.staleness.max_staleness
-        horizon = version + max(k, 1) - 1
-        running = [r.version + k for r in self._running.values() if r.tag is None]
-        if not any(d <= horizon for d in running):
-            return False
-        deadlines = sorted(
-            [d.version + k for d in rest if d.version + k <= horizon] + [d for d in running if d <= horizon]
-        )
-        for i, d in enumerate(deadlines):
-            last_of_value = i + 1 == len(deadlines) or deadlines[i + 1] != d
-            if last_of_value and i + 1 > (max(d, version) - version) * count:
-                return True
-        return False
 
     def _outstanding_locked(self, before: float = float("inf")) -> bool:
         """Whether an untagged row submitted before order ``before`` is still queued or running."""
         queued = any(t.tag is None and t.order < before for t in self._input)
         return queued or any(r.tag is None and r.order < before for r in self._running.values())
 
-    def _try_pick_locked(self, count: int) -> list[_Done] | None:
+    def _try_pick_locked(self, count: int) -> list[Accepted] | None:
         if len(self._accepted) < count:
             return None
         version = self.get_version()
+        picked, rest = split_batch(self._accepted, count, self.deterministic)
         if self.deterministic:  # the earliest submitted rows, once none before them is still running
-            ready = sorted(self._accepted, key=lambda d: d.order)
-            picked, rest = ready[:count], ready[count:]
             if self._outstanding_locked(before=picked[-1].order):
                 return None
         else:
-            ready = sorted(self._accepted, key=lambda d: (d.version, d.seq))
-            picked, rest = ready[:count], ready[count:]
-            if self._must_wait_for_older(rest, count, version):
+            running = [r.version for r in self._running.values() if r.tag is None]
+            if must_wait_for_older(rest, running, count, version, self.staleness.max_staleness):
                 return None
         self._accepted = rest
         for d in picked:
             self._pending.pop(d.order, None)
             d.held.release()  # this step's rollout/* scalars describe the samples it trains on
         self.last_batch_rows = [d.data for d in picked]
-        self._hand_out_locked(picked, version)
+        record_hand_out(picked, version, self.ledger, self.config.stats_name)
         return picked
-
-    def _hand_out_locked(self, results: list[_Done], version: int) -> None:
-        """Ledger and ``staleness`` (avg/min/max versions behind the trainer) of trajectories handed out,
-        the same in sync (``rollout_batch``) and async (``prepare_batch``) runs."""
-        self.ledger.consumed(total([tally_of(d.traj) for d in results]))
-        tracker = stats_tracker.get(self.config.stats_name)
-        lags = torch.tensor([float(version - d.version) for d in results])
-        tracker.denominator(n_consumed=torch.ones_like(lags, dtype=torch.bool))
-        tracker.stat(staleness=lags, denominator="n_consumed")
 
     def _describe_locked(self) -> str:
         s = self.staleness.get_stats()
@@ -570,7 +525,7 @@ class WorkflowExecutor:
                 if picked is not None:
                     break
                 self._sleep_locked(deadline, f"wait({count}, timeout={timeout})")
-        return concat_padded_tensors([d.traj for d in picked])
+        return collate(picked)
 
     def prepare_batch(
         self,
@@ -591,7 +546,7 @@ class WorkflowExecutor:
         self._check_count(batch_size, "prepare_batch")
         if self.queue_size < batch_size:
             raise ValueError(
-                f"prepare_batch: InferenceEngineConfig.queue_size={self.queue_size} is smaller than the "
+                f"prepare_batch: InferenceClientConfig.queue_size={self.queue_size} is smaller than the "
                 f"dataloader batch size {batch_size}"
             )
         if self._data_iter is None or self._data_source is not dataloader:
@@ -618,7 +573,7 @@ class WorkflowExecutor:
                     refill = refill or not self._outstanding_locked()
                 if not refill:
                     self._sleep_locked(deadline, f"prepare_batch(batch_size={batch_size}, timeout={timeout})")
-        return concat_padded_tensors([d.traj for d in picked])
+        return collate(picked)
 
     def _refill_due_locked(self, batch_size: int) -> bool:
         """Whether prepare_batch takes the next batch of rows now: while fewer than a batch are
@@ -707,7 +662,7 @@ class WorkflowExecutor:
                     self._raise_errors_locked()
                     if len(self._tag_results[tag]) >= n:
                         results = self._tag_results.pop(tag)
-                        self._hand_out_locked(results, self.get_version())
+                        record_hand_out(results, self.get_version(), self.ledger, self.config.stats_name)
                         break
                     rejections = self._tag_rejections[tag]
                     pending += rejections - seen_rejections
@@ -729,17 +684,17 @@ class WorkflowExecutor:
         finally:
             with self._cond:
                 left = self._tag_results.pop(tag, [])  # accepted, never handed out: the call gave up
-                self.ledger.discarded("abandoned", total([tally_of(d.traj) for d in left]))
+                self.ledger.discarded("abandoned", samples_of(left))
                 self._tag_rejections.pop(tag, None)
         results = sorted(results, key=lambda d: d.order)
         self.last_batch_rows = [d.data for d in results]
-        return concat_padded_tensors([d.traj for d in results])
+        return collate(results)
 
     # ------------------------------------------------------------------ ledger
     def _in_flight_locked(self) -> Tally:
         """Samples accepted and waiting for a batch, measured from the waiting trajectories."""
         waiting = self._accepted + [d for done in self._tag_results.values() for d in done]
-        return total([tally_of(d.traj) for d in waiting])
+        return samples_of(waiting)
 
     def ledger_totals(self) -> LedgerTotals:
         """The ledger with the samples in flight and the episodes queued or running, read at one moment."""

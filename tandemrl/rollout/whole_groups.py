@@ -17,7 +17,7 @@ import torch
 
 from tandemrl.api.episode import current_notes, note_failure, note_generated
 from tandemrl.api.types import TensorDict
-from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
+from tandemrl.api.workflow import GenerationClient, RolloutWorkflow
 
 WRONG_ROWS = "episode not one group"  # the failure kind
 
@@ -30,8 +30,8 @@ class WholeGroups(RolloutWorkflow):
             raise ValueError(f"WholeGroups: rows must be >= 1, got {rows}")
         self.workflow, self.rows = workflow, rows
 
-    async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> TensorDict | None:
-        traj = await self.workflow.arun_episode(engine, data)
+    async def arun_episode(self, client: GenerationClient, data: dict[str, Any]) -> TensorDict | None:
+        traj = await self.workflow.arun_episode(client, data)
         mask = traj.get("attention_mask") if isinstance(traj, dict) else None
         if traj is None or not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[0] == self.rows:
             return traj  # None, a whole group, or a malformed result the executor names

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from tandemrl.configs.utils import HeldoutEvalConfig
 
 if TYPE_CHECKING:
-    from tandemrl.api.workflow import GenerationEngine
+    from tandemrl.api.workflow import GenerationClient
     from tandemrl.workflows.gsm8k_eval import EvalResult
 
 
@@ -54,15 +54,15 @@ class HeldoutEval:
         c = self.config
         return os.path.join(c.fileroot, "logs", c.experiment_name, c.trial_name)
 
-    def score(self, engine: GenerationEngine, tag: str, version: int) -> HeldoutScore | None:
-        """Score the slice on ``engine`` (rank 0), write ``heldout_<tag>.json`` and print a line."""
+    def score(self, client: GenerationClient, tag: str, version: int) -> HeldoutScore | None:
+        """Score the slice on ``client`` (rank 0), write ``heldout_<tag>.json`` and print a line."""
         if not self.enabled:
             return None
         out = None
         if _is_rank0():
             from tandemrl.workflows.gsm8k_eval import evaluate_gsm8k
 
-            result = evaluate_gsm8k(engine, self.tokenizer, self._rows, self.config.max_new_tokens)
+            result = evaluate_gsm8k(client, self.tokenizer, self._rows, self.config.max_new_tokens)
             out = HeldoutScore(tag, version, result)
             self.scores.append(out)
             path = self._write(out)

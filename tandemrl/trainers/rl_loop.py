@@ -4,8 +4,8 @@ An RL script builds an :class:`RLTrainer` (engines, data, rollout client and con
 evaluator, logger), picks its workflows and extra engines (reference, critic), and
 hands :meth:`RLTrainer.run` a function that turns one rollout batch into updates::
 
-    trainer = RLTrainer(config, name="grpo")  # builds the actor's engine: trainer.actor
-    actor = PPOActor(config.actor, trainer.actor)  # the algorithm, composed with that engine
+    trainer = RLTrainer(config, name="grpo")  # builds the actor's engine: trainer.actor_engine
+    actor = PPOActor(config.actor, trainer.actor_engine)  # the algorithm, composed with that engine
     workflow, eval_workflow = trainer.rlvr_workflows(gsm8k_reward_fn)
     trainer.run(workflow, ppo_train_step(actor, ref=trainer.reference()), eval_workflow)
     trainer.close()
@@ -34,7 +34,7 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,7 @@ from tandemrl.algorithms.reinforce import ReinforceActor
 from tandemrl.api.allocation import AllocationMode
 from tandemrl.api.engine import TrainBackend
 from tandemrl.api.inference import WeightUpdateMeta
+from tandemrl.api.renamed import RenamedAttribute
 from tandemrl.api.types import RolloutBatch, TensorDict
 from tandemrl.api.workflow import RolloutWorkflow
 from tandemrl.configs import GRPOConfig
@@ -53,7 +54,7 @@ from tandemrl.configs.engine import TrainEngineConfig
 from tandemrl.configs.experiment import async_enabled
 from tandemrl.data.loader import cycle_batches
 from tandemrl.engines.registry import make_engine
-from tandemrl.inference.remote import RemoteInfEngine
+from tandemrl.inference.remote import RemoteInferenceClient
 from tandemrl.models.resolve import resolve_model_path
 from tandemrl.rewards.runner import RewardFn
 from tandemrl.rollout.controller import RolloutController
@@ -158,39 +159,42 @@ def _mean(xs: list[float]) -> float:
 class RLTrainer(TrainerBase[GRPOConfig]):
     """Builds the pieces of an RL run from a GRPOConfig (or subclass) and runs the shared loop.
 
-    ``actor`` is the policy's TrainBackend (backend from ``allocation_mode``); the script composes
-    its algorithm with it, e.g. ``PPOActor(config.actor, trainer.actor)``. The engine, data, saver,
+    ``actor_engine`` is the policy's TrainBackend (backend from ``allocation_mode``); the script composes
+    its algorithm with it, e.g. ``PPOActor(config.actor, trainer.actor_engine)``. The engine, data, saver,
     evaluator, recover handler and logger are built as for SFT (``tandemrl.trainers.base``).
     """
+
+    if not TYPE_CHECKING:  # the old name fails with the line naming the new one (tandemrl.api.renamed)
+        actor = RenamedAttribute("actor_engine")
 
     def __init__(self, config: GRPOConfig, name: str = "grpo") -> None:
         alloc = allocation_of(config)
         if alloc.train is None or alloc.gen is None:
             raise ValueError(f"allocation_mode: '{config.allocation_mode}' needs an inference and a training component")
         self.config, self.alloc, self.name = config, alloc, name
-        self.actor = self._build_engine_and_data(config.actor.engine, "actor.engine.path")
+        self.actor_engine = self._build_engine_and_data(config.actor.engine, "actor.engine.path")
         self._reward_service: Any = None  # a RemoteReward, closed with the trainer
 
         # Each trainer rank runs its own client; servers come from the launcher's environment.
-        self.client = RemoteInfEngine.for_backend(alloc.gen.backend, config.rollout)
+        self.client = RemoteInferenceClient.for_backend(alloc.gen.backend, config.rollout)
         self.client.initialize()
         self.meta = weight_update_meta(config, alloc)
         eval_stats = EVAL_STATS if self.valid_dl is not None else None
         # One step consumes this rank's share of a dataloader batch.
         self.rollout = RolloutController(
             self.client,
-            self.actor,
+            self.actor_engine,
             config.rollout,
             self.meta,
             eval_stats_name=eval_stats,
-            consumer_batch_size=config.train_dataset.batch_size // self.actor.data_parallel_world_size,
+            consumer_batch_size=config.train_dataset.batch_size // self.actor_engine.data_parallel_world_size,
             deterministic=config.deterministic,
         )
         stop = sorted({*config.gconfig.stop_token_ids, self.tokenizer.eos_token_id})
         self.gconfig = config.gconfig.new(stop_token_ids=stop)
 
         self._build_bookkeeping()
-        self._named_engines: dict[str, TrainBackend] = {"actor": self.actor}
+        self._named_engines: dict[str, TrainBackend] = {"actor": self.actor_engine}
         self.heldout = HeldoutEval(config.heldout_eval, self.tokenizer)
         # Colocated ('|'): the servers sleep during each train_step (turns.py); async is refused at load.
         self.turns = TurnTaker(self.client, alloc.colocated(alloc.gen, alloc.train), self.logger.log_dir)
@@ -249,8 +253,8 @@ class RLTrainer(TrainerBase[GRPOConfig]):
 
     def _dp_sum(self, values: list[float], group: Any = None) -> list[float]:
         """Sums over the data-parallel ranks (over ``group`` if given)."""
-        group = self.actor.data_parallel_group if group is None else group
-        device = self.actor.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        group = self.actor_engine.data_parallel_group if group is None else group
+        device = self.actor_engine.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
         t = torch.tensor(values, dtype=torch.float64, device=device)
         dist.all_reduce(t, group=group)
         return t.tolist()
@@ -270,7 +274,7 @@ class RLTrainer(TrainerBase[GRPOConfig]):
         total, n_rows = self._dp_sum([total, float(count)])
         accuracy = total / max(n_rows, 1.0)
         stats_tracker.get(EVAL_STATS).scalar(accuracy=accuracy)
-        step = self.actor.get_version() if global_step is None else global_step
+        step = self.actor_engine.get_version() if global_step is None else global_step
         self.summary.evals.append((step, accuracy))
         return accuracy
 
@@ -283,7 +287,7 @@ class RLTrainer(TrainerBase[GRPOConfig]):
         """Restore a recoverable checkpoint if ``recover.mode`` asks for it; the first step to run."""
         state = self.recover.load(
             self._recoverable_engines(),
-            self.actor,
+            self.actor_engine,
             self.train_dl,
             self.saver,
             self.evaluator,
@@ -310,7 +314,7 @@ class RLTrainer(TrainerBase[GRPOConfig]):
         ``should_accept_fn(trajectory) -> bool`` drops whole rollout groups before they reach
         the batch (DAPO's dynamic sampling: ``tandemrl.algorithms.filters.reject_uniform_rewards``).
         """
-        config, actor, rollout, summary = self.config, self.actor, self.rollout, self.summary
+        config, actor, rollout, summary = self.config, self.actor_engine, self.rollout, self.summary
         group = config.actor.group_size
         if should_accept_fn is None and getattr(config.actor, "dynamic_sampling", False):
             should_accept_fn = reject_uniform_rewards
@@ -372,7 +376,7 @@ class RLTrainer(TrainerBase[GRPOConfig]):
     ) -> None:
         """After a step's weight push: HF save, evaluation and recoverable checkpoint, each when due (or last)."""
         with stats_tracker.record_timing("save"):
-            self.saver.save(self.actor, epoch, step, global_step, tokenizer=self.tokenizer, last=last)
+            self.saver.save(self.actor_engine, epoch, step, global_step, tokenizer=self.tokenizer, last=last)
         if eval_workflow is not None and self.valid_dl is not None:
             with stats_tracker.record_timing("eval"):
                 self.evaluator.evaluate(
@@ -381,7 +385,7 @@ class RLTrainer(TrainerBase[GRPOConfig]):
         with stats_tracker.record_timing("recover"):
             self.recover.dump(
                 self._recoverable_engines(),
-                self.actor,
+                self.actor_engine,
                 self.train_dl,
                 step,
                 global_step,
@@ -397,7 +401,7 @@ class RLTrainer(TrainerBase[GRPOConfig]):
         Only DP heads count: the batch a head hands its model-parallel peers is the same rows.
         """
         untrained = getattr(train_step, "untrained_rows", None)
-        if untrained is None or not self.actor.is_data_parallel_head():
+        if untrained is None or not self.actor_engine.is_data_parallel_head():
             return
         rows = untrained(batch).bool().cpu()
         if bool(rows.any()):
@@ -415,12 +419,12 @@ class RLTrainer(TrainerBase[GRPOConfig]):
     def _commit(self, epoch: int, step: int, global_step: int) -> None:
         stats_tracker.scalar(**self._ledger().stats())  # the run's totals so far; a violation fails the step
         # Rollout trackers first (reduced over DP ranks), then everything the trainer recorded.
-        dp_group = self.actor.data_parallel_group
+        dp_group = self.actor_engine.data_parallel_group
         stats = self.rollout.export_stats(reduce_group=dp_group)
-        stats.update(self.actor.export_stats())
-        stats.update(pipeline_shares(stats, self.actor.data_parallel_world_size))
+        stats.update(self.actor_engine.export_stats())
+        stats.update(pipeline_shares(stats, self.actor_engine.data_parallel_world_size))
         self.logger.commit(epoch, step, global_step, stats)
-        add_step_timings(self.summary.phase_seconds, stats, self.actor.data_parallel_world_size)
+        add_step_timings(self.summary.phase_seconds, stats, self.actor_engine.data_parallel_world_size)
         reward = stats.get("rollout/reward")
         if reward is not None:
             self.summary.rewards.append(reward)

@@ -8,7 +8,7 @@ A script is the config and two lines (``examples/gsm8k_sft.py``)::
 
 It builds the model's engine (backend from ``allocation_mode``), tokenizer, dataloaders, saver,
 evaluator, recover handler and logger as RL does (``tandemrl.trainers.base``); the algorithm is
-``LMEngine`` (next-token loss on ``loss_mask`` tokens). Each step: one ``train_lm`` update (the engine
+``SFTActor`` (next-token loss on ``loss_mask`` tokens). Each step: one ``train_lm`` update (the engine
 advances its LR schedule) -> HF save -> evaluation (``eval_loss`` on the validation set) -> log ->
 recoverable checkpoint. A run restarted with ``recover.mode`` auto/resume and a checkpoint present
 continues after its step (weights, optimizer, LR schedule, dataloader position, counters).
@@ -16,10 +16,13 @@ continues after its step (weights, optimizer, LR schedule, dataloader position, 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch.distributed as dist
 from tqdm import tqdm
 
-from tandemrl.algorithms.lm import LMEngine
+from tandemrl.algorithms.sft import SFTActor
+from tandemrl.api.renamed import RenamedAttribute
 from tandemrl.configs import SFTConfig
 from tandemrl.data.loader import cycle_batches, pad_sequences_to_tensors
 from tandemrl.trainers.base import TrainerBase
@@ -29,15 +32,20 @@ from tandemrl.utils import stats_tracker
 
 
 class SFTTrainer(TrainerBase[SFTConfig]):
-    """An SFT run from an SFTConfig; ``engine`` is the model's TrainBackend, ``sft`` the algorithm on it."""
+    """An SFT run from an SFTConfig; ``actor_engine`` is the model's TrainBackend, ``actor`` the algorithm on it
+    (``SFTActor``), as in an RL script."""
+
+    if not TYPE_CHECKING:  # the old names fail with the line naming the new one (tandemrl.api.renamed)
+        engine = RenamedAttribute("actor_engine")
+        sft = RenamedAttribute("actor")
 
     def __init__(self, config: SFTConfig, name: str = "sft") -> None:
         alloc = allocation_of(config)
         if alloc.train is None:
             raise ValueError(f"allocation_mode: '{config.allocation_mode}' has no training component")
         self.config, self.alloc, self.name = config, alloc, name
-        self.engine = self._build_engine_and_data(config.model, "model.path")
-        self.sft = LMEngine(self.engine)
+        self.actor_engine = self._build_engine_and_data(config.model, "model.path")
+        self.actor = SFTActor(self.actor_engine)
         self._build_bookkeeping()
         self._save_config()
         self.pad_id = self.tokenizer.pad_token_id
@@ -47,20 +55,20 @@ class SFTTrainer(TrainerBase[SFTConfig]):
         assert self.valid_dl is not None
         total, n = 0.0, 0
         for rows in self.valid_dl:
-            total += self.sft.evaluate_lm(pad_sequences_to_tensors(rows, self.pad_id))
+            total += self.actor.evaluate_lm(pad_sequences_to_tensors(rows, self.pad_id))
             n += 1
         stats_tracker.scalar(eval_loss=total / max(n, 1))
 
     def _resume(self) -> int:
         """Restore a recoverable checkpoint if ``recover.mode`` asks for it; the first step to run."""
-        engines = {"model": self.engine}
-        state = self.recover.load(engines, self.engine, self.train_dl, self.saver, self.evaluator)
+        engines = {"model": self.actor_engine}
+        state = self.recover.load(engines, self.actor_engine, self.train_dl, self.saver, self.evaluator)
         return 0 if state is None else state.global_step + 1
 
     def train(self) -> None:
         """``total_train_steps`` steps of update -> save -> evaluate -> log -> recoverable checkpoint, then the
         closing lines (rank 0)."""
-        engine, spec = self.engine, self.ft_spec
+        engine, spec = self.actor_engine, self.ft_spec
         first_step = self._resume()
         batches = cycle_batches(self.train_dl, "train_dataset")
         total_steps = spec.total_train_steps
@@ -70,7 +78,7 @@ class SFTTrainer(TrainerBase[SFTConfig]):
             last = global_step == total_steps - 1
             batch = pad_sequences_to_tensors(next(batches), self.pad_id)
             with stats_tracker.record_timing("train_step"):
-                stats = self.sft.train_lm(batch)
+                stats = self.actor.train_lm(batch)
             with stats_tracker.record_timing("save"):
                 self.saver.save(engine, epoch, step, global_step, tokenizer=self.tokenizer, last=last)
             if self.valid_dl is not None:

@@ -29,7 +29,7 @@ TURNS_FILE = "turns.jsonl"
 
 
 class Sleeper(Protocol):
-    """The client calls a turn needs (``RemoteInfEngine`` has them)."""
+    """The client calls a turn needs (``RemoteInferenceClient`` has them)."""
 
     def sleep(self, level: int) -> None: ...
 

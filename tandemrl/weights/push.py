@@ -38,7 +38,7 @@ LEAVE_TIMEOUT_S = 60.0  # how long a failed update waits for the servers to leav
 
 
 class WeightReceiver(Protocol):
-    """The server-side weight calls of an inference client (``RemoteInfEngine`` implements them)."""
+    """The server-side weight calls of an inference client (``RemoteInferenceClient`` implements them)."""
 
     def update_weights_from_disk(self, meta: WeightUpdateMeta) -> Future[None]: ...
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from tandemrl.api.renamed import retired_names
+
 _EXPORTS = {
     "RolloutWorkflow": "tandemrl.api.workflow",
-    "GenerationEngine": "tandemrl.api.workflow",
+    "GenerationClient": "tandemrl.api.workflow",
     "RLVRWorkflow": "tandemrl.workflows.rlvr",
     "ReMaxRLVRWorkflow": "tandemrl.workflows.remax",
     "MultiTurnWorkflow": "tandemrl.workflows.multi_turn",
@@ -24,5 +26,5 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
-        raise AttributeError(f"module 'tandemrl.workflows' has no attribute {name!r}")
+        return retired_names(__name__)(name)  # an old name fails with the line naming the new one
     return getattr(importlib.import_module(module), name)

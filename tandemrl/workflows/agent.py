@@ -31,7 +31,7 @@ from typing import Any
 
 from tandemrl.api.episode import note_failure, note_waited
 from tandemrl.api.types import TensorDict
-from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
+from tandemrl.api.workflow import GenerationClient, RolloutWorkflow
 from tandemrl.configs.agent import AgentConfig
 from tandemrl.configs.rollout import GenerationHyperparameters
 from tandemrl.data.batch import concat_padded_tensors
@@ -124,10 +124,10 @@ class AgentWorkflow(RolloutWorkflow):
         Session(config.mode)  # type: ignore[arg-type] # checks the mode
         get_tool_parser(config.tool_parser)
 
-    def proxy(self, engine: GenerationEngine) -> AgentProxy:
+    def proxy(self, client: GenerationClient) -> AgentProxy:
         c = self.config
         return AgentProxy(
-            engine,
+            client,
             self.tokenizer,
             self.gconfig.new(n_samples=1),
             mode=c.mode,  # type: ignore[arg-type]
@@ -162,8 +162,8 @@ class AgentWorkflow(RolloutWorkflow):
             raise s.errors[0]
         return s.session, result
 
-    async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> TensorDict | None:
-        async with self.proxy(engine) as proxy:
+    async def arun_episode(self, client: GenerationClient, data: dict[str, Any]) -> TensorDict | None:
+        async with self.proxy(client) as proxy:
             runs = await asyncio.gather(*[self.run_agent(proxy, data) for _ in range(self.gconfig.n_samples)])
         tracker = stats_tracker.get(self.stat_scope)
         dropped = any(r is None or not r[0].calls for r in runs)

@@ -3,7 +3,7 @@ scores every token the student generated.
 
 ``TeacherScoredWorkflow(inner, teacher)`` wraps any workflow (single-turn RLVR, multi-turn,
 agents): after ``inner`` returns its padded batch, each row's tokens go to the teacher in one
-scoring request (``RemoteInfEngine.aprompt_logprobs``: nothing is sampled), and the batch gains
+scoring request (``RemoteInferenceClient.aprompt_logprobs``: nothing is sampled), and the batch gains
 ``teacher_logprobs`` [n, L], token-aligned like ``logprobs``: ``log p_teacher(input_ids[t] |
 input_ids[:t])`` where ``loss_mask`` is 1, else 0. ``DistillActor`` turns it into advantages.
 
@@ -21,15 +21,15 @@ from typing import Any
 import torch
 
 from tandemrl.api.types import TensorDict
-from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
-from tandemrl.configs.rollout import InferenceEngineConfig
-from tandemrl.inference.remote import RemoteInfEngine, parse_server_addrs
+from tandemrl.api.workflow import GenerationClient, RolloutWorkflow
+from tandemrl.configs.rollout import InferenceClientConfig
+from tandemrl.inference.remote import RemoteInferenceClient, parse_server_addrs
 
 TEACHER_SERVER = "teacher"  # the auxiliary server name a launcher would give the teacher's servers
 
 
 def teacher_addresses(
-    config: InferenceEngineConfig, lookup: Callable[[str], list[str]] | None = None, key: str = "teacher"
+    config: InferenceClientConfig, lookup: Callable[[str], list[str]] | None = None, key: str = "teacher"
 ) -> list[str]:
     """``<key>.server_addrs`` if set, else ``lookup("teacher")`` (e.g. the launcher's named auxiliary
     servers); never the policy servers' environment. One-line error naming ``key`` when neither has any."""
@@ -45,18 +45,18 @@ def teacher_addresses(
 
 
 def connect_teacher(
-    config: InferenceEngineConfig,
+    config: InferenceClientConfig,
     backend: str = "vllm",
     lookup: Callable[[str], list[str]] | None = None,
     key: str = "teacher",
-) -> RemoteInfEngine:
+) -> RemoteInferenceClient:
     """A client of the teacher's servers (waits until they are healthy)."""
-    client = RemoteInfEngine.for_backend(backend, config)
+    client = RemoteInferenceClient.for_backend(backend, config)
     client.initialize(teacher_addresses(config, lookup, key))
     return client
 
 
-async def teacher_logprobs(teacher: RemoteInfEngine, batch: TensorDict, rid: str | None = None) -> torch.Tensor:
+async def teacher_logprobs(teacher: RemoteInferenceClient, batch: TensorDict, rid: str | None = None) -> torch.Tensor:
     """[n, L] float32: the teacher's logprob of each ``loss_mask`` token of ``batch``, 0 elsewhere.
 
     Rows are right-padded: row i's tokens are ``input_ids[i, : attention_mask[i].sum()]``.
@@ -74,12 +74,12 @@ async def teacher_logprobs(teacher: RemoteInfEngine, batch: TensorDict, rid: str
 class TeacherScoredWorkflow(RolloutWorkflow):
     """``inner``'s episodes plus ``teacher_logprobs`` from the teacher's servers; see the module docstring."""
 
-    def __init__(self, inner: RolloutWorkflow, teacher: RemoteInfEngine) -> None:
+    def __init__(self, inner: RolloutWorkflow, teacher: RemoteInferenceClient) -> None:
         self.inner = inner
         self.teacher = teacher
 
-    async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> TensorDict | None:
-        batch = await self.inner.arun_episode(engine, data)
+    async def arun_episode(self, client: GenerationClient, data: dict[str, Any]) -> TensorDict | None:
+        batch = await self.inner.arun_episode(client, data)
         if batch is None:
             return None
         for name in ("input_ids", "attention_mask", "loss_mask"):

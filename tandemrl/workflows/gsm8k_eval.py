@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 from tandemrl.api.generation import GenerationHyperparameters
 from tandemrl.api.inference import ModelRequest
-from tandemrl.api.workflow import GenerationEngine
+from tandemrl.api.workflow import GenerationClient
 from tandemrl.rewards.gsm8k import extract_final_answer, extract_reference_answer, gsm8k_reward_fn
 from tandemrl.workflows.rlvr import chat_prompt_ids
 
 if TYPE_CHECKING:
-    from tandemrl.inference.remote import RemoteInfEngine
+    from tandemrl.inference.remote import RemoteInferenceClient
 
 Z_95 = 1.959963984540054  # two-sided 95% quantile of the standard normal
 INTERVAL_METHOD = "Wilson score interval, 95%"
@@ -151,17 +151,17 @@ def prompt_ids(tokenizer: Any, row: dict[str, Any], chat_template: bool) -> list
     return list(tokenizer(row["question"])["input_ids"])
 
 
-def connect(url: str, request_timeout: float = 3600.0) -> RemoteInfEngine:
+def connect(url: str, request_timeout: float = 3600.0) -> RemoteInferenceClient:
     """A vLLM client of the running server at ``url`` (``host:port`` or ``http://host:port``), healthy."""
-    from tandemrl.configs.rollout import InferenceEngineConfig
-    from tandemrl.inference.remote import RemoteInfEngine
+    from tandemrl.configs.rollout import InferenceClientConfig
+    from tandemrl.inference.remote import RemoteInferenceClient
 
     addr = url.split("://", 1)[-1].rstrip("/")
-    engine = RemoteInfEngine.for_backend(
-        "vllm", InferenceEngineConfig(request_timeout=request_timeout, setup_timeout=60.0)
+    client = RemoteInferenceClient.for_backend(
+        "vllm", InferenceClientConfig(request_timeout=request_timeout, setup_timeout=60.0)
     )
-    engine.initialize([addr])
-    return engine
+    client.initialize([addr])
+    return client
 
 
 @dataclass(frozen=True)
@@ -175,9 +175,9 @@ class EvalOptions:
 
 
 async def aevaluate_gsm8k(
-    engine: GenerationEngine, tokenizer: Any, rows: Sequence[dict[str, Any]], options: EvalOptions
+    client: GenerationClient, tokenizer: Any, rows: Sequence[dict[str, Any]], options: EvalOptions
 ) -> EvalResult:
-    """``evaluate_gsm8k`` on the caller's event loop, with an engine (see the module docstring)."""
+    """``evaluate_gsm8k`` on the caller's event loop, with a client (see the module docstring)."""
     if not rows:
         raise ValueError("evaluate_gsm8k: no rows to score")
     max_new_tokens, chat_template = options.max_new_tokens, options.chat_template
@@ -192,7 +192,7 @@ async def aevaluate_gsm8k(
     async def generate(row: dict[str, Any]) -> str:
         req = ModelRequest(input_ids=prompt_ids(tokenizer, row, chat_template), gconfig=gconfig, tokenizer=tokenizer)
         async with gate:
-            resp = await engine.agenerate(req)
+            resp = await client.agenerate(req)
         return tokenizer.decode(resp.output_tokens, skip_special_tokens=True)
 
     completions = await asyncio.gather(*(generate(row) for row in rows))
@@ -203,7 +203,7 @@ async def aevaluate_gsm8k(
 
 
 def evaluate_gsm8k(
-    client_or_url: GenerationEngine | str,
+    client_or_url: GenerationClient | str,
     tokenizer: Any,
     rows: Sequence[dict[str, Any]],
     max_new_tokens: int = 256,
@@ -218,8 +218,8 @@ def evaluate_gsm8k(
     options = EvalOptions(max_new_tokens, chat_template, concurrency)
     if not isinstance(client_or_url, str):
         return asyncio.run(aevaluate_gsm8k(client_or_url, tokenizer, rows, options))
-    engine = connect(client_or_url)
+    client = connect(client_or_url)
     try:
-        return asyncio.run(aevaluate_gsm8k(engine, tokenizer, rows, options))
+        return asyncio.run(aevaluate_gsm8k(client, tokenizer, rows, options))
     finally:
-        engine.destroy()
+        client.destroy()

@@ -21,7 +21,7 @@ from typing import Any, cast
 
 from tandemrl.api.inference import ModelResponse
 from tandemrl.api.types import TensorDict
-from tandemrl.api.workflow import GenerationEngine
+from tandemrl.api.workflow import GenerationClient
 from tandemrl.configs.rollout import GenerationHyperparameters
 from tandemrl.data.batch import concat_padded_tensors
 from tandemrl.rewards.runner import RewardFn, RewardRunner
@@ -89,7 +89,7 @@ class MultiTurnWorkflow(RLVRWorkflow):
 
     async def _conversation(
         self,
-        engine: GenerationEngine,
+        client: GenerationClient,
         data: dict[str, Any],
         prompt_ids: list[int],
         prompt: str,
@@ -102,7 +102,7 @@ class MultiTurnWorkflow(RLVRWorkflow):
         logprobs, versions = [0.0] * len(prompt_ids), [-1] * len(prompt_ids)
         turns, reward = 0, 0.0
         while True:
-            resp = await engine.agenerate(self.request(seq, gconfig, rid, self.sample_seed(data, sample, turns)))
+            resp = await client.agenerate(self.request(seq, gconfig, rid, self.sample_seed(data, sample, turns)))
             check_response(resp)
             seq += resp.output_tokens
             loss_mask += [1] * len(resp.output_tokens)
@@ -125,12 +125,12 @@ class MultiTurnWorkflow(RLVRWorkflow):
         final = reward * self.turn_discount ** (turns - 1)
         return build_row(seq, loss_mask, logprobs, versions, final), final, turns
 
-    async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> TensorDict | None:
+    async def arun_episode(self, client: GenerationClient, data: dict[str, Any]) -> TensorDict | None:
         prompt_ids = self.prompt_ids(data)
         suffix = self.feedback_suffix(data["messages"])
         prompt = self.tokenizer.decode(prompt_ids)
         results = await asyncio.gather(
-            *[self._conversation(engine, data, prompt_ids, prompt, suffix, i) for i in range(self.gconfig.n_samples)]
+            *[self._conversation(client, data, prompt_ids, prompt, suffix, i) for i in range(self.gconfig.n_samples)]
         )
         if self.drop_group([None if r is None else r[1] for r in results]):
             return None

@@ -13,7 +13,7 @@ import uuid
 from typing import Any, cast
 
 from tandemrl.api.types import TensorDict
-from tandemrl.api.workflow import GenerationEngine
+from tandemrl.api.workflow import GenerationClient
 from tandemrl.data.batch import concat_padded_tensors
 from tandemrl.utils import stats_tracker
 from tandemrl.workflows.rlvr import RLVRWorkflow, check_response, completion_row
@@ -22,15 +22,15 @@ from tandemrl.workflows.rlvr import RLVRWorkflow, check_response, completion_row
 class ReMaxRLVRWorkflow(RLVRWorkflow):
     """RLVR with a greedy-decoding baseline subtracted from each sample's reward."""
 
-    async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> TensorDict | None:
+    async def arun_episode(self, client: GenerationClient, data: dict[str, Any]) -> TensorDict | None:
         prompt_ids = self.prompt_ids(data)
         rid = uuid.uuid4().hex
         sample_cfg = self.gconfig.new(n_samples=1)
         greedy_cfg = self.gconfig.new(n_samples=1, greedy=True)
         n = self.gconfig.n_samples
         resps = await asyncio.gather(
-            *[engine.agenerate(self.request(prompt_ids, sample_cfg, rid, self.sample_seed(data, i))) for i in range(n)],
-            engine.agenerate(self.request(prompt_ids, greedy_cfg, rid)),
+            *[client.agenerate(self.request(prompt_ids, sample_cfg, rid, self.sample_seed(data, i))) for i in range(n)],
+            client.agenerate(self.request(prompt_ids, greedy_cfg, rid)),
         )
         samples, greedy = list(resps[:n]), resps[n]
         check_response(greedy)

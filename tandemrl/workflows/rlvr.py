@@ -32,7 +32,7 @@ from tandemrl.api.determinism import request_seed
 from tandemrl.api.episode import note_generated
 from tandemrl.api.inference import ModelRequest, ModelResponse
 from tandemrl.api.types import TensorDict
-from tandemrl.api.workflow import GenerationEngine, RolloutWorkflow
+from tandemrl.api.workflow import GenerationClient, RolloutWorkflow
 from tandemrl.configs.rollout import GenerationHyperparameters
 from tandemrl.data.batch import concat_padded_tensors
 from tandemrl.rewards.runner import RewardFn, RewardRunner
@@ -223,13 +223,13 @@ class RLVRWorkflow(RolloutWorkflow):
             f.write("\n".join(lines) + "\n")
 
     # ------------------------------------------------------------------ episode
-    async def arun_episode(self, engine: GenerationEngine, data: dict[str, Any]) -> TensorDict | None:
+    async def arun_episode(self, client: GenerationClient, data: dict[str, Any]) -> TensorDict | None:
         prompt_ids = self.prompt_ids(data)
         gconfig = self.gconfig.new(n_samples=1)
         rid = uuid.uuid4().hex  # one rid: the client keeps a group on one server (prefix cache)
         resps = await asyncio.gather(
             *[
-                engine.agenerate(self.request(prompt_ids, gconfig, rid, self.sample_seed(data, i)))
+                client.agenerate(self.request(prompt_ids, gconfig, rid, self.sample_seed(data, i)))
                 for i in range(self.gconfig.n_samples)
             ]
         )

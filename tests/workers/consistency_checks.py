@@ -36,14 +36,14 @@ from sync_checks import (
     sampling_requests,
 )
 
-from tandemrl.algorithms.lm import LMEngine
 from tandemrl.algorithms.ppo import PPOActor
+from tandemrl.algorithms.sft import SFTActor
 from tandemrl.api.engine import TrainEngine
 from tandemrl.api.inference import ModelResponse, WeightUpdateMeta
 from tandemrl.configs.ppo import PPOActorConfig
 from tandemrl.engines.base import init_default_process_group
 from tandemrl.engines.teardown import destroy_process_groups
-from tandemrl.inference.remote import RemoteInfEngine
+from tandemrl.inference.remote import RemoteInferenceClient
 from tandemrl.rollout.controller import RolloutController
 from tandemrl.trainers.entry import parse_allocation
 from tandemrl.weights.plan import collective_update
@@ -51,7 +51,7 @@ from tandemrl.weights.plan import collective_update
 Samples = dict[float, list[ModelResponse]]
 
 
-def sample(args: argparse.Namespace, rollout: RemoteInfEngine, vocab: int, tag: str, version: int) -> Samples:
+def sample(args: argparse.Namespace, rollout: RemoteInferenceClient, vocab: int, tag: str, version: int) -> Samples:
     """Rank 0 samples at every temperature (the same seeded prompts each time); all ranks get the responses."""
     box: list[Any] = [None]
     if dist.get_rank() == 0:
@@ -105,7 +105,7 @@ def run_cell(args: argparse.Namespace, cell: dict[str, Any]) -> dict[str, Any]:
         shard = {k: v[dp_rank::dp_size] for k, v in batch.items()}
         rec["losses"] = []
         for meta in (disk, collective, collective):
-            rec["losses"].append(LMEngine(engine).train_lm(shard)["loss"])
+            rec["losses"].append(SFTActor(engine).train_lm(shard)["loss"])
             controller.push_weights(meta=meta)
         rec["gaps"]["step3-collective"] = gaps(args, engine, sample(args, rollout, vocab, f"{cell['name']}-c", 3))
         controller.push_weights(meta=disk)  # the same step-3 weights, now from disk

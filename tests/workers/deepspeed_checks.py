@@ -20,8 +20,8 @@ from fsdp_checks import PRECISION_LR, make_batch, precision_run, rank_slice
 from ppo_checks import GROUP, make_rollout_batch
 from prefix_checks import shared_vs_unshared
 
-from tandemrl.algorithms.lm import LMEngine
 from tandemrl.algorithms.ppo import PPOActor, PPOCritic
+from tandemrl.algorithms.sft import SFTActor
 from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.configs.engine import DeepSpeedEngineConfig, MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from tandemrl.configs.ppo import PPOActorConfig, PPOCriticConfig
@@ -61,7 +61,7 @@ def engine(
 
 
 def step(e: DeepSpeedEngine, seed: int) -> dict[str, float]:
-    return LMEngine(e).train_lm(rank_slice(make_batch(seed)))
+    return SFTActor(e).train_lm(rank_slice(make_batch(seed)))
 
 
 def nan_loss(logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:

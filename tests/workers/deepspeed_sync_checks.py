@@ -32,13 +32,13 @@ from sync_checks import (
     version_label,
 )
 
-from tandemrl.algorithms.lm import LMEngine
+from tandemrl.algorithms.sft import SFTActor
 from tandemrl.api.inference import WeightUpdateMeta
 from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.configs.engine import DeepSpeedEngineConfig, OptimizerConfig, TrainEngineConfig
 from tandemrl.engines.deepspeed import DeepSpeedEngine
 from tandemrl.engines.teardown import destroy_process_groups
-from tandemrl.inference.remote import RemoteInfEngine
+from tandemrl.inference.remote import RemoteInferenceClient
 from tandemrl.rollout.controller import RolloutController
 from tandemrl.trainers.entry import parse_allocation
 from tandemrl.weights.plan import collective_update
@@ -60,7 +60,7 @@ def make_engine(model: str, lr: float) -> DeepSpeedEngine:
 
 def push(
     controller: RolloutController,
-    rollout: RemoteInfEngine,
+    rollout: RemoteInferenceClient,
     meta: WeightUpdateMeta,
     prompts: list,
     before: list | None = None,
@@ -116,7 +116,7 @@ def main(args: argparse.Namespace) -> None:
     try:
         batch = memorize_batch(int(engine.model_config.vocab_size), seed=7)
         shard = {k: v[rank :: dist.get_world_size()] for k, v in batch.items()}
-        losses = [LMEngine(engine).train_lm(shard)["loss"] for _ in range(args.steps)]
+        losses = [SFTActor(engine).train_lm(shard)["loss"] for _ in range(args.steps)]
         engine.save(SaveLoadMeta(path=os.path.join(args.out, "exported"), weight_format="hf"))
 
         disk_record = {"losses": losses, **push(controller, rollout, disk, prompts)}  # labelled 1

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from prefix_checks import shared_vs_unshared
 
-from tandemrl.algorithms.lm import LMEngine
+from tandemrl.algorithms.sft import SFTActor
 from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from tandemrl.engines.base import init_default_process_group
@@ -61,7 +61,7 @@ def optimizer_dtypes(e: Any) -> list[str]:
 def precision_run(e: Any) -> dict[str, Any]:
     """5 SFT steps of a built engine on the precision batches (then destroyed): losses and the dtypes of
     log-probs, exported weights and optimizer tensors."""
-    lm = LMEngine(e)
+    lm = SFTActor(e)
     losses = [lm.train_lm(rank_slice(make_batch(seed)))["loss"] for seed in PRECISION_SEEDS]
     out = {
         "losses": losses,
@@ -100,7 +100,7 @@ def invariance(args: argparse.Namespace) -> None:
         e = engine(args.model, spec)
         norms, losses = [], []
         for step in range(2):
-            stats = LMEngine(e).train_lm(rank_slice(make_batch(100 + step)))
+            stats = SFTActor(e).train_lm(rank_slice(make_batch(100 + step)))
             norms.append(stats["grad_norm"])
             losses.append(stats["loss"])
         sd = e.full_state_dict()
@@ -114,7 +114,7 @@ def checkpoint(args: argparse.Namespace) -> None:
     """Train, export HF + DCP, then record the next three losses and the engine's logits."""
     e = engine(args.model, MicroBatchSpec(n_mbs=2))
     for step in range(2):
-        LMEngine(e).train_lm(rank_slice(make_batch(200 + step)))
+        SFTActor(e).train_lm(rank_slice(make_batch(200 + step)))
     e.set_version(2)
     e.save(SaveLoadMeta(path=os.path.join(args.out, "hf"), weight_format="hf", tokenizer_path=args.tokenizer))
     e.save(SaveLoadMeta(path=os.path.join(args.out, "dcp"), weight_format="dcp", with_optim=True))
@@ -122,7 +122,7 @@ def checkpoint(args: argparse.Namespace) -> None:
     logits = e.forward(probe)
     losses = []
     for step in range(3):
-        losses.append(LMEngine(e).train_lm(rank_slice(make_batch(300 + step)))["loss"])
+        losses.append(SFTActor(e).train_lm(rank_slice(make_batch(300 + step)))["loss"])
     if dist.get_rank() == 0:
         torch.save({"losses": losses, "logits": logits, "probe": probe}, os.path.join(args.out, "continued.pt"))
 
@@ -137,7 +137,7 @@ def variants(args: argparse.Namespace) -> None:
         e = FSDPEngine(cfg)
         e.create_process_group()
         e.initialize(None, None)
-        stats = LMEngine(e).train_lm(batch)
+        stats = SFTActor(e).train_lm(batch)
         out[tag] = {"stats": stats, "params": e.full_state_dict()}
         e.destroy()
     out["precision"] = bf16_vs_fp32(lambda mixed: engine(args.model, MicroBatchSpec(n_mbs=2), PRECISION_LR, mixed))
@@ -174,7 +174,7 @@ def resume(args: argparse.Namespace) -> None:
     assert e.get_version() == 2, e.get_version()
     losses = []
     for step in range(3):
-        losses.append(LMEngine(e).train_lm(rank_slice(make_batch(300 + step)))["loss"])
+        losses.append(SFTActor(e).train_lm(rank_slice(make_batch(300 + step)))["loss"])
     if dist.get_rank() == 0:
         torch.save({"losses": losses}, os.path.join(args.out, "resumed.pt"))
 

@@ -25,7 +25,7 @@ def run_grpo(argv: list[str], reward: Callable[..., float]) -> None:
     config, _ = load_config_or_exit(argv, GRPOConfig)
     trainer = RLTrainer(config, name="grpo")
     workflow, eval_workflow = trainer.rlvr_workflows(reward)
-    trainer.run(workflow, ppo_train_step(PPOActor(config.actor, trainer.actor)), eval_workflow)
+    trainer.run(workflow, ppo_train_step(PPOActor(config.actor, trainer.actor_engine)), eval_workflow)
     trainer.close()
 
 

@@ -56,7 +56,9 @@ def main(argv: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     workflow, eval_workflow = trainer.rlvr_workflows(gsm8k_reward_fn)
     step = recording(
-        ppo_train_step(PPOActor(config.actor, trainer.actor)), trainer.actor, out / f"rank{os.environ['RANK']}.jsonl"
+        ppo_train_step(PPOActor(config.actor, trainer.actor_engine)),
+        trainer.actor_engine,
+        out / f"rank{os.environ['RANK']}.jsonl",
     )
     trainer.run(workflow, step, eval_workflow)
     trainer.close()

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from fsdp_checks import make_batch, rank_slice
 
-from tandemrl.algorithms.lm import LMEngine
+from tandemrl.algorithms.sft import SFTActor
 from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.configs.engine import LoRAConfig, MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from tandemrl.engines.fsdp import FSDPEngine
@@ -38,7 +38,7 @@ def main(args: argparse.Namespace) -> None:
     e = build(args.model)
     trainable = sorted(n for n, p in e.model.named_parameters() if p.requires_grad)
     before = _raw(e)
-    losses = [LMEngine(e).train_lm(rank_slice(make_batch(700 + step)))["loss"] for step in range(2)]
+    losses = [SFTActor(e).train_lm(rank_slice(make_batch(700 + step)))["loss"] for step in range(2)]
     after = _raw(e)
     exported = dict(e.iter_hf_params())  # the collective path's merged tensors
     probe = make_batch(999, n=4)
@@ -46,13 +46,13 @@ def main(args: argparse.Namespace) -> None:
     e.save(SaveLoadMeta(path=os.path.join(args.out, "adapter"), weight_format="peft"))
     e.save(SaveLoadMeta(path=os.path.join(args.out, "merged"), weight_format="hf", tokenizer_path=args.model))
     e.save(SaveLoadMeta(path=os.path.join(args.out, "dcp"), weight_format="dcp", with_optim=True))
-    LMEngine(e).train_lm(rank_slice(make_batch(702)))
+    SFTActor(e).train_lm(rank_slice(make_batch(702)))
     stepped = _raw(e)
     e.destroy()
     resumed = build(args.model)  # fresh adapters, then the checkpoint's adapters and Adam states
     resumed.load(SaveLoadMeta(path=os.path.join(args.out, "dcp"), weight_format="dcp", with_optim=True))
     restored = _raw(resumed)
-    LMEngine(resumed).train_lm(rank_slice(make_batch(702)))
+    SFTActor(resumed).train_lm(rank_slice(make_batch(702)))
     resumed_stepped = _raw(resumed)
     resumed.destroy()
     if dist.get_rank() == 0:

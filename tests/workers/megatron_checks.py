@@ -26,7 +26,7 @@ import torch.distributed as dist
 from fsdp_checks import bf16_vs_fp32, make_batch
 from parity_checks import dp_slice
 
-from tandemrl.algorithms.lm import LMEngine
+from tandemrl.algorithms.sft import SFTActor
 from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from tandemrl.engines.base import init_default_process_group
@@ -59,7 +59,7 @@ def engine(
 
 
 def step(e: MegatronEngine, seed: int) -> dict[str, float]:
-    return LMEngine(e).train_lm(dp_slice(e, make_batch(seed)))
+    return SFTActor(e).train_lm(dp_slice(e, make_batch(seed)))
 
 
 def train() -> None:
@@ -105,7 +105,7 @@ def train() -> None:
 
     # Pipeline stages: rank 0 (first stage) must report the stats the loss function recorded on rank 1.
     pp = engine("megatron:p2", ARGS.model)
-    out["pp_eval"] = LMEngine(pp).evaluate_lm(dp_slice(pp, make_batch(FIRST_SEED)))  # weights before the step
+    out["pp_eval"] = SFTActor(pp).evaluate_lm(dp_slice(pp, make_batch(FIRST_SEED)))  # weights before the step
     pp.export_stats()  # drop what earlier engines recorded
     out["pp_step"] = step(pp, FIRST_SEED)
     out["pp_stats"] = pp.export_stats()

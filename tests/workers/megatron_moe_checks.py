@@ -25,7 +25,7 @@ from fsdp_checks import make_batch
 from megatron_checks import engine
 from parity_checks import dp_slice
 
-from tandemrl.algorithms.lm import LMEngine
+from tandemrl.algorithms.sft import SFTActor
 from tandemrl.engines.base import init_default_process_group
 from tandemrl.engines.packing import plan_padded_batch
 from tandemrl.engines.teardown import destroy_process_groups
@@ -66,7 +66,7 @@ def run(allocation: str, model: str, n_mbs: int, batch_fn: Any, export: bool = F
     e.export_stats()  # drop what earlier engines recorded
     steps = []
     for seed in SEEDS:
-        stats = LMEngine(e).train_lm(dp_slice(e, batch_fn(seed)))
+        stats = SFTActor(e).train_lm(dp_slice(e, batch_fn(seed)))
         steps.append({**stats, "exported": e.export_stats()})
     out: dict[str, Any] = {"steps": steps}
     if export:

@@ -25,8 +25,8 @@ import torch.distributed as dist
 from fsdp_checks import make_batch
 from ppo_checks import CONFIGS, GROUP, make_rollout_batch
 
-from tandemrl.algorithms.lm import LMEngine
 from tandemrl.algorithms.ppo import PPOActor, PPOCritic
+from tandemrl.algorithms.sft import SFTActor
 from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from tandemrl.configs.ppo import PPOActorConfig, PPOCriticConfig
@@ -154,7 +154,7 @@ def export_fresh_critic(case: dict[str, Any], model: str, out_dir: str) -> dict[
 
 
 def run_case(case: dict[str, Any], model: str) -> dict[str, list[float]]:
-    """One engine per row: 5 SFT steps (through LMEngine), then 3 decoupled-PPO steps on fresh rollouts."""
+    """One engine per row: 5 SFT steps (through SFTActor), then 3 decoupled-PPO steps on fresh rollouts."""
     cfg = PPOActorConfig(engine=TrainEngineConfig(path=model, mixed_precision=None), group_size=GROUP)
     apply_overrides(cfg, CONFIGS["decoupled"])
     e = build(case, cfg.engine, SFT_STEPS + PPO_STEPS)
@@ -162,7 +162,7 @@ def run_case(case: dict[str, Any], model: str) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {
         k: [] for k in ("sft_loss", "sft_grad_norm", "ppo_logp_sum", "ppo_loss", "ppo_grad_norm")
     }
-    sft = LMEngine(e)
+    sft = SFTActor(e)
     for step in range(SFT_STEPS):
         stats = sft.train_lm(dp_slice(e, make_batch(500 + step)))
         out["sft_loss"].append(stats["loss"])

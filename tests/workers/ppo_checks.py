@@ -222,14 +222,14 @@ def main(args: argparse.Namespace) -> None:
     local = rank_slice(global_batch)
     scorer = PPOActor(cfg, e)  # compute_logp at the sampling temperature, to score the objective
     before = scorer.compute_logp(local)
-    stats = ReinforceActor(e, cfg).train_reinforce(local)
+    stats = ReinforceActor(cfg, e).train_reinforce(local)
     results["reinforce"] = {"stats": stats, "params": e.full_state_dict()}
     results["reinforce"]["logp"] = {"before": before, "after": scorer.compute_logp(local), "rows": local}
     # No correction on samples one version behind the trainer: refused, not trained as on-policy.
     stale = rank_slice(global_batch)
     stale["versions"] = torch.where(stale["loss_mask"].bool(), e.get_version() - 1, -1)
     try:
-        ReinforceActor(e, actor_config(args.model, offpolicy_correction="none")).train_reinforce(stale)
+        ReinforceActor(actor_config(args.model, offpolicy_correction="none"), e).train_reinforce(stale)
         results["reinforce"]["stale_none"] = "trained"
     except ValueError as err:
         results["reinforce"]["stale_none"] = str(err)

@@ -135,7 +135,7 @@ def ppo_section(model: str, batch: dict[str, torch.Tensor], behav: torch.Tensor)
     fresh = {
         k: v for k, v in rollout.items() if k in ("input_ids", "attention_mask", "loss_mask", "rewards", "logprobs")
     }
-    ReinforceActor(e, PPOActorConfig(engine=e.config)).train_reinforce(fresh)
+    ReinforceActor(PPOActorConfig(engine=e.config), e).train_reinforce(fresh)
     out["reinforce_recorded"] = ROUTED_EXPERTS in fresh
     e.destroy()
     return out

@@ -2,7 +2,7 @@
 
 Modes (results go to ``--out``, written by rank 0):
 
-* ``logprobs``: each rank samples completions through ``RemoteInfEngine.agenerate`` at
+* ``logprobs``: each rank samples completions through ``RemoteInferenceClient.agenerate`` at
   every ``--temperatures`` value, then ``FSDPEngine.forward`` recomputes the sampled
   tokens' logprobs at that temperature on the same weights -> ``logprobs.pt``.
 * ``truncated``: the same at T=1 with ``--top-p``/``--top-k``, recomputed by ``PPOActor.compute_logp``
@@ -34,19 +34,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tandemrl.algorithms.lm import LMEngine
 from tandemrl.algorithms.ppo import PPOActor
+from tandemrl.algorithms.sft import SFTActor
 from tandemrl.algorithms.truncation import truncated_logprobs
 from tandemrl.api.engine import TrainEngine
 from tandemrl.api.inference import HttpRequest, ModelRequest, ModelResponse, WeightUpdateMeta
 from tandemrl.api.types import FinetuneSpec, SaveLoadMeta, TensorDict
 from tandemrl.configs.engine import OptimizerConfig, TrainEngineConfig
 from tandemrl.configs.ppo import PPOActorConfig
-from tandemrl.configs.rollout import InferenceEngineConfig
+from tandemrl.configs.rollout import InferenceClientConfig
 from tandemrl.engines.registry import engine_class
 from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.inference.http import HttpClient, InferenceServerError
-from tandemrl.inference.remote import RemoteInfEngine
+from tandemrl.inference.remote import RemoteInferenceClient
 from tandemrl.models.functional import gather_logprobs, next_token_labels
 from tandemrl.rollout.controller import RolloutController
 from tandemrl.trainers.entry import parse_allocation
@@ -90,15 +90,15 @@ class RecordingClient(HttpClient):
         return await super().send(addr, req, *args, **kwargs)
 
 
-def make_rollout(addr: str, client: HttpClient | None = None, setup_timeout: float = 60.0) -> RemoteInfEngine:
+def make_rollout(addr: str, client: HttpClient | None = None, setup_timeout: float = 60.0) -> RemoteInferenceClient:
     """A client of the server at ``addr``; ``initialize`` waits up to ``setup_timeout`` for it to be healthy."""
-    config = InferenceEngineConfig(request_retries=1, request_timeout=300.0, setup_timeout=setup_timeout)
-    rollout = RemoteInfEngine.for_backend("vllm", config, http_client=client)
+    config = InferenceClientConfig(request_retries=1, request_timeout=300.0, setup_timeout=setup_timeout)
+    rollout = RemoteInferenceClient.for_backend("vllm", config, http_client=client)
     rollout.initialize([addr])
     return rollout
 
 
-def generate(rollout: RemoteInfEngine, reqs: list[ModelRequest]) -> list[ModelResponse]:
+def generate(rollout: RemoteInferenceClient, reqs: list[ModelRequest]) -> list[ModelResponse]:
     async def run() -> list[ModelResponse]:
         return list(await asyncio.gather(*(rollout.agenerate(r) for r in reqs)))
 
@@ -231,7 +231,7 @@ def memorize_batch(vocab: int, seed: int) -> TensorDict:
     }
 
 
-def greedy_outputs(rollout: RemoteInfEngine, prompts: list[list[int]]) -> list[list[int]]:
+def greedy_outputs(rollout: RemoteInferenceClient, prompts: list[list[int]]) -> list[list[int]]:
     reqs = []
     for i, p in enumerate(prompts):
         req = ModelRequest(rid=f"greedy-{i}", input_ids=list(p), metadata={"ignore_eos": True})
@@ -240,7 +240,7 @@ def greedy_outputs(rollout: RemoteInfEngine, prompts: list[list[int]]) -> list[l
     return [r.output_tokens for r in generate(rollout, reqs)]
 
 
-def version_label(rollout: RemoteInfEngine) -> str:
+def version_label(rollout: RemoteInferenceClient) -> str:
     b = rollout.backend
     return str(rollout.http.send_sync(rollout.addresses[0], b.build_version_get())["weight_version"])
 
@@ -269,7 +269,7 @@ def update(args: argparse.Namespace) -> None:
         batch = memorize_batch(int(engine.model_config.vocab_size), seed=7)
         dp_rank, dp_size = engine.data_parallel_rank, engine.data_parallel_world_size  # TP peers share rows
         shard = {k: v[dp_rank::dp_size] for k, v in batch.items()}
-        record["losses"] = [LMEngine(engine).train_lm(shard)["loss"] for _ in range(args.steps)]
+        record["losses"] = [SFTActor(engine).train_lm(shard)["loss"] for _ in range(args.steps)]
         engine.save(SaveLoadMeta(path=os.path.join(args.out, "exported"), weight_format="hf"))
         if rank == 0:
             record["before"] = greedy_outputs(rollout, prompts)
@@ -303,7 +303,7 @@ def update(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------ delta
 
 
-def greedy_logprobs(rollout: RemoteInfEngine, prompts: list[list[int]]) -> list[list[float]]:
+def greedy_logprobs(rollout: RemoteInferenceClient, prompts: list[list[int]]) -> list[list[float]]:
     """Greedy continuations' logprobs, one request at a time (the same batch shape every call)."""
     out = []
     for i, p in enumerate(prompts):
@@ -341,7 +341,7 @@ def delta(args: argparse.Namespace) -> None:
         batch = memorize_batch(int(engine.model_config.vocab_size), seed=7)
         shard = {k: v[rank::2] for k, v in batch.items()}
         for kind, dtype in [("xor", None)] * 3 + [("sparse", "bfloat16")] * 2:
-            LMEngine(engine).train_lm(shard)
+            SFTActor(engine).train_lm(shard)
             controller.push_weights(meta=dataclasses.replace(meta, delta=kind, dtype=dtype))
             if rank == 0:
                 s = pusher.last_stats
@@ -399,7 +399,7 @@ def leave(args: argparse.Namespace) -> None:
     prompts = [[5 + i, 17, 42, 99, 7 + 3 * i] for i in range(4)]
     record: dict[str, Any] = {"label_before": version_label(rollout)}
     try:
-        LMEngine(engine).train_lm(memorize_batch(int(engine.model_config.vocab_size), seed=7))
+        SFTActor(engine).train_lm(memorize_batch(int(engine.model_config.vocab_size), seed=7))
         try:
             controller.push_weights()
         except InferenceServerError as e:

@@ -1,4 +1,4 @@
-"""The agent proxy: an OpenAI-compatible HTTP endpoint in front of a ``GenerationEngine``.
+"""The agent proxy: an OpenAI-compatible HTTP endpoint in front of a ``GenerationClient``.
 
 Started in-process on the rollout's event loop (aiohttp). Each agent session gets its own
 random API key, which also names the session: every call made with it is recorded in that
@@ -21,7 +21,7 @@ from aiohttp import web
 
 from tandemrl.api.generation import GenerationHyperparameters
 from tandemrl.api.inference import ModelRequest, ModelResponse
-from tandemrl.api.workflow import GenerationEngine
+from tandemrl.api.workflow import GenerationClient
 from tandemrl.workflows.proxy import openai_format as fmt
 from tandemrl.workflows.proxy.auth import bearer_key, is_loopback, new_api_key, same_key
 from tandemrl.workflows.proxy.render import BadRequest, ChatRenderer, normalize_messages
@@ -52,7 +52,7 @@ class AgentProxy:
 
     def __init__(
         self,
-        engine: GenerationEngine,
+        client: GenerationClient,
         tokenizer: Any,
         gconfig: GenerationHyperparameters,
         mode: Mode = "prefix",
@@ -66,7 +66,7 @@ class AgentProxy:
         model_name: str = "tandemrl-policy",
     ) -> None:
         Session(mode)  # validates the mode
-        self.engine = engine
+        self.client = client
         self.gconfig = gconfig
         self.mode: Mode = mode
         self.parse_tools = get_tool_parser(tool_parser)
@@ -158,7 +158,7 @@ class AgentProxy:
         req = ModelRequest(rid=s.rid, input_ids=prompt, gconfig=gconfig, metadata=meta, tokenizer=None)
         start = time.perf_counter()
         try:
-            resp = await self.engine.agenerate(req)
+            resp = await self.client.agenerate(req)
         finally:
             s.model_seconds += time.perf_counter() - start
         check_response(resp)
