@@ -23,6 +23,7 @@ from tandemrl.configs.engine import OptimizerConfig, TrainEngineConfig
 from tandemrl.engines.base import init_default_process_group
 from tandemrl.engines.registry import engine_class
 from tandemrl.models.functional import gather_logprobs
+from tandemrl.tinker.trainer import set_adam_params
 
 FULL_WEIGHT_BACKENDS = ("fsdp", "deepspeed")
 LOSS_INPUTS = ("weights", "advantages", "logprobs")
@@ -159,11 +160,7 @@ class FullWeightTrainer:
         opt_cfg = self.engine.config.optimizer
         assert opt_cfg is not None
         opt_cfg.gradient_clipping = float(adam.get("grad_clip_norm", 0.0))
-        for group in self.engine.built_optimizer.param_groups:
-            group["lr"] = float(adam.get("learning_rate", 1e-4))
-            group["betas"] = (float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95)))
-            group["eps"] = float(adam.get("eps", 1e-12))
-            group["weight_decay"] = float(adam.get("weight_decay", 0.0))
+        set_adam_params(self.engine.built_optimizer.param_groups, adam)
 
     # ------------------------------------------------------------------ checkpoints
     def save_for_sampler(self, model_id: str, path: str) -> None:

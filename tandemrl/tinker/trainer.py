@@ -27,6 +27,15 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 ALPHA_PER_RANK = 2.0  # alpha = 2 * rank, so the adapter scale alpha / rank is 2 for every rank
 
 
+def set_adam_params(param_groups: list[dict[str, Any]], adam: dict[str, Any]) -> None:
+    """One ``optim_step``'s Adam parameters (Tinker sends them with every step), with the SDK's defaults."""
+    for group in param_groups:
+        group["lr"] = float(adam.get("learning_rate", 1e-4))
+        group["betas"] = (float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95)))
+        group["eps"] = float(adam.get("eps", 1e-12))
+        group["weight_decay"] = float(adam.get("weight_decay", 0.0))
+
+
 @dataclass
 class Adapter:
     """One training client's adapter: its Parameters by module name, its optimizer, its grads."""
@@ -122,11 +131,7 @@ class AdapterTrainer:
         params = [p for ab in ad.params.values() for p in ab]
         clip = float(adam.get("grad_clip_norm", 0.0))
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-        for group in ad.optimizer.param_groups:
-            group["lr"] = float(adam.get("learning_rate", 1e-4))
-            group["betas"] = (float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95)))
-            group["eps"] = float(adam.get("eps", 1e-12))
-            group["weight_decay"] = float(adam.get("weight_decay", 0.0))
+        set_adam_params(ad.optimizer.param_groups, adam)
         ad.optimizer.step()
         ad.optimizer.zero_grad(set_to_none=True)
         ad.steps += 1
