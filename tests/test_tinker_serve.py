@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -15,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 import requests
 import tinker
@@ -66,12 +69,13 @@ def lora_vllm(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 @contextmanager
-def _tinker_serve(model: str, vllm: Vllm, tmp: Path, *extra: str) -> Iterator[Tinker]:
-    """A ``tandemrl tinker-serve`` process on ``vllm``, ready once it wrote its key file."""
+def _tinker_serve(model: str, vllm: Vllm | None, tmp: Path, *extra: str) -> Iterator[Tinker]:
+    """A ``tandemrl tinker-serve`` process on ``vllm`` (None: it starts its own), ready once it wrote its key file."""
     port, key_file = free_port(), tmp / "key"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TINKER_TELEMETRY": "0"}
     cmd = [sys.executable, "-m", "tandemrl.cli", "tinker-serve", "--model", model, "--port", str(port)]
-    cmd += ["--vllm-addr", vllm.address, "--key-file", str(key_file), "--out", str(tmp / "ckpt"), *extra]
+    cmd += ["--vllm-addr", vllm.address] if vllm else ["--vllm-log", str(tmp / "vllm.log")]
+    cmd += ["--key-file", str(key_file), "--out", str(tmp / "ckpt"), *extra]
     log = open(tmp / "tinker.log", "w")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     telemetry = os.environ.get("TINKER_TELEMETRY")
@@ -81,15 +85,21 @@ def _tinker_serve(model: str, vllm: Vllm, tmp: Path, *extra: str) -> Iterator[Ti
                 raise RuntimeError(f"tinker-serve exited: {(tmp / 'tinker.log').read_text()[-3000:]}")
             time.sleep(0.5)
         os.environ["TINKER_TELEMETRY"] = "0"  # this process's SDK clients send none
-        yield Tinker(f"http://127.0.0.1:{port}", key_file.read_text(), vllm.base_url, model, tmp / "ckpt", proc)
+        vllm_url = vllm.base_url if vllm else ""
+        yield Tinker(f"http://127.0.0.1:{port}", key_file.read_text(), vllm_url, model, tmp / "ckpt", proc)
     finally:
         if telemetry is None:
             os.environ.pop("TINKER_TELEMETRY", None)
         else:
             os.environ["TINKER_TELEMETRY"] = telemetry
-        proc.terminate()
-        proc.wait(60)
-        log.close()
+        if proc.poll() is None:
+            proc.terminate()
+        try:
+            proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            log.close()
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +107,42 @@ def served(tiny_model_dir: str, lora_vllm: Vllm, tmp_path_factory: pytest.TempPa
     tmp = tmp_path_factory.mktemp("tinker")
     with _tinker_serve(tiny_model_dir, lora_vllm, tmp, "--max-adapters", str(MAX_ADAPTERS)) as t:
         yield t
+
+
+def test_sigterm_during_a_long_training_call_stops_tinker_serve_and_its_vllm_server(
+    tiny_model_dir: str, tmp_path: Path
+) -> None:
+    """tinker-serve with the vLLM server it started: SIGTERM while a forward_backward on a big batch runs (its
+    start line is in the log) ends the process with status 0 without that call finishing (no finish line); the
+    vLLM server's processes are gone, and the running call's and the queued optim_step's futures fail in the SDK
+    with 'tinker-serve is stopping'."""
+    with _tinker_serve(tiny_model_dir, None, tmp_path) as served:
+        children = psutil.Process(served.proc.pid).children(recursive=True)
+        assert any("vllm" in " ".join(c.cmdline()) for c in children)
+        tc = served.client().create_lora_training_client(base_model=served.base, rank=4).result()
+        long = [_datum([5 + i % 900 for i in range(k, k + 513)], weights=[1.0] * 512) for k in range(600)]
+        fb = tc.forward_backward(long, "cross_entropy")
+        opt = tc.optim_step(types.AdamParams(learning_rate=1e-3))
+        call = _wait_for_line(served, re.compile(r"call (\d+) \(forward_backward\) started"))
+        served.proc.send_signal(signal.SIGTERM)
+        assert served.proc.wait(300) == 0
+        log = (tmp_path / "tinker.log").read_text()
+        assert f"call {call.group(1)} (forward_backward) started" in log
+        assert f"call {call.group(1)} (forward_backward) done" not in log, log[-2000:]
+        _, alive = psutil.wait_procs(children, timeout=60)
+        assert not alive, [" ".join(p.cmdline()) for p in alive]
+        for fut in (fb, opt):
+            with pytest.raises(tinker.RequestFailedError, match="tinker-serve is stopping"):
+                fut.result(timeout=120)
+
+
+def _wait_for_line(served: Tinker, pattern: re.Pattern[str]) -> re.Match[str]:
+    """The first match of ``pattern`` in tinker-serve's log, once it is written."""
+    log = served.out.parent / "tinker.log"
+    while not (match := pattern.search(log.read_text())):
+        assert served.proc.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.2)
+    return match
 
 
 def _datum(tokens: list[int], **inputs: list[float]) -> types.Datum:

@@ -9,12 +9,17 @@ runtime adapter loading), or one it starts itself. A fresh API key is made for t
 (mode 0600). With ``--full-weight BACKEND`` it trains every weight of the model instead, for one
 training client at a time, on that tandemrl engine (world size 1, in this process). Point the unmodified ``tinker`` SDK at it with ``TINKER_BASE_URL`` and
 ``TINKER_API_KEY``.
+
+SIGTERM or Ctrl-C stops it without waiting for a training call that is running: unfinished calls
+fail (``tinker-serve is stopping``), the HTTP server and the vLLM server it started stop, and the
+process exits, leaving the abandoned call's thread behind.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -29,6 +34,10 @@ from tandemrl.utils.cli import first_line
 
 if TYPE_CHECKING:
     from tandemrl.inference.server import ServerProcess
+
+logger = logging.getLogger("tandemrl.tinker")
+DRAIN_S = 5.0  # at a stop, how long clients have to fetch their failed calls
+WORKER_WAIT_S = 2.0  # at a stop, how long a running training call may take to finish
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
@@ -63,7 +72,8 @@ def _start_vllm(model_dir: str, max_rank: int, max_adapters: int, log: str) -> S
     return proc
 
 
-async def _serve(args: argparse.Namespace, model_dir: str, vllm_addr: str) -> None:
+async def _serve(args: argparse.Namespace, model_dir: str, vllm_addr: str) -> bool:
+    """Serve until SIGTERM/SIGINT; True if a training call was still running when it stopped."""
     key = args.api_key or new_api_key()
     out = args.out or tempfile.mkdtemp(prefix="tandemrl-tinker-")
     service = TinkerService(
@@ -89,13 +99,22 @@ async def _serve(args: argparse.Namespace, model_dir: str, vllm_addr: str) -> No
     try:
         await stop.wait()
     finally:
+        failed = service.fail_pending()
+        logger.info("tinker-serve: stopping; %d unfinished calls failed", failed)
+        await service.drain(DRAIN_S)
         await server.stop()
-        service.close()
+    return service.close(WORKER_WAIT_S)
+
+
+def _exit_on_sigterm(_sig: int, _frame: object) -> None:
+    raise SystemExit(128 + signal.SIGTERM)  # until the API serves: unwind, so the vLLM server is stopped
 
 
 def main(argv: list[str] | None = None) -> None:
     args = _args(sys.argv[1:] if argv is None else argv)
-    proc = None
+    _log_to_stdout()
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    proc, abandoned = None, False
     try:
         if args.api_key and not args.api_key.startswith("tml-"):
             raise ValueError("--api-key: the tinker SDK accepts only keys that start with 'tml-'")
@@ -108,13 +127,27 @@ def main(argv: list[str] | None = None) -> None:
         if not vllm_addr:
             proc = _start_vllm(model_dir, args.max_lora_rank, args.max_adapters, args.vllm_log)
             vllm_addr = proc.address
-        asyncio.run(_serve(args, model_dir, vllm_addr))
+        abandoned = asyncio.run(_serve(args, model_dir, vllm_addr))
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {first_line(err)}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     finally:
         if proc is not None:
             proc.stop()
+    if abandoned:  # the worker thread is still in a call that cannot be interrupted: leave without it
+        logger.info("tinker-serve: stopped without waiting for the running training call")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def _log_to_stdout() -> None:
+    """The ``tandemrl.tinker`` logger (each training call's start and end, the stop) on stdout."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ class TinkerServer:
         return app
 
     async def start(self, host: str, port: int) -> int:
-        self.runner = web.AppRunner(self.app(), access_log=None)
+        self.runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=5.0)
         await self.runner.setup()
         await web.TCPSite(self.runner, host, port).start()
         return int(self.runner.addresses[0][1])

@@ -13,7 +13,6 @@ import json
 import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +23,9 @@ from tandemrl.tinker.listing import Listing
 from tandemrl.tinker.sampler import VLLMSampler
 from tandemrl.tinker.trainer import AdapterTrainer, targets_of
 from tandemrl.tinker.wire import NotFound, UserError
+from tandemrl.tinker.worker import TrainWorker
+
+STOPPING = "tinker-serve is stopping; this call did not finish"
 
 
 @dataclass
@@ -72,7 +74,7 @@ class TinkerService:
         self.full_dirs: dict[str, str] = {}  # full-weight mode: sampler weights name -> HF directory
         self.listing = Listing(model_name)
         self.sampler = VLLMSampler(vllm_addr, base_dir=model_dir)
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="tinker-train")
+        self.worker = TrainWorker()
         self.futures: dict[str, asyncio.Future[Result]] = {}
         self.sessions: set[str] = set()
         self.models: dict[str, ModelInfo] = {}
@@ -85,9 +87,9 @@ class TinkerService:
         self.futures[rid] = asyncio.ensure_future(work())
         return {"request_id": rid}
 
-    def _train(self, fn: Callable[[], Result]) -> dict[str, Any]:
+    def _train(self, name: str, fn: Callable[[], Result]) -> dict[str, Any]:
         """Queue ``fn`` on the training worker (FIFO: submission order)."""
-        fut = asyncio.get_running_loop().run_in_executor(self.pool, fn)
+        fut = self.worker.submit(name, fn)
 
         async def wait() -> Result:
             return await fut
@@ -113,6 +115,8 @@ class TinkerService:
         if not done:
             return {"type": "try_again", "request_id": rid, "queue_state": "active"}
         self.futures.pop(rid, None)  # a result is fetched once
+        if fut.cancelled():
+            return {"error": STOPPING, "category": "server"}
         err = fut.exception()
         if err is not None:
             category = "user" if isinstance(err, ValueError) else "server"
@@ -145,7 +149,7 @@ class TinkerService:
             self.trainer.add(model_id, rank, targets, seed)
             return Result(json={"type": "create_model", "model_id": model_id})
 
-        return self._train(create)
+        return self._train("create_model", create)
 
     def _new_model(self, body: dict[str, Any], rank: int) -> str:
         """Register a training client under the id the SDK derives: ``<session>:train:<model_seq_id>``."""
@@ -192,7 +196,7 @@ class TinkerService:
             self.trainer.remove(model_id)
             return Result(json={"type": "unload_model", "model_id": model_id})
 
-        return self._train(unload)
+        return self._train("unload_model", unload)
 
     # ------------------------------------------------------------------ training
     def forward_backward(self, body: bytes) -> dict[str, Any]:
@@ -203,7 +207,7 @@ class TinkerService:
             outputs, metrics = self.trainer.forward_backward(model_id, data, loss_fn, config, not forward_only)
             return Result(proto=wire.forward_backward_output(outputs, metrics))
 
-        return self._train(run)
+        return self._train("forward" if forward_only else "forward_backward", run)
 
     def optim_step(self, body: dict[str, Any]) -> dict[str, Any]:
         model_id = str(body.get("model_id"))
@@ -215,7 +219,7 @@ class TinkerService:
         def run() -> Result:
             return Result(json={"type": "optim_step", "metrics": self.trainer.optim_step(model_id, adam)})
 
-        return self._train(run)
+        return self._train("optim_step", run)
 
     def _ckpt(self, model_id: str, kind: str, name: str | None) -> tuple[str, str]:
         name = name or "auto-" + uuid.uuid4().hex[:8]
@@ -234,7 +238,7 @@ class TinkerService:
             self.listing.add_checkpoint(path, directory)
             return Result(json={"type": "save_weights", "path": path})
 
-        return self._train(run)
+        return self._train("save_weights", run)
 
     def load_weights(self, body: dict[str, Any]) -> dict[str, Any]:
         """Into an existing model (``model_id``), or into a new one (``session_id`` + ``model_seq_id``)."""
@@ -257,7 +261,7 @@ class TinkerService:
             self.trainer.load_state(model_id, directory, optimizer)
             return Result(json={"type": "load_weights", "path": path, "model_id": model_id})
 
-        return self._train(run)
+        return self._train("load_weights", run)
 
     def save_weights_for_sampler(self, body: dict[str, Any]) -> dict[str, Any]:
         model_id = str(body.get("model_id"))
@@ -267,7 +271,7 @@ class TinkerService:
         adapter = path.removeprefix("tinker://").replace("/", "--")
         trainer = self.trainer
         save = trainer.save_for_sampler if isinstance(trainer, FullWeightTrainer) else trainer.save_adapter
-        fut = asyncio.get_running_loop().run_in_executor(self.pool, save, model_id, directory)
+        fut = self.worker.submit("save_weights_for_sampler", lambda: save(model_id, directory))
 
         async def run() -> Result:
             await fut
@@ -358,6 +362,22 @@ class TinkerService:
             ]
         }
 
-    def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+    # ------------------------------------------------------------------ stopping
+    def fail_pending(self) -> int:
+        """Cancel every unfinished call (queued, running, or a sample); ``retrieve`` answers them as failed."""
+        pending = [fut for fut in self.futures.values() if not fut.done()]
+        for fut in pending:
+            fut.cancel()
+        return len(pending)
+
+    async def drain(self, wait_s: float) -> None:
+        """Wait until clients fetched every cancelled call's failure, or ``wait_s`` passed."""
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while any(f.cancelled() for f in self.futures.values()) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+
+    def close(self, wait_s: float = 2.0) -> bool:
+        """Stop the worker (waiting up to ``wait_s`` for a running call) and the sampler; True if a call still runs."""
+        busy = self.worker.close(wait_s)
         self.sampler.close()
+        return busy
