@@ -1,6 +1,7 @@
 """The unmodified ``tinker`` SDK against a real ``tandemrl tinker-serve`` and a real LoRA-enabled vLLM server
 on the tiny model (docs/tinker.md). One vLLM server for the whole module, one LoRA tinker-serve process and one
-``--full-weight fsdp`` tinker-serve process on it."""
+``--full-weight`` tinker-serve process per backend on it; one more tinker-serve starts its own vLLM server to be
+stopped during a training call."""
 
 from __future__ import annotations
 
@@ -362,14 +363,15 @@ def _tensor_of(model_dir: str | Path, name: str) -> torch.Tensor:
     raise KeyError(f"{name} not in {model_dir}")
 
 
+@pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
 def test_full_weight_client_trains_every_weight_and_samples_its_saved_weights(
-    tiny_model_dir: str, lora_vllm: Vllm, tmp_path: Path
+    tiny_model_dir: str, lora_vllm: Vllm, tmp_path: Path, backend: str
 ) -> None:
-    """``--full-weight fsdp``: cross_entropy steps on a repeated batch lower the loss; the saved sampler weights
+    """``--full-weight fsdp`` and ``--full-weight deepspeed``: cross_entropy steps on a repeated batch lower the loss; the saved sampler weights
     differ from the base in a non-adapter tensor (the embeddings); sampling from them gives the logprobs of that
     saved model (transformers on the saved directory) and the base sampler the base model's again; a second
     live client is refused in one line."""
-    with _tinker_serve(tiny_model_dir, lora_vllm, tmp_path, "--full-weight", "fsdp") as served:
+    with _tinker_serve(tiny_model_dir, lora_vllm, tmp_path, "--full-weight", backend) as served:
         sc = served.client()
         tc = sc.create_lora_training_client(base_model=served.base, rank=4).result()
         with pytest.raises(tinker.BadRequestError, match="full-weight client .* is live and --full-weight trains one"):
