@@ -1,6 +1,6 @@
-"""``tandemrl tinker-serve`` as a local-launcher job (examples/tinker_serve.py, examples/tinker_serve.yaml): the
-launcher starts the LoRA-enabled vLLM server and the tinker-serve process, the unmodified SDK trains through it,
-and Ctrl-C leaves no process behind."""
+"""``tandemrl tinker-serve`` as a launcher job (examples/tinker_serve.py, examples/tinker_serve.yaml) under the local
+launcher and the Ray launcher (a one-node Ray cluster it starts): the launcher starts the LoRA-enabled vLLM server
+and the tinker-serve process, the unmodified SDK trains through it, and Ctrl-C leaves no process behind."""
 
 from __future__ import annotations
 
@@ -47,14 +47,18 @@ def _wait_ready(proc: subprocess.Popen[str], lines: queue.Queue[str], seen: list
             return match
 
 
-def test_local_launcher_serves_the_tinker_api_and_stops_every_process(tiny_model_dir: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("launcher", ["local", "ray"])
+def test_launcher_serves_the_tinker_api_and_stops_every_process(
+    launcher: str, tiny_model_dir: str, tmp_path: Path
+) -> None:
     """The launcher prints the base URL and key; a forward_backward through the SDK returns a positive
-    cross-entropy; after Ctrl-C the launcher exits 130 and every process it started (the vLLM server, torchrun,
-    the tinker-serve rank) is gone."""
-    cmd = [sys.executable, "-m", "tandemrl.launchers.local", "examples/tinker_serve.py"]
+    cross-entropy; after Ctrl-C the launcher exits 130 and every process it started (the vLLM server, the
+    tinker-serve rank, under Ray the cluster's processes) is gone."""
+    cmd = [sys.executable, "-m", f"tandemrl.launchers.{launcher}", "examples/tinker_serve.py"]
     cmd += ["--config", "examples/tinker_serve.yaml", f"model.path={tiny_model_dir}", f"cluster.fileroot={tmp_path}"]
     cmd += ["tinker.max_adapters=2", "launcher.server_args.max_loras=2"]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TINKER_TELEMETRY": "0"}
+    env.pop("RAY_ADDRESS", None)  # the Ray launcher starts its own one-node cluster
     proc = subprocess.Popen(
         cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
