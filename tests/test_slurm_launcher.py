@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -21,9 +22,11 @@ from pathlib import Path
 
 import psutil
 import pytest
+import tinker
 import yaml
 from slurm_cluster import SlurmCluster, free_ports, skip_reason, start_cluster, stop_cluster
 from test_launcher import ENV, _grpo_args, _two_async_grpo_steps
+from tinker import types
 from utils import REPO_ROOT, free_port
 
 LAUNCHER = "tandemrl.launchers.slurm"
@@ -457,4 +460,62 @@ def test_interrupted_wait_cancels_the_job(slurm: SlurmCluster, tmp_path: Path) -
     assert f"[launcher] cancelling job {job_id}" in out and "[launcher] trial trial0 failed: interrupted" in out, out
     state = slurm.run("squeue", "-h", "-j", job_id, "-o", "%T").stdout.strip()
     assert state == "", state  # ended (or already purged): never left running
+    _assert_nothing_left(job_id, tmp_path)
+
+
+@pytest.mark.slow
+def test_tinker_serve_job_through_sbatch(slurm: SlurmCluster, tiny_model_dir: str, tmp_path: Path) -> None:
+    """examples/tinker_serve.py as a Slurm job (the LoRA-enabled vLLM server and tinker-serve in their own job
+    steps): its trainer log names the base URL and key, a forward_backward through the unmodified SDK returns a
+    positive cross-entropy, and SIGTERM to ``--wait`` cancels the job with nothing of it left."""
+    args = ["examples/tinker_serve.py", "--config", "examples/tinker_serve.yaml", f"model.path={tiny_model_dir}"]
+    args += [f"cluster.fileroot={tmp_path}", "tinker.max_adapters=2", "launcher.server_args.max_loras=2"]
+    env = {**ENV, "SLURM_CONF": str(slurm.conf), "TINKER_TELEMETRY": "0"}
+    launcher = subprocess.Popen(
+        SLURM + args + [*_on_cluster(slurm), "--wait"],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    ready = re.compile(r"TINKER_BASE_URL=(\S+) TINKER_API_KEY=(\S+)")
+    try:
+        logs: list[Path] = []
+
+        def serving() -> object:
+            logs[:] = list(tmp_path.glob("logs/*/trial0/trainer.log"))
+            return (logs and ready.search(logs[0].read_text())) or launcher.poll() is not None
+
+        _until(serving, 900, "tinker-serve ready")
+        trainer_log, run_dir = logs[0], logs[0].parent
+        assert launcher.poll() is None, launcher.communicate()[0][-3000:]
+        match = ready.search(trainer_log.read_text())
+        assert match is not None
+        job_id = _job_id(run_dir)
+        telemetry = os.environ.get("TINKER_TELEMETRY")
+        os.environ["TINKER_TELEMETRY"] = "0"
+        try:
+            sc = tinker.ServiceClient(base_url=match.group(1), api_key=match.group(2))
+            tc = sc.create_lora_training_client(base_model=tiny_model_dir, rank=4).result()
+            tokens = [5, 17, 42, 99, 7, 23, 61, 88]
+            datum = types.Datum(
+                model_input=types.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+            )
+            out = tc.forward_backward([datum], "cross_entropy").result()
+        finally:
+            if telemetry is None:
+                os.environ.pop("TINKER_TELEMETRY", None)
+            else:
+                os.environ["TINKER_TELEMETRY"] = telemetry
+        assert out.metrics["loss:sum"] > 0
+        launcher.terminate()
+        stdout, _ = launcher.communicate(timeout=600)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 143, stdout[-3000:]
+    assert f"[launcher] cancelling job {job_id}" in stdout, stdout[-3000:]
     _assert_nothing_left(job_id, tmp_path)
