@@ -22,11 +22,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-import tinker
 import yaml
 from slurm_cluster import SlurmCluster, free_ports, skip_reason, start_cluster, stop_cluster
 from test_launcher import ENV, _grpo_args, _two_async_grpo_steps
-from tinker import types
+from test_tinker_launcher import sdk_cross_entropy
 from utils import REPO_ROOT, free_port
 
 LAUNCHER = "tandemrl.launchers.slurm"
@@ -319,6 +318,21 @@ def _until(ready: Callable[[], object], timeout: float, what: str) -> None:
         time.sleep(1)
 
 
+def _sigterm_cancels(launcher: subprocess.Popen[str], job_id: str) -> str:
+    """SIGTERM to ``--wait``: the launcher cancels the job and exits 143 (interrupted, not failed); its output."""
+    launcher.terminate()
+    out, _ = launcher.communicate(timeout=600)
+    assert launcher.returncode == 143, out[-3000:]  # 128 + SIGTERM
+    assert f"[launcher] cancelling job {job_id}" in out, out[-3000:]
+    return out
+
+
+def _kill(launcher: subprocess.Popen[str]) -> None:
+    if launcher.poll() is None:
+        launcher.kill()
+        launcher.wait()
+
+
 def _assert_nothing_left(job_id: str, root: Path) -> None:
     """Every process of the job is gone (waited on: a killed process may take a moment to be reaped)."""
     left: list[psutil.Process] = []
@@ -450,14 +464,10 @@ def test_interrupted_wait_cancels_the_job(slurm: SlurmCluster, tmp_path: Path) -
         )
         assert launcher.poll() is None, launcher.communicate()[0][-3000:]
         job_id = _job_id(run_dir)
-        launcher.terminate()
-        out, _ = launcher.communicate(timeout=600)
+        out = _sigterm_cancels(launcher, job_id)
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-    assert launcher.returncode == 143, out[-3000:]  # 128 + SIGTERM: interrupted, not failed
-    assert f"[launcher] cancelling job {job_id}" in out and "[launcher] trial trial0 failed: interrupted" in out, out
+        _kill(launcher)
+    assert "[launcher] trial trial0 failed: interrupted" in out, out
     state = slurm.run("squeue", "-h", "-j", job_id, "-o", "%T").stdout.strip()
     assert state == "", state  # ended (or already purged): never left running
     _assert_nothing_left(job_id, tmp_path)
@@ -493,29 +503,8 @@ def test_tinker_serve_job_through_sbatch(slurm: SlurmCluster, tiny_model_dir: st
         match = ready.search(trainer_log.read_text())
         assert match is not None
         job_id = _job_id(run_dir)
-        telemetry = os.environ.get("TINKER_TELEMETRY")
-        os.environ["TINKER_TELEMETRY"] = "0"
-        try:
-            sc = tinker.ServiceClient(base_url=match.group(1), api_key=match.group(2))
-            tc = sc.create_lora_training_client(base_model=tiny_model_dir, rank=4).result()
-            tokens = [5, 17, 42, 99, 7, 23, 61, 88]
-            datum = types.Datum(
-                model_input=types.ModelInput.from_ints(tokens[:-1]),
-                loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
-            )
-            out = tc.forward_backward([datum], "cross_entropy").result()
-        finally:
-            if telemetry is None:
-                os.environ.pop("TINKER_TELEMETRY", None)
-            else:
-                os.environ["TINKER_TELEMETRY"] = telemetry
-        assert out.metrics["loss:sum"] > 0
-        launcher.terminate()
-        stdout, _ = launcher.communicate(timeout=600)
+        assert sdk_cross_entropy(match.group(1), match.group(2), tiny_model_dir) > 0
+        _sigterm_cancels(launcher, job_id)
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-    assert launcher.returncode == 143, stdout[-3000:]
-    assert f"[launcher] cancelling job {job_id}" in stdout, stdout[-3000:]
+        _kill(launcher)
     _assert_nothing_left(job_id, tmp_path)

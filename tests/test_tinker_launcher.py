@@ -23,6 +23,26 @@ pytestmark = pytest.mark.slow
 READY = re.compile(r"TINKER_BASE_URL=(\S+) TINKER_API_KEY=(\S+)")
 
 
+def sdk_cross_entropy(base_url: str, api_key: str, base_model: str) -> float:
+    """The ``loss:sum`` of one cross_entropy ``forward_backward`` of a new LoRA client, through the ``tinker`` SDK."""
+    telemetry = os.environ.get("TINKER_TELEMETRY")
+    os.environ["TINKER_TELEMETRY"] = "0"
+    try:
+        sc = tinker.ServiceClient(base_url=base_url, api_key=api_key)
+        tc = sc.create_lora_training_client(base_model=base_model, rank=4).result()
+        tokens = [5, 17, 42, 99, 7, 23, 61, 88]
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints(tokens[:-1]),
+            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+        )
+        return float(tc.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"])
+    finally:
+        if telemetry is None:
+            os.environ.pop("TINKER_TELEMETRY", None)
+        else:
+            os.environ["TINKER_TELEMETRY"] = telemetry
+
+
 def _lines(proc: subprocess.Popen[str]) -> queue.Queue[str]:
     out: queue.Queue[str] = queue.Queue()
 
@@ -69,23 +89,7 @@ def test_launcher_serves_the_tinker_api_and_stops_every_process(
         children = psutil.Process(proc.pid).children(recursive=True)
         cmdlines = [" ".join(c.cmdline()) for c in children]
         assert any("vllm" in c for c in cmdlines) and any("tinker_serve.py" in c for c in cmdlines), cmdlines
-        telemetry = os.environ.get("TINKER_TELEMETRY")
-        os.environ["TINKER_TELEMETRY"] = "0"
-        try:
-            sc = tinker.ServiceClient(base_url=ready.group(1), api_key=ready.group(2))
-            tc = sc.create_lora_training_client(base_model=tiny_model_dir, rank=4).result()
-            tokens = [5, 17, 42, 99, 7, 23, 61, 88]
-            datum = types.Datum(
-                model_input=types.ModelInput.from_ints(tokens[:-1]),
-                loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
-            )
-            out = tc.forward_backward([datum], "cross_entropy").result()
-        finally:
-            if telemetry is None:
-                os.environ.pop("TINKER_TELEMETRY", None)
-            else:
-                os.environ["TINKER_TELEMETRY"] = telemetry
-        assert out.metrics["loss:sum"] > 0
+        assert sdk_cross_entropy(ready.group(1), ready.group(2), tiny_model_dir) > 0
         proc.send_signal(signal.SIGINT)
         assert proc.wait(180) == 130
         _, alive = psutil.wait_procs(children, timeout=60)
