@@ -306,6 +306,20 @@ def test_rollout_batch_replaces_rejected_rows_and_keeps_size() -> None:
         ex.destroy()
 
 
+def test_rollout_batch_replaces_rejected_rows_with_refill_rows() -> None:
+    """DAPO's dynamic sampling in a synchronous step: rejected groups are replaced by new prompts from
+    ``refill`` in its order, never by another group of a rejected prompt, and the refill rows not needed
+    stay unread."""
+    ex, _ = make_executor(k=0, bsz=2, max_conc=1)
+    try:
+        refill = iter([{"id": i} for i in (4, 5, 7, 9, 11)])
+        batch = ex.rollout_batch([{"id": 2}, {"id": 3}], ToyWorkflow(), should_accept_fn=mixed_rewards, refill=refill)
+        assert batch["prompt_id"][::N_SAMPLES].tolist() == [3, 5]
+        assert [row["id"] for row in refill] == [7, 9, 11]
+    finally:
+        ex.destroy()
+
+
 def test_rollout_batch_gives_up_when_everything_is_rejected() -> None:
     ex, _ = make_executor(k=0, bsz=2, max_conc=2)
     try:

@@ -17,7 +17,7 @@ trainer rank builds one; batch and weight methods are collective over all traine
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 import torch.distributed as dist
@@ -123,14 +123,18 @@ class RolloutController:
         should_accept_fn: ShouldAcceptFn | None = None,
         granularity: int = 1,
         timeout: float | None = None,
+        refill: Iterator[dict[str, Any]] | None = None,
     ) -> TensorDict:
         """Synchronous rollout of this replica's ``rows``, then DP redistribution (groups of ``granularity`` kept whole).
 
         With ``granularity`` > 1 an episode that does not return exactly that many rows drops its group
-        (``rollout.whole_groups``)."""
+        (``rollout.whole_groups``). Rows ``should_accept_fn`` rejects are replaced from ``refill`` (e.g.
+        the next dataloader rows), else by ``rows`` again."""
         ex, workflow = self._executor, self._whole(workflow, granularity)
         return self._collect(
-            "rollout_batch", lambda: ex.rollout_batch(rows, workflow, should_accept_fn, timeout), granularity
+            "rollout_batch",
+            lambda: ex.rollout_batch(rows, workflow, should_accept_fn, timeout, refill=refill),
+            granularity,
         )
 
     def prepare_batch(

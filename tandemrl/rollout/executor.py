@@ -635,13 +635,15 @@ class WorkflowExecutor:
         should_accept_fn: ShouldAcceptFn | None = None,
         timeout: float | None = None,
         max_rounds: int = 8,
+        refill: Iterator[dict[str, Any]] | None = None,
     ) -> TensorDict:
         """Run ``data`` now and return ``len(data)`` accepted trajectories (synchronous RL, eval).
 
-        A rejected row (filtered, None, or failed with policy "drop") is replaced by the next
-        row of ``data`` taken round-robin, so the batch size stays constant; a prompt that is
-        always rejected is thus replaced by others. Gives up with an error after
-        ``max_rounds * len(data)`` extra submissions. Results follow submission order.
+        A rejected row (filtered, None, or failed with policy "drop") is replaced so the batch
+        size stays constant: by the next row of ``refill`` (new prompts, as DAPO's dynamic
+        sampling draws them), or without ``refill`` (or once it is exhausted) by the next row of
+        ``data`` taken round-robin. Gives up with an error after ``max_rounds * len(data)``
+        extra submissions. Results follow submission order.
         """
         n = len(data)
         if n == 0:
@@ -650,7 +652,7 @@ class WorkflowExecutor:
         if max_rounds < 1:
             raise ValueError(f"rollout_batch: max_rounds must be >= 1, got {max_rounds}")
         deadline = None if timeout is None else time.monotonic() + timeout
-        rows = itertools.cycle(data)
+        rows = itertools.chain(data, refill or (), itertools.cycle(data))
         tag = next(self._tags)
         pending, submitted, seen_rejections = n, 0, 0
         with self._cond:
@@ -670,7 +672,7 @@ class WorkflowExecutor:
                     if submitted + pending > n * (1 + max_rounds):
                         raise RuntimeError(
                             f"rollout_batch: {rejections} of {submitted} rollouts were rejected; gave up after "
-                            f"{max_rounds} extra rounds over the {n} rows (loosen should_accept_fn or raise max_rounds)"
+                            f"{max_rounds} extra rounds of {n} rows (loosen should_accept_fn or raise max_rounds)"
                         )
                     room = self.queue_size - len(self._input)
                     while pending > 0 and room > 0:

@@ -323,6 +323,8 @@ class RLTrainer(TrainerBase[GRPOConfig]):
         if first_step == 0:
             self.heldout.score(self.client, "before", actor.get_version())
         data_iter = cycle_batches(self.train_dl, "rollout_batch")
+        # Rejected groups are replaced by the next dataloader rows (new prompts, as DAPO draws them).
+        refill = (row for rows in data_iter for row in rows) if should_accept_fn is not None else None
         total_steps = self.ft_spec.total_train_steps
         spe = self.ft_spec.steps_per_epoch
         bar = tqdm(total=total_steps, initial=first_step, desc=self.name, disable=dist.get_rank() != 0)
@@ -339,7 +341,7 @@ class RLTrainer(TrainerBase[GRPOConfig]):
                     )
                 else:
                     batch = rollout.rollout_batch(
-                        next(data_iter), workflow, should_accept_fn=should_accept_fn, granularity=group
+                        next(data_iter), workflow, should_accept_fn=should_accept_fn, granularity=group, refill=refill
                     )
             self._count_untrained(batch, train_step)
             summary.n_samples += batch["attention_mask"].shape[0] * world
