@@ -119,9 +119,9 @@ def test_a_guard_stops_the_dry_run_with_its_line(tiny_model_dir: str, gsm8k_dir:
 def test_main_job_config_dry_run(job: str, gsm8k_dir: str, tmp_path: Path) -> None:
     """scripts/main.sh's configs as shipped (the arithmetic main job, and --gsm8k): each loads, passes the
     guards and names the real model, on the data main.sh gives it (arith: tandemrl.data.arith's output)."""
-    config, data, heldout = "examples/gsm8k_grpo_smollm2.yaml", gsm8k_dir, 200
-    if job == "arith":
-        config, data, heldout = "examples/arith_grpo_smollm2.yaml", str(tmp_path / "arith"), 300
+    config, data, heldout, samples = "examples/gsm8k_grpo_smollm2.yaml", gsm8k_dir, 200, 64
+    if job == "arith":  # 4 prompts a step, each group with signal (dynamic sampling), all 500 held-out problems
+        config, data, heldout, samples = "examples/arith_grpo_smollm2.yaml", str(tmp_path / "arith"), 500, 32
         subprocess.run([sys.executable, "-m", "tandemrl.data.arith", "--out", data, "--difficulty", "1"], check=True)
     cmd = [sys.executable, "-m", "tandemrl.launchers.local", "examples/gsm8k_grpo.py", "--config"]
     cmd += [config, "--dry-run", f"train_dataset.path={data}"]
@@ -130,7 +130,7 @@ def test_main_job_config_dry_run(job: str, gsm8k_dir: str, tmp_path: Path) -> No
     env = {**ENV, "TANDEMRL_VERBOSE": "1"}
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "samples per step: 64 (x gconfig.n_samples 8)" in proc.stdout, proc.stdout[:3000]
+    assert f"samples per step: {samples} (x gconfig.n_samples 8)" in proc.stdout, proc.stdout[:3000]
     text = proc.stdout.split("resolved config:\n", 1)[1]
     resolved = yaml.safe_load("\n".join(line for line in text.splitlines() if not line.startswith("[launcher]")))
     assert resolved["actor"]["engine"]["path"] == "smollm2-135m" and resolved["heldout_eval"]["n"] == heldout

@@ -92,6 +92,14 @@ class PPOActorConfig:
             "roll out more prompts until the batch is full. Needs group_size > 1."
         },
     )
+    dynamic_sampling_rounds: int = field(
+        default=8,
+        metadata={
+            "help": "Synchronous steps with dynamic sampling: how many batches' worth of new prompts a step may "
+            "draw to replace dropped groups before it fails with a line saying so.",
+            "min": 1,
+        },
+    )
     ppo_n_minibatches: int = field(default=1, metadata={"help": "Minibatches per PPO epoch.", "min": 1})
     ppo_n_epochs: int = field(default=1, metadata={"help": "Passes over each batch.", "min": 1})
     eps_clip: float = field(default=0.2, metadata={"help": "Lower (and default upper) ratio clip.", "gt": 0.0})

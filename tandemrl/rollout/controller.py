@@ -124,16 +124,17 @@ class RolloutController:
         granularity: int = 1,
         timeout: float | None = None,
         refill: Iterator[dict[str, Any]] | None = None,
+        max_rounds: int = 8,
     ) -> TensorDict:
         """Synchronous rollout of this replica's ``rows``, then DP redistribution (groups of ``granularity`` kept whole).
 
         With ``granularity`` > 1 an episode that does not return exactly that many rows drops its group
         (``rollout.whole_groups``). Rows ``should_accept_fn`` rejects are replaced from ``refill`` (e.g.
-        the next dataloader rows), else by ``rows`` again."""
+        the next dataloader rows), else by ``rows`` again, at most ``max_rounds`` times ``len(rows)``."""
         ex, workflow = self._executor, self._whole(workflow, granularity)
         return self._collect(
             "rollout_batch",
-            lambda: ex.rollout_batch(rows, workflow, should_accept_fn, timeout, refill=refill),
+            lambda: ex.rollout_batch(rows, workflow, should_accept_fn, timeout, max_rounds, refill),
             granularity,
         )
 

@@ -672,7 +672,8 @@ class WorkflowExecutor:
                     if submitted + pending > n * (1 + max_rounds):
                         raise RuntimeError(
                             f"rollout_batch: {rejections} of {submitted} rollouts were rejected; gave up after "
-                            f"{max_rounds} extra rounds of {n} rows (loosen should_accept_fn or raise max_rounds)"
+                            f"{max_rounds} extra rounds of {n} rows (loosen should_accept_fn or raise max_rounds, in a trainer "
+                            "actor.dynamic_sampling_rounds)"
                         )
                     room = self.queue_size - len(self._input)
                     while pending > 0 and room > 0:

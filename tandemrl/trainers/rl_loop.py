@@ -341,7 +341,12 @@ class RLTrainer(TrainerBase[GRPOConfig]):
                     )
                 else:
                     batch = rollout.rollout_batch(
-                        next(data_iter), workflow, should_accept_fn=should_accept_fn, granularity=group, refill=refill
+                        next(data_iter),
+                        workflow,
+                        should_accept_fn=should_accept_fn,
+                        granularity=group,
+                        refill=refill,
+                        max_rounds=getattr(config.actor, "dynamic_sampling_rounds", 8),
                     )
             self._count_untrained(batch, train_step)
             summary.n_samples += batch["attention_mask"].shape[0] * world
