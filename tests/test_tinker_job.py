@@ -28,6 +28,8 @@ def test_config_becomes_the_serve_command_line() -> None:
     assert "--full-weight" not in argv
     full = serve_argv(_config("tinker.full_weight=true", "allocation_mode=vllm:d1+deepspeed:d1"), "127.0.0.1:9")
     assert full[full.index("--full-weight") + 1] == "deepspeed"
+    meg = serve_argv(_config("tinker.full_weight=true", "allocation_mode=vllm:d1+megatron:d1"), "127.0.0.1:9")
+    assert meg[meg.index("--full-weight") + 1] == "megatron"
 
 
 @pytest.mark.parametrize(
@@ -47,8 +49,7 @@ def test_what_tinker_serve_cannot_run_is_one_line_naming_the_key(
 
 
 def test_full_weight_backends() -> None:
-    check_backend("fsdp")
-    with pytest.raises(ValueError, match="--full-weight: megatron is not served in-process"):
-        check_backend("megatron")
+    for backend in ("fsdp", "deepspeed", "megatron"):
+        check_backend(backend)
     with pytest.raises(ValueError, match="--full-weight: unknown backend 'nope'"):
         check_backend("nope")

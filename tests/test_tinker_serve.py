@@ -363,14 +363,15 @@ def _tensor_of(model_dir: str | Path, name: str) -> torch.Tensor:
     raise KeyError(f"{name} not in {model_dir}")
 
 
-@pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
+@pytest.mark.parametrize("backend", ["fsdp", "deepspeed", "megatron"])
 def test_full_weight_client_trains_every_weight_and_samples_its_saved_weights(
     tiny_model_dir: str, lora_vllm: Vllm, tmp_path: Path, backend: str
 ) -> None:
-    """``--full-weight fsdp`` and ``--full-weight deepspeed``: cross_entropy steps on a repeated batch lower the loss; the saved sampler weights
-    differ from the base in a non-adapter tensor (the embeddings); sampling from them gives the logprobs of that
-    saved model (transformers on the saved directory) and the base sampler the base model's again; a second
-    live client is refused in one line."""
+    """``--full-weight fsdp``, ``deepspeed`` and ``megatron``: cross_entropy steps on a repeated batch lower the
+    loss; a step with learning rate 0 leaves the logprobs as they were (each step's Adam parameters are the ones
+    used); the saved sampler weights differ from the base in a non-adapter tensor (the embeddings); sampling from
+    them gives the logprobs of that saved model (transformers on the saved directory) and the base sampler the
+    base model's again; a second live client is refused in one line."""
     with _tinker_serve(tiny_model_dir, lora_vllm, tmp_path, "--full-weight", backend) as served:
         sc = served.client()
         tc = sc.create_lora_training_client(base_model=served.base, rank=4).result()
@@ -384,6 +385,9 @@ def test_full_weight_client_trains_every_weight_and_samples_its_saved_weights(
             losses.append(fb.result().metrics["loss:sum"])
         assert losses[2] < losses[1] < losses[0], losses
         trained = _logprobs(tc, data)[0]
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=0.0)).result()
+        assert _logprobs(tc, data)[0] == trained
 
         saved = tc.save_weights_for_sampler("full-1").result()
         directory = served.out / tc.model_id / "sampler_weights" / "full-1"

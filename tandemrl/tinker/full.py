@@ -1,13 +1,14 @@
 """Full-weight training for one client: the ``--full-weight BACKEND`` side of ``tandemrl tinker-serve``.
 
-The model is a tandemrl training engine from the registry (``fsdp`` or ``deepspeed``) at world
-size 1 in the server's own process. A Tinker ``forward_backward`` runs the engine's ``forward``
-for its outputs (per-target logprobs and the per-token loss) and keeps its datums; the next
-``optim_step`` runs one ``train_batch`` over every datum kept since the last step (forward,
-backward, one optimizer step) with that call's Adam parameters. The gradient is the one Tinker
-accumulates: the weights do not change between a client's ``forward_backward`` and its
-``optim_step``, and the batch loss is the plain sum over tokens and datums (each micro-batch's
-loss is rescaled so the engine's token-weighted mean comes out as that sum).
+The model is a tandemrl training engine from the registry (``fsdp``, ``deepspeed`` or ``megatron``,
+the last with tensor and pipeline parallel size 1) at world size 1 in the server's own process. A
+Tinker ``forward_backward`` runs the engine's ``forward`` for its outputs (per-target logprobs and
+the per-token loss) and keeps its datums; the next ``optim_step`` runs one ``train_batch`` over
+every datum kept since the last step (forward, backward, one optimizer step) with that call's Adam
+parameters. The gradient is the one Tinker accumulates: the weights do not change between a
+client's ``forward_backward`` and its ``optim_step``, and the batch loss is the plain sum over tokens
+and datums (each micro-batch's loss is rescaled so the engine's token-weighted mean comes out as
+that sum).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from tandemrl.engines.registry import engine_class
 from tandemrl.models.functional import gather_logprobs
 from tandemrl.tinker.trainer import set_adam_params
 
-FULL_WEIGHT_BACKENDS = ("fsdp", "deepspeed")
+FULL_WEIGHT_BACKENDS = ("fsdp", "deepspeed", "megatron")
 LOSS_INPUTS = ("weights", "advantages", "logprobs")
 
 
@@ -46,11 +47,6 @@ class FullClient:
 
 
 def check_backend(backend: str) -> None:
-    if backend == "megatron":
-        raise ValueError(
-            "--full-weight: megatron is not served in-process (its model-parallel state is set up under torchrun); "
-            "use fsdp or deepspeed"
-        )
     if backend not in FULL_WEIGHT_BACKENDS:
         raise ValueError(f"--full-weight: unknown backend {backend!r} (one of: {', '.join(FULL_WEIGHT_BACKENDS)})")
 
@@ -160,7 +156,12 @@ class FullWeightTrainer:
         opt_cfg = self.engine.config.optimizer
         assert opt_cfg is not None
         opt_cfg.gradient_clipping = float(adam.get("grad_clip_norm", 0.0))
-        set_adam_params(self.engine.built_optimizer.param_groups, adam)
+        groups = self.engine.built_optimizer.param_groups
+        set_adam_params(groups, adam)
+        schedule = self.engine.lr_scheduler
+        if schedule is not None:  # megatron copies its schedule's LR into its groups before each step
+            for group in schedule.optimizer.param_groups:
+                group["lr"] = groups[0]["lr"]
 
     # ------------------------------------------------------------------ checkpoints
     def save_for_sampler(self, model_id: str, path: str) -> None:

@@ -7,8 +7,8 @@ LoRA-enabled vLLM server: the one at ``--vllm-addr`` (started with ``--enable-lo
 runtime adapter loading), or one it starts itself. A fresh API key is made for the run
 (``--api-key`` to choose one); it is printed with the base URL and written to ``--key-file``
 (mode 0600). With ``--full-weight BACKEND`` it trains every weight of the model instead, for one
-training client at a time, on that tandemrl engine (world size 1, in this process). Point the unmodified ``tinker`` SDK at it with ``TINKER_BASE_URL`` and
-``TINKER_API_KEY``.
+training client at a time, on that tandemrl engine (``fsdp``, ``deepspeed`` or ``megatron``; world size 1,
+in this process). Point the unmodified ``tinker`` SDK at it with ``TINKER_BASE_URL`` and ``TINKER_API_KEY``.
 
 SIGTERM or Ctrl-C stops it without waiting for a training call that is running: unfinished calls
 fail (``tinker-serve is stopping``), the HTTP server and the vLLM server it started stop, and the
@@ -56,7 +56,8 @@ def _args(argv: list[str]) -> argparse.Namespace:
         "--full-weight",
         default="",
         choices=["", "fsdp", "deepspeed", "megatron"],
-        help="train all weights (one client at a time) on this engine instead of LoRA adapters",
+        help="train all weights (one client at a time) on this engine instead of LoRA adapters: fsdp, deepspeed "
+        "(ZeRO-2) or megatron (tensor and pipeline parallel 1); world size 1, in this process",
     )
     p.add_argument("--vllm-log", default="", help="log file of the vLLM server it starts")
     return p.parse_args(argv)

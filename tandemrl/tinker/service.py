@@ -55,7 +55,8 @@ def adapter_shape(directory: str) -> tuple[int, tuple[str, ...]]:
 
 
 class TinkerService:
-    """``full_weight`` (a backend name: ``fsdp``, ``deepspeed``) trains one full-weight client instead of adapters."""
+    """``full_weight`` (a backend name: ``fsdp``, ``deepspeed``, ``megatron``) trains one full-weight client instead of
+    adapters."""
 
     def __init__(
         self,
