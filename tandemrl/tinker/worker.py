@@ -1,9 +1,10 @@
 """The one training worker of ``tandemrl tinker-serve``: calls run on it in submission order.
 
 A daemon thread, so that a stop does not wait for the call it is running (a ``forward_backward``
-on a big batch cannot be interrupted): ``close`` cancels every queued call, waits a bounded
-while for the running one, and reports whether the thread is still busy; the process can then
-exit without it. Each call logs a start and a finish line (``tandemrl.tinker`` logger).
+on a big batch cannot be interrupted). A queued call whose future was cancelled (the service's
+``fail_pending`` at a stop) is skipped; ``close`` ends the thread after the calls already queued,
+waits a bounded while, and reports whether the thread is still busy; the process can then exit
+without it. Each call logs a start and a finish line (``tandemrl.tinker`` logger).
 """
 
 from __future__ import annotations
