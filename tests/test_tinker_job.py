@@ -3,20 +3,23 @@ command line, and what it cannot serve is one line naming the key."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tandemrl.configs.loader import read_config
 from tandemrl.configs.tinker import TinkerServeConfig
 from tandemrl.engines.registry import SHAPES as TRAINING_SHAPES
 from tandemrl.inference.registry import SHAPES as INFERENCE_SHAPES
+from tandemrl.launchers.launch_config import read_launch_spec, script_config
 from tandemrl.tinker.full import check_backend
 from tandemrl.tinker.job import serve_argv
 
+SHAPES = (TRAINING_SHAPES, INFERENCE_SHAPES)
+
 
 def _config(*overrides: str) -> TinkerServeConfig:
-    config, _ = read_config(
-        ["model.path=tiny:qwen2", *overrides], TinkerServeConfig, (TRAINING_SHAPES, INFERENCE_SHAPES)
-    )
+    config, _ = read_config(["model.path=tiny:qwen2", *overrides], TinkerServeConfig, SHAPES)
     return config
 
 
@@ -24,12 +27,24 @@ def test_config_becomes_the_serve_command_line() -> None:
     argv = serve_argv(_config("tinker.max_adapters=2", "cluster.fileroot=/r", "trial_name=t"), "127.0.0.1:9")
     assert argv[:4] == ["--model", "tiny:qwen2", "--vllm-addr", "127.0.0.1:9"]
     assert argv[argv.index("--max-adapters") + 1] == "2"
-    assert argv[argv.index("--out") + 1] == "/r/logs/tinker/t/ckpt"
+    assert argv[argv.index("--out") + 1] == "/r/logs/tandemrl/t/ckpt"
     assert "--full-weight" not in argv
     full = serve_argv(_config("tinker.full_weight=true", "allocation_mode=vllm:d1+deepspeed:d1"), "127.0.0.1:9")
     assert full[full.index("--full-weight") + 1] == "deepspeed"
     meg = serve_argv(_config("tinker.full_weight=true", "allocation_mode=vllm:d1+megatron:d1"), "127.0.0.1:9")
     assert meg[meg.index("--full-weight") + 1] == "megatron"
+
+
+@pytest.mark.parametrize("names", [[], ["experiment_name=e", "trial_name=t"]])
+def test_checkpoints_go_to_the_launchers_run_directory(names: list[str], tmp_path: Path) -> None:
+    """The launcher (which reads the YAML without the job's schema) and the job name one run directory, with
+    the shipped YAML's names or the user's."""
+    overrides = ["model.path=tiny:qwen2", "cluster.fileroot=/r", *names]
+    spec = read_launch_spec("examples/tinker_serve.yaml", overrides)
+    path, kept = script_config("examples/tinker_serve.yaml", overrides, str(tmp_path / "job.yaml"))
+    config, _ = read_config(["--config", str(path), *kept], TinkerServeConfig, SHAPES)
+    argv = serve_argv(config, "127.0.0.1:9")
+    assert argv[argv.index("--out") + 1] == f"{spec.run_dir}/ckpt"
 
 
 @pytest.mark.parametrize(

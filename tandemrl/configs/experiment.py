@@ -15,6 +15,7 @@ from tandemrl.configs.utils import (
     EvaluatorConfig,
     HeldoutEvalConfig,
     RecoverConfig,
+    RunNameConfig,
     SaverConfig,
     StatsLoggerConfig,
 )
@@ -24,11 +25,9 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class BaseExperimentConfig:
+class BaseExperimentConfig(RunNameConfig):
     """Fields every experiment has."""
 
-    experiment_name: str = field(default="tandemrl", metadata={"help": "Groups trials; names output folders."})
-    trial_name: str = field(default="trial0", metadata={"help": "One run of an experiment."})
     allocation_mode: str = field(default="fsdp:d2", metadata={"help": "Devices and parallelism, e.g. vllm:d1+fsdp:d1."})
     seed: int = field(default=1, metadata={"help": "Global seed."})
     deterministic: bool = field(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandemrl.configs.utils import ClusterConfig
+from tandemrl.configs.utils import ClusterConfig, RunNameConfig
 
 
 @dataclass
@@ -28,7 +28,7 @@ class TinkerSection:
         default=False,
         metadata={
             "help": "Train every weight for one client at a time on allocation_mode's training backend "
-            "(fsdp or deepspeed, d1) instead of LoRA adapters."
+            "(fsdp, deepspeed or megatron, d1) instead of LoRA adapters."
         },
     )
     max_lora_rank: int = field(default=8, metadata={"help": "Largest adapter rank a client may ask for.", "min": 1})
@@ -39,12 +39,10 @@ class TinkerSection:
 
 
 @dataclass
-class TinkerServeConfig:
+class TinkerServeConfig(RunNameConfig):
     """A Tinker API job: ``allocation_mode`` names one inference server (LoRA-enabled through
     ``launcher.server_args`` unless ``tinker.full_weight``) and a training component of size 1."""
 
-    experiment_name: str = field(default="tinker", metadata={"help": "Groups trials; names output folders."})
-    trial_name: str = field(default="trial0", metadata={"help": "One run of an experiment."})
     allocation_mode: str = field(
         default="vllm:d1+fsdp:d1", metadata={"help": "One inference server and one training process."}
     )

@@ -143,6 +143,15 @@ class StatsLoggerConfig:
 
 
 @dataclass
+class RunNameConfig:
+    """The run directory's names, ``<cluster.fileroot>/logs/<experiment_name>/<trial_name>``: one default for
+    every root config, so a launcher (which reads them without the script's schema) and the script agree."""
+
+    experiment_name: str = field(default="tandemrl", metadata={"help": "Groups trials; names output folders."})
+    trial_name: str = field(default="trial0", metadata={"help": "One run of an experiment."})
+
+
+@dataclass
 class ClusterConfig:
     """Where outputs go and how processes find each other."""
 
