@@ -161,6 +161,7 @@ def main() -> None:
         print(f"  through the Tinker API: {api_s:.3f} s/step   native: {native_s:.3f} s/step   "
               f"ratio {api_s / native_s:.2f}x   load average {os.getloadavg()[0]:.1f}")  # fmt: skip
         sampler.close()
+        api.close("success").result()
     finally:
         if serve is not None:
             serve.terminate()

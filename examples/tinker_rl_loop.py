@@ -123,6 +123,7 @@ def main() -> None:
             "seconds": round(time.monotonic() - start, 2),
         }
         print(json.dumps(line), flush=True)
+    service.close("success").result()  # the session ends on the server; the client stops its heartbeat
 
 
 if __name__ == "__main__":

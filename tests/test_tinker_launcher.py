@@ -35,7 +35,9 @@ def sdk_cross_entropy(base_url: str, api_key: str, base_model: str) -> float:
             model_input=types.ModelInput.from_ints(tokens[:-1]),
             loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
         )
-        return float(tc.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"])
+        loss = float(tc.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"])
+        sc.close("success").result(timeout=60)  # finish the session, or its heartbeat warns once the job ends
+        return loss
     finally:
         if telemetry is None:
             os.environ.pop("TINKER_TELEMETRY", None)

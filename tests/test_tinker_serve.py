@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -43,9 +43,12 @@ class Tinker:
     base: str  # the served model's name (tinker-serve's --model)
     out: Path
     proc: subprocess.Popen[str]
+    clients: list[tinker.ServiceClient] = field(default_factory=list)
 
     def client(self) -> tinker.ServiceClient:
-        return tinker.ServiceClient(base_url=self.url, api_key=self.key)
+        """A new SDK client; its session is finished before the server stops (else its heartbeat warns)."""
+        self.clients.append(tinker.ServiceClient(base_url=self.url, api_key=self.key))
+        return self.clients[-1]
 
 
 @dataclass
@@ -87,7 +90,13 @@ def _tinker_serve(model: str, vllm: Vllm | None, tmp: Path, *extra: str) -> Iter
             time.sleep(0.5)
         os.environ["TINKER_TELEMETRY"] = "0"  # this process's SDK clients send none
         vllm_url = vllm.base_url if vllm else ""
-        yield Tinker(f"http://127.0.0.1:{port}", key_file.read_text(), vllm_url, model, tmp / "ckpt", proc)
+        served = Tinker(f"http://127.0.0.1:{port}", key_file.read_text(), vllm_url, model, tmp / "ckpt", proc)
+        try:
+            yield served
+        finally:
+            if proc.poll() is None:  # a stopped server cannot finish sessions: its clients keep warning
+                for client in served.clients:
+                    client.close("success").result(timeout=60)
     finally:
         if telemetry is None:
             os.environ.pop("TINKER_TELEMETRY", None)
