@@ -36,6 +36,12 @@ class H(http.server.BaseHTTPRequestHandler):
 http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """
 
+# The watch probes every 0.5 s at the least, each probe waiting up to 0.5 s: its first finding comes at
+# 0.5 s or later, so a warn bound below that makes it warn at once; the stop comes at its first finding
+# past LIMIT. A warning is certain unless that first finding is late by LIMIT - 0.5 s (a loaded machine),
+# where a window of (0.6, 2.0] s could fall between two findings a second apart and go unreported.
+WARN, LIMIT = 0.1, 3.0
+
 
 @pytest.fixture
 def stopped_server(tmp_path: Path) -> Iterator[ServerProcess]:
@@ -63,7 +69,7 @@ def test_serve_reports_a_silent_server_once_then_records_the_failure(
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)  # outside a job: nothing to scancel
     failed = tmp_path / "job-7.failed"
     args = argparse.Namespace(
-        backend="vllm", stall_warn=0.6, stall_limit=2.0, step="vllm-server-0", failed=str(failed),
+        backend="vllm", stall_warn=WARN, stall_limit=LIMIT, step="vllm-server-0", failed=str(failed),
         log=stopped_server.log_file,
     )  # fmt: skip
     assert serve.supervise(stopped_server, args) == 1
@@ -95,7 +101,7 @@ def test_ray_server_actor_reports_a_warning_then_the_stop(stopped_server: Server
     warning, then the stop past the limit; each finding is handed out once."""
     host = ServerHost({})
     host._server = stopped_server
-    host.watch(0.6, 2.0)
+    host.watch(WARN, LIMIT)
     seen: list[tuple[str, float]] = []
 
     def stopped() -> bool:
@@ -106,5 +112,5 @@ def test_ray_server_actor_reports_a_warning_then_the_stop(stopped_server: Server
 
     wait_until(stopped, "the watch's stop", timeout=60)
     assert [what for what, _ in seen] == ["warn", "stop"]
-    assert seen[0][1] > 0.6 and seen[1][1] > 2.0
+    assert seen[0][1] > WARN and seen[1][1] > LIMIT
     assert host.take_stall() is None
