@@ -36,10 +36,9 @@ class H(http.server.BaseHTTPRequestHandler):
 http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """
 
-# The watch probes every 0.5 s at the least, each probe waiting up to 0.5 s: its first finding comes at
-# 0.5 s or later, so a warn bound below that makes it warn at once; the stop comes at its first finding
-# past LIMIT. A warning is certain unless that first finding is late by LIMIT - 0.5 s (a loaded machine),
-# where a window of (0.6, 2.0] s could fall between two findings a second apart and go unreported.
+# Against the stopped server the watch's findings come a second apart (a probe that waits 0.5 s, then 0.5 s of
+# sleep), the first at 0.5 s or later. With WARN below that, the first finding warns unless it is 2.5 s late
+# (past LIMIT). The bounds (0.6, 2.0] left a 1.4 s window that a finding 0.5 s late could step over: no warning.
 WARN, LIMIT = 0.1, 3.0
 
 
