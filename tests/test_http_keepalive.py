@@ -19,6 +19,7 @@ import pytest
 from utils import free_port
 
 from tandemrl.api.inference import HttpRequest
+from tandemrl.inference import http as http_module
 from tandemrl.inference.http import KEEPALIVE_S, HttpClient
 
 RECEIVE = HttpRequest("POST", "/collective_rpc", {"method": "receive"})
@@ -105,10 +106,15 @@ def test_unrepeatable_requests_each_get_a_new_connection(client: HttpClient) -> 
     assert server.answered == [1, 2, 3] and server.dropped == []
 
 
-def test_the_pool_reuses_connections_and_a_retry_covers_the_race(client: HttpClient) -> None:
+def test_the_pool_reuses_connections_and_a_retry_covers_the_race(
+    client: HttpClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The control: pooled requests (``retries`` > 0, e.g. generate) do meet the dropped request,
     so the server above really models the race, and the retry on a new connection recovers. POST:
     aiohttp itself re-sends an idempotent method (GET) once when a reused connection drops it."""
+    # The pool keeps an idle connection KEEPALIVE_S (2 s): a loaded machine pausing that long between two
+    # requests would get a new connection instead. Kept for the test's length (the session is made at first use).
+    monkeypatch.setattr(http_module, "KEEPALIVE_S", 600.0)
     ping = HttpRequest("POST", "/inference/v1/generate", {"input_ids": [1]})
     with OneShotServer() as server:
         assert client.send_sync(server.addr, ping, retries=1, backoff=0.0) == {"ok": True}

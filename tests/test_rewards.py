@@ -166,8 +166,10 @@ def test_runner_gives_no_reward_for_exceptions_counted_and_logged_once_per_kind(
     assert _failures("test-rewards-raise") == (0.5, 6.0)  # the failed fraction of all calls
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and all("\n" not in line for line in lines), lines  # one line per kind
-    assert "raised ZeroDivisionError: bad reward; its group is dropped" in lines[0]
-    assert "returned str, expected a number" in lines[1]
+    # The calls run on several threads: which kind fails first (and is logged first) is free.
+    raised = [line for line in lines if "raised ZeroDivisionError: bad reward; its group is dropped" in line]
+    junk = [line for line in lines if "returned str, expected a number" in line]
+    assert len(raised) == 1 and len(junk) == 1, lines
     runner.shutdown()
 
 

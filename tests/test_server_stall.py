@@ -36,6 +36,11 @@ class H(http.server.BaseHTTPRequestHandler):
 http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """
 
+# Against the stopped server the watch's findings come a second apart (a probe that waits 0.5 s, then 0.5 s of
+# sleep), the first at 0.5 s or later. With WARN below that, the first finding warns unless it is 2.5 s late
+# (past LIMIT). The bounds (0.6, 2.0] left a 1.4 s window that a finding 0.5 s late could step over: no warning.
+WARN, LIMIT = 0.1, 3.0
+
 
 @pytest.fixture
 def stopped_server(tmp_path: Path) -> Iterator[ServerProcess]:
@@ -63,7 +68,7 @@ def test_serve_reports_a_silent_server_once_then_records_the_failure(
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)  # outside a job: nothing to scancel
     failed = tmp_path / "job-7.failed"
     args = argparse.Namespace(
-        backend="vllm", stall_warn=0.6, stall_limit=2.0, step="vllm-server-0", failed=str(failed),
+        backend="vllm", stall_warn=WARN, stall_limit=LIMIT, step="vllm-server-0", failed=str(failed),
         log=stopped_server.log_file,
     )  # fmt: skip
     assert serve.supervise(stopped_server, args) == 1
@@ -95,7 +100,7 @@ def test_ray_server_actor_reports_a_warning_then_the_stop(stopped_server: Server
     warning, then the stop past the limit; each finding is handed out once."""
     host = ServerHost({})
     host._server = stopped_server
-    host.watch(0.6, 2.0)
+    host.watch(WARN, LIMIT)
     seen: list[tuple[str, float]] = []
 
     def stopped() -> bool:
@@ -106,5 +111,5 @@ def test_ray_server_actor_reports_a_warning_then_the_stop(stopped_server: Server
 
     wait_until(stopped, "the watch's stop", timeout=60)
     assert [what for what, _ in seen] == ["warn", "stop"]
-    assert seen[0][1] > 0.6 and seen[1][1] > 2.0
+    assert seen[0][1] > WARN and seen[1][1] > LIMIT
     assert host.take_stall() is None
