@@ -211,7 +211,9 @@ class RemoteInferenceClient(WeightCalls):
         """Continue ``req.input_ids`` by up to ``gconfig.max_new_tokens`` tokens (one sample).
 
         Interrupted calls ("abort") are resubmitted with the output so far and the budget
-        left, after the servers resume; a dead server's partial state goes to another one.
+        left once this client lifts its pause, which it does just before it sends the servers
+        their resume (a paused vLLM server holds a request until then); a dead server's partial
+        state goes to another one.
         A request kept over a weight update (``pause_mode`` "keep") is one call whose tokens
         the server labels with the version of the weights that produced each of them.
         Tokens a server leaves unlabelled get the engine version at the time of the call.
