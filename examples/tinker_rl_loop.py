@@ -10,13 +10,18 @@ Each iteration: publish the current adapter to a sampler, draw ``--group`` answe
 reward 1 for a final number equal to the reference answer, centre the rewards within each group
 (the advantage of every token of an answer is its reward minus its group's mean), and take one
 ``importance_sampling`` step with the sampler's logprobs. Groups whose answers all score the same
-carry no signal and are left out. One JSON line per iteration goes to stdout.
+carry no signal and are left out; with ``--fill N`` the iteration draws ``--questions`` new questions
+at a time (at most ``--max-rounds`` times) until N groups carry signal, and trains on those N (DAPO's
+dynamic sampling, what made the main job learn: docs/learning.md). One JSON line per iteration goes
+to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import os
 import re
 import time
@@ -81,33 +86,35 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--number-bonus", type=float, default=0.0, help="reward of a wrong but numeric final answer")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (per question: seed + index)")
+    p.add_argument("--fill", type=int, default=0, help="groups with signal to train on per iteration (0: any)")
+    p.add_argument("--max-rounds", type=int, default=8, help="with --fill: most extra draws of --questions")
+    p.add_argument("--eval", type=int, default=0, help="greedy accuracy on the first N test questions, before/after")
     args = p.parse_args()
+    if args.fill < 0 or args.max_rounds < 0 or args.eval < 0:
+        p.error("--fill, --max-rounds and --eval must be >= 0")
 
     service = tinker.ServiceClient()
     trainer = service.create_lora_training_client(base_model=args.base_model, rank=args.rank).result()
     tokenizer = trainer.get_tokenizer()
-    rows = load_gsm8k(args.data, "train", args.iterations * args.questions)
+    rounds = 1 + (args.max_rounds if args.fill else 0)
+    rows = iter(load_gsm8k(args.data, "train", args.iterations * args.questions * rounds))
+    drawn = 0  # questions drawn so far: the sampling seed of each is args.seed + its index
+    held_out = load_gsm8k(args.data, "test", args.eval)
+    before = evaluate(trainer, tokenizer, held_out, args) if held_out else []
     for it in range(args.iterations):
         start = time.monotonic()
         sampler = trainer.save_weights_and_get_sampling_client().result()
-        batch = rows[it * args.questions : (it + 1) * args.questions]
-        prompts = [prompt_tokens(tokenizer, q) for q, _ in batch]
-        futures = []
-        for i, pr in enumerate(prompts):
-            seed = args.seed + it * args.questions + i
-            params = types.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=seed)
-            futures.append(sampler.sample(types.ModelInput.from_ints(pr), args.group, params))
-        data, rewards = [], []
-        for pr, (_, answer), fut in zip(prompts, batch, futures, strict=True):
-            seqs = fut.result().sequences
-            group = [reward(tokenizer.decode(s.tokens), answer, args.number_bonus) for s in seqs]
-            rewards += group
-            mean = sum(group) / len(group)
-            if all(r == group[0] for r in group):
-                continue  # no signal in this group
-            data += [
-                datum(pr, list(s.tokens), list(s.logprobs or []), r - mean) for s, r in zip(seqs, group, strict=True)
-            ]
+        groups, rewards, questions = [], [], 0
+        for _ in range(rounds):
+            batch = list(itertools.islice(rows, args.questions))
+            found, scored = sample_groups(sampler, tokenizer, batch, drawn, args)
+            drawn, questions = drawn + len(batch), questions + len(batch)
+            groups, rewards = groups + found, rewards + scored
+            if len(batch) < args.questions or len(groups) >= args.fill:
+                break
+        if args.fill:
+            groups = groups[: args.fill] if len(groups) >= args.fill else []  # a full batch or no step
+        data = [d for group in groups for d in group]
         loss = None
         if data:
             fb = trainer.forward_backward(data, "importance_sampling")
@@ -116,14 +123,63 @@ def main() -> None:
             step.result()
         line = {
             "iteration": it,
-            "reward_mean": sum(rewards) / len(rewards),
+            "reward_mean": sum(rewards) / max(len(rewards), 1),
+            "questions": questions,
             "samples": len(rewards),
             "trained_datums": len(data),
             "loss": loss,
             "seconds": round(time.monotonic() - start, 2),
         }
         print(json.dumps(line), flush=True)
+    if held_out:
+        after = evaluate(trainer, tokenizer, held_out, args)
+        gained = sum(a and not b for a, b in zip(after, before, strict=True))
+        lost = sum(b and not a for a, b in zip(after, before, strict=True))
+        print(json.dumps({"eval_n": len(held_out), "accuracy_before": sum(before) / len(before),
+                          "accuracy_after": sum(after) / len(after), "gained": gained, "lost": lost,
+                          "mcnemar_p": mcnemar_p(gained, lost)}), flush=True)  # fmt: skip
     service.close("success").result()  # the session ends on the server; the client stops its heartbeat
+
+
+def evaluate(trainer, tokenizer, rows: list[tuple[str, str]], args) -> list[bool]:
+    """Whether each question's greedy answer from the current weights is right."""
+    sampler = trainer.save_weights_and_get_sampling_client().result()
+    params = types.SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    futures = [sampler.sample(types.ModelInput.from_ints(prompt_tokens(tokenizer, q)), 1, params) for q, _ in rows]
+    return [
+        reward(tokenizer.decode(f.result().sequences[0].tokens), a, 0.0) == 1.0
+        for f, (_, a) in zip(futures, rows, strict=True)
+    ]
+
+
+def mcnemar_p(gained: int, lost: int) -> float:
+    """Two-sided exact McNemar p-value of ``gained`` against ``lost`` discordant questions."""
+    n, k = gained + lost, min(gained, lost)
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n) if n else 1.0
+
+
+def sample_groups(sampler, tokenizer, batch: list[tuple[str, str]], first: int, args) -> tuple[list, list[float]]:
+    """Sample ``args.group`` answers to each question (seeds ``args.seed + first + i``); returns the datums
+    of each group whose rewards differ (advantage: reward minus the group's mean) and every reward."""
+    prompts = [prompt_tokens(tokenizer, q) for q, _ in batch]
+    futures = []
+    for i, pr in enumerate(prompts):
+        params = types.SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed + first + i
+        )
+        futures.append(sampler.sample(types.ModelInput.from_ints(pr), args.group, params))
+    groups, rewards = [], []
+    for pr, (_, answer), fut in zip(prompts, batch, futures, strict=True):
+        seqs = fut.result().sequences
+        scores = [reward(tokenizer.decode(s.tokens), answer, args.number_bonus) for s in seqs]
+        rewards += scores
+        if all(r == scores[0] for r in scores):
+            continue  # no signal in this group
+        mean = sum(scores) / len(scores)
+        groups.append(
+            [datum(pr, list(s.tokens), list(s.logprobs or []), r - mean) for s, r in zip(seqs, scores, strict=True)]
+        )
+    return groups, rewards
 
 
 if __name__ == "__main__":

@@ -337,19 +337,26 @@ def _post(url: str, body: dict) -> dict:
 
 
 def test_example_rl_loop_runs_three_iterations_through_the_sdk(served: Tinker, gsm8k_dir: str) -> None:
-    """examples/tinker_rl_loop.py (tinker SDK only) runs 3 GRPO-style iterations on the tiny model: one JSON
-    line per iteration with every sample scored, and at least one iteration took a training step."""
+    """examples/tinker_rl_loop.py (tinker SDK only) runs 3 GRPO-style iterations on the tiny model with
+    ``--fill 1``: one JSON line per iteration with every sample scored; each iteration trains on exactly one
+    group with signal, drawing 2 questions at a time, or trains nothing after its 4 draws; at least one
+    trained; then a held-out line (greedy before/after on 4 test questions, with McNemar's p)."""
     env = {**os.environ, "TINKER_BASE_URL": served.url, "TINKER_API_KEY": served.key, "TINKER_TELEMETRY": "0"}
     cmd = [sys.executable, str(REPO_ROOT / "examples" / "tinker_rl_loop.py"), "--base-model", served.base]
     cmd += ["--data", gsm8k_dir, "--iterations", "3", "--questions", "2", "--group", "4", "--max-tokens", "24"]
-    cmd += ["--rank", "4", "--number-bonus", "0.1", "--lr", "1e-3"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    cmd += ["--rank", "4", "--number-bonus", "0.1", "--lr", "1e-3", "--fill", "1", "--max-rounds", "3"]
+    proc = subprocess.run([*cmd, "--eval", "4"], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    *lines, held_out = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [line["iteration"] for line in lines] == [0, 1, 2]
-    assert all(line["samples"] == 8 and 0.0 <= line["reward_mean"] <= 1.0 for line in lines)
+    for line in lines:
+        assert line["questions"] in (2, 4, 6, 8) and line["samples"] == 4 * line["questions"], line
+        assert 0.0 <= line["reward_mean"] <= 1.0, line
+        assert line["trained_datums"] == 4 or (line["trained_datums"] == 0 and line["questions"] == 8), line
     trained = [line for line in lines if line["trained_datums"] > 0]
     assert trained and all(math.isfinite(line["loss"]) for line in trained), lines
+    assert held_out["eval_n"] == 4 and held_out["gained"] + held_out["lost"] <= 4, held_out
+    assert 0.0 <= held_out["accuracy_before"] <= 1.0 and 0.0 < held_out["mcnemar_p"] <= 1.0, held_out
 
 
 def _hf_logprobs(model_dir: str, tokens: list[int]) -> list[float]:
