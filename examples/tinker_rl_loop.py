@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import logging
 import math
 import os
 import re
@@ -73,7 +74,16 @@ def datum(prompt: list[int], tokens: list[int], logprobs: list[float], advantage
     )
 
 
+class _NoTryAgain(logging.Filter):
+    """Drop the SDK's warning each time a result is not ready yet: a long sampling queue (e.g. ``--eval``'s
+    questions, sent at once) has each future polled several times."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "because of try_again" not in record.getMessage()
+
+
 def main() -> None:
+    logging.getLogger("tinker.lib.api_future_impl").addFilter(_NoTryAgain())
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base-model", required=True)
     p.add_argument("--data", required=True, help="directory with GSM8K train.jsonl")
