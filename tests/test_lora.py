@@ -147,17 +147,43 @@ def test_vllm_backend_adapter_requests() -> None:
     assert b.build_generate(req, [], 4, 0).json["model"] == ADAPTER_NAME
 
 
+def test_lora_serve_decides_adapter_or_merged_pushes() -> None:
+    """auto: the adapter alone on GPUs, merged weights on CPU (vLLM's CPU LoRA path is the slow one);
+    adapter: required of the servers; merged: never asks them."""
+    from tandemrl.weights.push import adapter_fits, wants_adapter
+
+    assert [wants_adapter(8, "auto", d) for d in ("cuda", "cpu")] == [True, False]
+    assert [wants_adapter(8, "adapter", d) for d in ("cuda", "cpu")] == [True, True]
+    assert [wants_adapter(8, "merged", d) for d in ("cuda", "cpu")] == [False, False]
+    assert not wants_adapter(0, "adapter", "cuda")  # no LoRA: nothing to choose
+    with pytest.raises(ValueError, match=r"^lora\.serve: unknown value 'both'"):
+        wants_adapter(8, "both", "cuda")
+    assert adapter_fits(8, "auto", 8) and adapter_fits(8, "adapter", 16)
+    assert not adapter_fits(8, "auto", 0)  # servers without LoRA get merged weights
+    with pytest.raises(ValueError, match=r"^lora\.serve=adapter, but the inference servers load no adapters"):
+        adapter_fits(8, "adapter", 0)
+    with pytest.raises(ValueError, match=r"^lora\.rank=32 exceeds the inference servers' max LoRA rank 16"):
+        adapter_fits(32, "auto", 16)
+
+
 def test_launcher_starts_lora_servers_for_disk_updates() -> None:
     from tandemrl.launchers.launch_config import read_launch_spec
+    from tandemrl.launchers.placement import visible_gpus
 
     grpo = str(REPO_ROOT / "examples" / "gsm8k_grpo.yaml")
-    spec = read_launch_spec(grpo, ["actor.engine.lora.rank=12", "weight_update_mode=disk"])
+    adapter = ["actor.engine.lora.serve=adapter"]
+    spec = read_launch_spec(grpo, ["actor.engine.lora.rank=12", "weight_update_mode=disk", *adapter])
     assert spec.server_extra == {"enable_lora": True, "max_lora_rank": 16, "max_loras": 1}
+    # auto: adapters only where the servers get GPUs; a CPU run pushes merged weights.
+    auto = read_launch_spec(grpo, ["actor.engine.lora.rank=12", "weight_update_mode=disk"]).server_extra
+    assert auto == (spec.server_extra if visible_gpus() else {})
+    merged = ["actor.engine.lora.rank=12", "weight_update_mode=disk", "actor.engine.lora.serve=merged"]
+    assert read_launch_spec(grpo, merged).server_extra == {}
     # Collective updates send merged weights: the servers need no LoRA support.
     assert read_launch_spec(grpo, ["actor.engine.lora.rank=12", "weight_update_mode=collective"]).server_extra == {}
     assert read_launch_spec(grpo, ["weight_update_mode=disk"]).server_extra == {}
     with pytest.raises(ValueError, match=r"lora\.rank=600 exceeds"):
-        read_launch_spec(grpo, ["actor.engine.lora.rank=600", "weight_update_mode=disk"])
+        read_launch_spec(grpo, ["actor.engine.lora.rank=600", "weight_update_mode=disk", *adapter])
 
 
 # ----------------------------------------------------------------------------- slow
@@ -246,6 +272,7 @@ def test_adapter_update_reaches_vllm_and_matches_merged_weights(
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))
     args = ["update", "--model", tiny_model_dir, "--addr", lora_server.proc.address, "--out", str(tmp_path)]
     args += ["--sync", "disk", "--prompts", str(tmp_path / "prompts.json"), "--lr", "3e-3", "--lora-rank", "8"]
+    args += ["--lora-serve", "adapter"]  # a CPU run would push merged weights (lora.serve: auto)
     run_torchrun(WORKERS / "sync_checks.py", 2, args, env=ENV, timeout=600)
     record = torch.load(tmp_path / "update.pt")
     sync = record["sync"]

@@ -17,7 +17,7 @@ def test_server_args_reach_the_launch_spec_in_the_backends_names() -> None:
 
 
 def test_server_args_merge_with_the_lora_flags_and_never_contradict_them() -> None:
-    lora = ["actor.engine.lora.rank=12", "weight_update_mode=disk"]
+    lora = ["actor.engine.lora.rank=12", "weight_update_mode=disk", "actor.engine.lora.serve=adapter"]
     spec = read_launch_spec(GRPO, [*lora, "launcher.server_args.max_num_seqs=8", "launcher.server_args.max_loras=1"])
     assert spec.server_extra == {"max_num_seqs": 8, "enable_lora": True, "max_lora_rank": 16, "max_loras": 1}
     with pytest.raises(

@@ -157,6 +157,11 @@ class TrainBackend(TrainEngine):
         """Rank of the LoRA adapters the engine trains (0: none); with one, ``save`` takes weight_format "peft"."""
         return 0
 
+    @property
+    def lora_serve(self) -> str:
+        """What a disk weight update sends with LoRA: "adapter", "merged" or "auto" (adapter unless on CPU)."""
+        return "merged"
+
     @abstractmethod
     def hf_param_specs(self) -> list[ParamSpec]:
         """HF names, full shapes and dtypes of the weights, in ``iter_hf_params`` order."""

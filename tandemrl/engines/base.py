@@ -478,6 +478,10 @@ class BaseTrainEngine(TrainBackend):
         """Rank of the trained LoRA adapters; 0 when every weight is trained."""
         return self.config.lora.rank
 
+    @property
+    def lora_serve(self) -> str:
+        return self.config.lora.serve
+
     def _save_adapter(self, meta: SaveLoadMeta) -> None:
         """Collective: the LoRA adapter as a PEFT directory (backends with LoRA override it)."""
         raise ValueError(f"SaveLoadMeta.weight_format='peft': the {self.backend} engine trains no LoRA adapter")

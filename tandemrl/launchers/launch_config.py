@@ -19,6 +19,7 @@ from tandemrl.configs.experiment import GRPOConfig, SFTConfig, parsed_allocation
 from tandemrl.configs.loader import read_known_keys
 from tandemrl.engines.registry import SHAPES as TRAINING_SHAPES
 from tandemrl.inference.registry import SHAPES as INFERENCE_SHAPES
+from tandemrl.launchers.placement import visible_gpus
 
 # The backends allocation_mode may name: the two registries' rows, as shapes their classes declare.
 BACKEND_TABLES = (TRAINING_SHAPES, INFERENCE_SHAPES)
@@ -208,13 +209,16 @@ def _deterministic_server_extra(view: LaunchView, alloc: AllocationMode, args: d
 
 
 def _lora_server_extra(view: LaunchView, alloc: AllocationMode) -> dict[str, Any]:
-    """vLLM servers load the actor's LoRA adapter at run time when it trains one and updates go by disk."""
-    rank = view.actor.engine.lora.rank
-    if rank <= 0 or view.weight_update_mode != "disk" or alloc.gen_backend != "vllm":
+    """vLLM servers load the actor's LoRA adapter at run time when disk updates will send it alone:
+    ``lora.serve: adapter``, or ``auto`` on a machine with GPUs (a CPU run pushes merged weights, docs/lora.md)."""
+    lora = view.actor.engine.lora
+    if lora.rank <= 0 or view.weight_update_mode != "disk" or alloc.gen_backend != "vllm":
+        return {}
+    if lora.serve == "merged" or (lora.serve == "auto" and not visible_gpus()):
         return {}
     from tandemrl.inference.vllm import lora_server_flags
 
-    return lora_server_flags(rank)
+    return lora_server_flags(lora.rank)
 
 
 LAUNCHER_SECTION = "launcher"  # settings of the launchers themselves (launcher.slurm.*), unknown to scripts

@@ -107,6 +107,34 @@ class _DeltaState:
         self.since_anchor = 0 if anchor else self.since_anchor + 1
 
 
+def wants_adapter(rank: int, serve: str, device_type: str) -> bool:
+    """Whether a LoRA engine's disk push should try to send its adapter alone (``lora.serve``).
+
+    ``auto`` sends it unless training on CPU: vLLM's CPU LoRA path generates at 0.46x the merged
+    model's tokens/s (bench/lora_serving.py), so a CPU run pushes merged weights instead.
+    """
+    if rank <= 0 or serve == "merged":
+        return False
+    if serve not in ("auto", "adapter"):
+        raise ValueError(f"lora.serve: unknown value {serve!r} (auto, adapter or merged)")
+    return serve == "adapter" or device_type != "cpu"
+
+
+def adapter_fits(rank: int, serve: str, limit: int) -> bool:
+    """True to send the adapter to servers that load adapters up to rank ``limit`` (0: none); one-line errors."""
+    if 0 < limit < rank:
+        raise ValueError(
+            f"lora.rank={rank} exceeds the inference servers' max LoRA rank {limit} "
+            f"(vLLM: start them with --max-lora-rank >= {rank})"
+        )
+    if limit == 0 and serve == "adapter":
+        raise ValueError(
+            "lora.serve=adapter, but the inference servers load no adapters at run time "
+            "(vLLM: --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1); set lora.serve=auto or merged"
+        )
+    return limit > 0
+
+
 class WeightPusher:
     """Sends one engine's weights to the servers behind one client; collective over all trainer ranks."""
 
@@ -149,23 +177,18 @@ class WeightPusher:
             load(meta).result()
 
     def _adapter_updates(self) -> bool:
-        """Collective, once: send the adapter alone if the engine trains one and every server loads adapters.
+        """Collective, once: send the adapter alone, or the merged weights (``lora.serve``, docs/lora.md).
 
-        Otherwise the merged weights go (a server without LoRA). Rank 0 asks the servers and
-        tells the other ranks, which must save in the same format.
+        Rank 0 asks the servers whether they load adapters and tells the other ranks, which must
+        save in the same format; every rank computes ``wants_adapter`` from the same config and device.
         """
         if self._send_adapter is None:
-            rank = self.engine.lora_rank
+            rank, serve = self.engine.lora_rank, self.engine.lora_serve
+            wanted = wants_adapter(rank, serve, self.engine.device.type)
             decision = torch.zeros((), dtype=torch.int64, device=self.engine.device)
-            if rank > 0 and self._is_sender():
-                limit = self.client.adapter_rank_limit()
-                if 0 < limit < rank:
-                    raise ValueError(
-                        f"lora.rank={rank} exceeds the inference servers' max LoRA rank {limit} "
-                        f"(vLLM: start them with --max-lora-rank >= {rank})"
-                    )
-                decision.fill_(int(limit > 0))
-            if rank > 0:
+            if wanted and self._is_sender():
+                decision.fill_(int(adapter_fits(rank, serve, self.client.adapter_rank_limit())))
+            if wanted:
                 dist.broadcast(decision, 0)
             self._send_adapter = bool(decision)
         return self._send_adapter

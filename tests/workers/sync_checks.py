@@ -247,7 +247,11 @@ def version_label(rollout: RemoteInferenceClient) -> str:
 
 def update(args: argparse.Namespace) -> None:
     """Train, export, update the server by ``args.sync``; record greedy outputs around the update."""
-    lora = {"lora.rank": args.lora_rank, "lora.alpha": 2.0 * args.lora_rank} if args.lora_rank else {}
+    lora = (
+        {"lora.rank": args.lora_rank, "lora.alpha": 2.0 * args.lora_rank, "lora.serve": args.lora_serve}
+        if args.lora_rank
+        else {}
+    )
     engine = make_engine(args.model, lr=args.lr, allocation=args.allocation, overrides=lora)
     client = RecordingClient()
     rollout = make_rollout(args.addr, client)
@@ -435,6 +439,7 @@ if __name__ == "__main__":
     p.add_argument("--bucket-mb", type=int, default=8)
     p.add_argument("--allocation", default="fsdp:d2", help="training allocation of the update mode's engine")
     p.add_argument("--lora-rank", type=int, default=0, help="update mode: train LoRA adapters of this rank")
+    p.add_argument("--lora-serve", default="auto", help="update mode: lora.serve (auto, adapter, merged)")
     a = p.parse_args()
     {"logprobs": logprobs, "truncated": truncated, "update": update, "delta": delta, "leave": leave}[a.mode](a)
     destroy_process_groups()
