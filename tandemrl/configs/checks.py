@@ -320,6 +320,24 @@ def _services_fit(config: Any) -> Problem | None:
     return service_problem(_allocation(config), paths, judge, url)
 
 
+# LoRA's learning rate: about 10x full fine-tuning's (docs/lora.md: the main job learned with LoRA at lr 5e-4
+# and with full weights at 5e-5); a LoRA run at or below this gets a warning.
+LORA_LR_FLOOR = 1e-4
+
+
+def advice(config: Any) -> list[str]:
+    """Values that load and fit together but are likely a mistake: one line each, printed as warnings."""
+    lines = []
+    for key, cfg in _engine_configs(config):
+        lr = getattr(cfg.optimizer, "lr", None) if cfg.optimizer is not None else None
+        if cfg.lora.rank > 0 and lr is not None and 0 < lr <= LORA_LR_FLOOR:
+            lines.append(
+                f"{key}.optimizer.lr={lr:g} is a full fine-tuning learning rate, but {key}.lora.rank={cfg.lora.rank}: "
+                f"LoRA learns at about 10x that (measured: 5e-4 to 1e-3 with alpha 32; docs/lora.md)"
+            )
+    return lines
+
+
 def first_problem(config: Any) -> Problem | None:
     """The first pair of values that do not fit together, or None (after :func:`parse_allocation`; a config
     whose allocation_mode it did not keep gets no check that needs the allocation)."""

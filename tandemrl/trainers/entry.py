@@ -11,10 +11,11 @@ those checks need ``data`` and ``models``.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, TypeVar, cast
 
 from tandemrl.api.allocation import AllocationMode
-from tandemrl.configs.checks import InputsChecked
+from tandemrl.configs.checks import InputsChecked, advice
 from tandemrl.configs.data import DatasetConfig
 from tandemrl.configs.experiment import keep_allocation, parsed_allocation
 from tandemrl.configs.loader import ConfigError, read_config
@@ -124,6 +125,9 @@ def load_script_config(argv: list[str], schema: type[T]) -> tuple[T, str]:
         raise
     if getattr(config, "deterministic", False):
         enable_determinism(int(cast(Any, config).seed))
+    if os.environ.get("RANK", "0") == "0":
+        for line in advice(config):
+            print(f"warning: {line}", file=sys.stderr, flush=True)
     return config, path
 
 
