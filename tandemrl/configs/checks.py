@@ -333,7 +333,7 @@ def advice(config: Any) -> list[str]:
         if cfg.lora.rank > 0 and lr is not None and 0 < lr <= LORA_LR_FLOOR:
             lines.append(
                 f"{key}.optimizer.lr={lr:g} is a full fine-tuning learning rate, but {key}.lora.rank={cfg.lora.rank}: "
-                f"LoRA learns at about 10x that (measured: 5e-4 to 1e-3 with alpha 32; docs/lora.md)"
+                f"LoRA learned here at 10x the full-weight rate (5e-4 vs 5e-5, alpha 32, ranks 1 to 32; docs/lora.md)"
             )
     return lines
 
