@@ -24,7 +24,9 @@ from tandemrl.models.functional import gather_logprobs
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
-ALPHA_PER_RANK = 2.0  # alpha = 2 * rank, so the adapter scale alpha / rank is 2 for every rank
+# alpha 32 at every rank, as Tinker's service (its cookbook's LoRA learning-rate helper assumes lora_alpha=32):
+# the adapter scale is 32 / rank, so a learning rate tuned on Tinker means the same here.
+ALPHA = 32.0
 
 
 def set_adam_params(param_groups: list[dict[str, Any]], adam: dict[str, Any]) -> None:
@@ -67,7 +69,7 @@ class AdapterTrainer:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         # Wrap every target once (rank 1 placeholders); clients bring their own A and B.
-        self.wrapped = apply_lora(model, LoRAConfig(rank=1, alpha=ALPHA_PER_RANK, target_modules=list(ATTN + MLP)))
+        self.wrapped = apply_lora(model, LoRAConfig(rank=1, alpha=ALPHA, target_modules=list(ATTN + MLP)))
         self.model = torch.nn.Module.to(model, self.device).train()
         self.modules = {n: cast(LoRALinear, model.get_submodule(n)) for n in self.wrapped}
         self.adapters: dict[str, Adapter] = {}
@@ -96,7 +98,7 @@ class AdapterTrainer:
         for name, mod in self.modules.items():
             if name in ad.params:
                 mod.lora_A.weight, mod.lora_B.weight = ad.params[name]
-                mod.scaling = ALPHA_PER_RANK
+                mod.scaling = ALPHA / ad.rank
             else:
                 mod.scaling = 0.0  # not a target of this client: the adapter path adds nothing
 
@@ -149,7 +151,7 @@ class AdapterTrainer:
     def save_adapter(self, model_id: str, path: str) -> None:
         """The PEFT adapter directory vLLM loads (``tandemrl.engines.lora.write_adapter``)."""
         ad = self.adapters[model_id]
-        write_adapter(path, self._tensors(ad), LoRAConfig(rank=ad.rank, alpha=ALPHA_PER_RANK * ad.rank), self.model_dir)
+        write_adapter(path, self._tensors(ad), LoRAConfig(rank=ad.rank, alpha=ALPHA), self.model_dir)
 
     def save_state(self, model_id: str, path: str) -> None:
         """Adapter plus optimizer state (``load_state`` restores both)."""
