@@ -13,7 +13,8 @@ from tandemrl.tinker.sdk_range import NEWEST, OLDEST, SdkRange, release, sdk_ver
 
 def test_newest_is_the_installed_sdk_of_the_lock() -> None:
     assert version("tinker") == NEWEST
-    assert release(OLDEST) < release(NEWEST)  # type: ignore[operator]
+    oldest, newest = release(OLDEST), release(NEWEST)
+    assert oldest is not None and newest is not None and oldest < newest
 
 
 def test_release_reads_the_numbers_of_a_version() -> None:

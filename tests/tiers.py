@@ -94,6 +94,7 @@ TIERS: dict[str, str] = {
     "test_stale_kv.py": "integration",
     "test_stats_tracker.py": "integration",
     "test_teardown.py": "integration",
+    "test_tinker_compat.py": "integration",
     "test_tinker_serve.py": "integration",
     "test_turns.py": "integration",
     "test_vllm_server.py": "integration",
