@@ -17,6 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
+from tandemrl.tinker.sdk_range import SdkRange
 from tandemrl.tinker.service import NotFound, Result, TinkerService
 from tandemrl.tinker.wire import UserError
 
@@ -41,9 +42,10 @@ class TinkerServer:
         self.service = service
         self.api_key = api_key
         self.runner: web.AppRunner | None = None
+        self.sdk_range = SdkRange()  # an SDK older than the tested range gets one line (400), before the key check
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._guard], client_max_size=512 * 1024 * 1024)
+        app = web.Application(middlewares=[self.sdk_range.middleware, self._guard], client_max_size=512 * 1024 * 1024)
         s = self.service
         get, post = app.router.add_get, app.router.add_post
         get("/api/v1/healthz", self._json(lambda _b: {"status": "ok"}))
@@ -152,11 +154,13 @@ class TinkerServer:
 
 
 def client_config() -> dict[str, Any]:
-    """The SDK's feature flags for this server: API-key auth, plain httpx, uncompressed proto, per-request polling."""
+    """The SDK's feature flags for this server: API-key auth, plain httpx, uncompressed proto, per-request polling;
+    ``proto_write_fwdbwd`` makes the SDKs 0.19-0.24 send forward_backward as proto too (JSON otherwise)."""
     return {
         "pjwt_auth_enabled": False,
         "use_pyqwest_transport": False,
         "proto_compress_fwdbwd": False,
+        "proto_write_fwdbwd": True,
         "sample_use_retrieve_futures": False,
         "custom_loss_server_side": False,
         "sample_join_sampling_session": False,
