@@ -274,7 +274,8 @@ def test_resaving_sampler_weights_under_one_name_serves_each_save(served: Tinker
     """A loop that saves its sampler weights as "latest" after each training round: a sampling client made from the
     first save samples the second one after it. After each save the sampler's prompt logprobs, and the logprobs of a
     greedy sample from a 300-token prompt (whose KV the first round left in vLLM's prefix cache), equal the training
-    client's own forward logprobs within VLLM_TOL; the second round moved the prompt logprobs by more than 10x that."""
+    client's own forward logprobs within VLLM_TOL; the second round moved the prompt logprobs by more than 10x that.
+    The vLLM server then holds one load of the adapter (the replaced one is unloaded once no sample uses it)."""
     sc = served.client()
     tc = sc.create_lora_training_client(base_model=served.base, rank=4, seed=5).result()
     prompt, greedy = types.ModelInput.from_ints(LONG), types.SamplingParams(max_tokens=3, temperature=0.0)
@@ -300,6 +301,15 @@ def test_resaving_sampler_weights_under_one_name_serves_each_save(served: Tinker
     assert tc.save_weights_for_sampler("latest").result().path == path
     second = served_matches_trainer(sampler)
     assert max(abs(a - b) for a, b in zip(first, second, strict=True)) > 10 * VLLM_TOL
+
+    def loads() -> list[str]:
+        listed = requests.get(served.vllm_url + "/v1/models", headers=auth_headers(), timeout=60).json()["data"]
+        return [m["id"] for m in listed if m["id"].startswith(f"{tc.model_id}--sampler_weights--latest")]
+
+    deadline = time.monotonic() + 120
+    while len(loads()) > 1 and time.monotonic() < deadline:  # the unload runs in the background
+        time.sleep(0.2)
+    assert len(loads()) == 1, loads()
     _unload(tc)
 
 

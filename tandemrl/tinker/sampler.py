@@ -2,15 +2,18 @@
 
 Requests are built by tandemrl's ``VLLMBackend`` (it never opens a socket) and sent by the
 shared ``HttpClient``; a saved adapter is loaded under its own name (vLLM multi-LoRA), and a
-sample names it as the request's ``model``. Every save reloads the adapter (``load_inplace``),
-and its generate requests carry a prefix-cache salt of that load's version, so KV computed with
-an earlier save of the same name is never reused. A failed vLLM call is reported without the
-vLLM server's address (``VLLMError``; ``VLLMRejected`` when vLLM answered 4xx).
+sample names it as the request's ``model``. Every save of a name loads it again, under a vLLM
+name of its own (``<name>@<load>``): vLLM keys an adapter's cached prefix KV by its name and
+path, so a reload under the old name would keep serving KV of the old weights, and an in-place
+load (``load_inplace``) stays on the adapter's request and makes vLLM reload it from disk at every
+step. A replaced load is unloaded from vLLM once no sample uses it. A failed vLLM call is
+reported without the vLLM server's address (``VLLMError``; ``VLLMRejected`` when vLLM answered 4xx).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -24,6 +27,7 @@ from tandemrl.inference.http import HttpClient, InferenceServerError, base_url
 from tandemrl.inference.vllm import VLLMBackend
 from tandemrl.tinker.wire import UserError
 
+logger = logging.getLogger(__name__)
 TopK = list[list[tuple[int, float]] | None]  # per prompt position: (token id, logprob) by rank, None for the first
 
 
@@ -75,7 +79,11 @@ class VLLMSampler:
         self._swap = asyncio.Condition()
         self.backend = VLLMBackend(request_timeout=request_timeout, control_timeout=60.0, update_timeout=300.0)
         self.http = HttpClient("tandemrl-tinker-sampler")
-        self.versions: dict[str, int] = {}  # adapter name -> how many times it was loaded
+        self.loads: dict[str, int] = {}  # adapter name -> how many times it was loaded
+        self.current: dict[str, tuple[int, str]] = {}  # adapter name -> (load, vLLM name) of its newest load
+        self.users: dict[str, int] = {}  # vLLM adapter name -> samples using it now
+        self.retired: set[str] = set()  # vLLM adapter names of replaced loads, still to unload
+        self._unloads: set[asyncio.Task[None]] = set()
 
     async def _send(self, call: HttpRequest, retries: int) -> Any:
         try:
@@ -93,12 +101,53 @@ class VLLMSampler:
         return int(require(models[0], "max_model_len", "vllm", "data[0]"))
 
     async def load_adapter(self, name: str, path: str, reload: bool = True) -> None:
-        """Load ``path`` under ``name``; a name loaded before is loaded again in place unless ``reload`` is False."""
-        if name in self.versions and not reload:
+        """Load ``path`` as adapter ``name`` (under a new vLLM name); a name loaded before is loaded again unless
+        ``reload`` is False."""
+        if name in self.current and not reload:
             return
-        body = {"lora_name": name, "lora_path": path, "load_inplace": True}
+        load = self.loads[name] = self.loads.get(name, 0) + 1
+        served = f"{name}@{load}"
+        body = {"lora_name": served, "lora_path": path}
         await self._send(HttpRequest("POST", "/v1/load_lora_adapter", body, 300.0), retries=0)
-        self.versions[name] = self.versions.get(name, 0) + 1
+        old = self.current.get(name)
+        if old is not None and old[0] > load:  # a later save of this name finished loading first
+            self.retired.add(served)
+        else:
+            self.current[name] = (load, served)
+            if old is not None:
+                self.retired.add(old[1])
+        self._unload_retired()
+
+    @asynccontextmanager
+    async def adapter(self, name: str | None) -> AsyncIterator[str | None]:
+        """The vLLM model name of adapter ``name``'s newest load (None: the base model) while it is in use."""
+        if name is None:
+            yield None
+            return
+        served = self.current[name][1]
+        self.users[served] = self.users.get(served, 0) + 1
+        try:
+            yield served
+        finally:
+            self.users[served] -= 1
+            if not self.users[served]:
+                del self.users[served]
+                self._unload_retired()
+
+    def _unload_retired(self) -> None:
+        """Unload (in the background) every replaced load that no sample uses."""
+        for served in [s for s in self.retired if s not in self.users]:
+            self.retired.discard(served)
+            task = asyncio.ensure_future(self._unload(served))
+            self._unloads.add(task)
+            task.add_done_callback(self._unloads.discard)
+
+    async def _unload(self, served: str) -> None:
+        call = HttpRequest("POST", "/v1/unload_lora_adapter", {"lora_name": served}, 60.0)
+        try:
+            await self._send(call, retries=0)
+        except Exception as err:  # noqa: BLE001 - a failed unload leaves a name in vLLM's table, nothing more
+            logger.warning("tinker-serve: unloading replaced adapter %s failed: %s", served, err)
 
     @asynccontextmanager
     async def full_weights(self, directory: str, version: int) -> AsyncIterator[None]:
@@ -137,14 +186,14 @@ class VLLMSampler:
             g.stop = [str(s) for s in stop]
         # stop=[] is the SDK's "no stop at all, not even EOS": generate until max_tokens
         req = ModelRequest(input_ids=list(prompt), gconfig=g, metadata={"seed": seed, "ignore_eos": stop == []})
-        version = self.versions.get(adapter, 0) if adapter is not None else 0
-        call = _with(self.backend.build_generate(req, [], g.max_new_tokens, version), adapter)
+        call = _with(self.backend.build_generate(req, [], g.max_new_tokens, 0), adapter)
         return self.backend.parse_generate(await self._send(call, retries=2))
 
     async def sample(
         self, prompt: list[int], n: int, params: dict[str, Any], adapter: str | None
     ) -> list[tuple[list[int], list[float], str]]:
-        """``n`` samples: (tokens, logprobs, "stop" | "length") each."""
+        """``n`` samples from vLLM model ``adapter`` (``adapter()``'s name; None: the base model): (tokens, logprobs,
+        "stop" | "length") each."""
         seed = params.get("seed")
         seeds = [None if seed is None else int(seed) + i for i in range(n)]
         chunks = await asyncio.gather(*(self._one(prompt, params, adapter, s) for s in seeds))

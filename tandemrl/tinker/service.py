@@ -419,7 +419,8 @@ class TinkerService:
     async def _serving(self, adapter: str | None) -> AsyncIterator[str | None]:
         """The vLLM model name to sample ``adapter`` under; in full-weight mode its weights are loaded for the while."""
         if self.full is None:
-            yield adapter
+            async with self.sampler.adapter(adapter) as served:
+                yield served
             return
         async with self.sampler.full_weights(*((self.model_dir, 0) if adapter is None else self.full_dirs[adapter])):
             yield None
