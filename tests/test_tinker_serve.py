@@ -569,7 +569,8 @@ def test_full_weight_client_trains_every_weight_and_samples_its_saved_weights(
     used); the saved sampler weights differ from the base in a non-adapter tensor (the embeddings); sampling from
     them gives the logprobs of that saved model (transformers on the saved directory) and the base sampler the
     base model's again; a second live client is refused in one line. Saving again under the same name after another
-    step: the first sampling client then gives the logprobs of that step (the training client's own forward)."""
+    step, while the server holds the first save's weights: the first sampling client then gives the logprobs of that
+    step (the training client's own forward)."""
     with _tinker_serve(tiny_model_dir, lora_vllm, tmp_path, "--full-weight", backend) as served:
         sc = served.client()
         tc = sc.create_lora_training_client(base_model=served.base, rank=4).result()
@@ -602,6 +603,7 @@ def test_full_weight_client_trains_every_weight_and_samples_its_saved_weights(
         base = sc.create_sampling_client(base_model=served.base).result()  # loads the base weights back
         assert base.compute_logprobs(prompt).result()[1:] == pytest.approx(base_ref, abs=BF16_TOL)
 
+        assert sampler.compute_logprobs(prompt).result()[1:] == pytest.approx(new_ref, abs=BF16_TOL)  # full-1 again
         tc.forward_backward(data, "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         retrained = _logprobs(tc, data)[0]
