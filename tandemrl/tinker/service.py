@@ -18,6 +18,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from tandemrl.tinker import wire
@@ -68,8 +69,9 @@ def _first_line(err: BaseException) -> str:
 
 
 def _log_failure(fut: asyncio.Future[Any]) -> None:
-    if not fut.cancelled() and fut.exception() is not None:
-        logger.error("tinker-serve: unloading a finished session's client failed: %s", _first_line(fut.exception()))
+    err = None if fut.cancelled() else fut.exception()
+    if err is not None:
+        logger.error("tinker-serve: unloading a finished session's client failed: %s", _first_line(err))
 
 
 def vocab_size_of(model_dir: str) -> int:
@@ -226,7 +228,7 @@ class TinkerService:
         self.sessions[session_id].finished = why
         for model_id in [m for m, info in self.models.items() if info.session_id == session_id]:
             self.models.pop(model_id)
-            fut = self.worker.submit("unload_model", lambda m=model_id: self.trainer.remove(m))
+            fut = self.worker.submit("unload_model", partial(self.trainer.remove, model_id))
             fut.add_done_callback(_log_failure)
 
     def create_model(self, body: dict[str, Any]) -> dict[str, Any]:
