@@ -93,9 +93,10 @@ async def native_step(
     trainer.save_adapter("native", path)
     await sampler.load_adapter(name, path)
     params = {"max_tokens": args.max_tokens, "temperature": 1.0}
-    groups = await asyncio.gather(
-        *(sampler.sample(p, args.group, {**params, "seed": step * 100 + i}, name) for i, p in enumerate(prompts))
-    )
+    async with sampler.adapter(name) as served:
+        groups = await asyncio.gather(
+            *(sampler.sample(p, args.group, {**params, "seed": step * 100 + i}, served) for i, p in enumerate(prompts))
+        )
     data = []
     for p, seqs in zip(prompts, groups, strict=True):
         for (tokens, lps, _), a in zip(seqs, centred([reward(s[0]) for s in seqs]), strict=True):

@@ -33,6 +33,13 @@ from tandemrl.inference.vllm import VLLMBackend
 pytestmark = pytest.mark.slow
 MAX_ADAPTERS = 3
 BF16_TOL = 0.1
+# vLLM runs the tiny model in bf16 (the fixture's dtype), tinker-serve's trainer in fp32. The same adapter's logprobs
+# from the two differed by at most 0.008 in four runs (36- and 300-token prompts, prompt and sampled logprobs; bf16
+# keeps 8 significant bits, ~0.4% of a logit); 0.03 leaves that a margin and stays far below what a training round
+# moves them (over 0.3 in the re-save test).
+VLLM_TOL = 0.03
+SERVED_NAME = "tiny:qwen2"  # the `served` fixture's --model-name: a name the SDK cannot load a tokenizer from
+SESSION_TIMEOUT_S = 30  # the `served` fixture's --session-timeout (the SDK heartbeats every 10 s)
 
 
 @dataclass
@@ -73,13 +80,15 @@ def lora_vllm(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 @contextmanager
-def _tinker_serve(model: str, vllm: Vllm | None, tmp: Path, *extra: str) -> Iterator[Tinker]:
-    """A ``tandemrl tinker-serve`` process on ``vllm`` (None: it starts its own), ready once it wrote its key file."""
+def _tinker_serve(model: str, vllm: Vllm | None, tmp: Path, *extra: str, name: str = "") -> Iterator[Tinker]:
+    """A ``tandemrl tinker-serve`` process on ``vllm`` (None: it starts its own) serving ``model`` as ``name``
+    (default: ``model``), ready once it wrote its key file."""
     port, key_file = free_port(), tmp / "key"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TINKER_TELEMETRY": "0"}
     cmd = [sys.executable, "-m", "tandemrl.cli", "tinker-serve", "--model", model, "--port", str(port)]
     cmd += ["--vllm-addr", vllm.address] if vllm else ["--vllm-log", str(tmp / "vllm.log")]
     cmd += ["--key-file", str(key_file), "--out", str(tmp / "ckpt"), *extra]
+    cmd += ["--model-name", name] if name else []
     log = open(tmp / "tinker.log", "w")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     telemetry = os.environ.get("TINKER_TELEMETRY")
@@ -90,7 +99,7 @@ def _tinker_serve(model: str, vllm: Vllm | None, tmp: Path, *extra: str) -> Iter
             time.sleep(0.5)
         os.environ["TINKER_TELEMETRY"] = "0"  # this process's SDK clients send none
         vllm_url = vllm.base_url if vllm else ""
-        served = Tinker(f"http://127.0.0.1:{port}", key_file.read_text(), vllm_url, model, tmp / "ckpt", proc)
+        served = Tinker(f"http://127.0.0.1:{port}", key_file.read_text(), vllm_url, name or model, tmp / "ckpt", proc)
         try:
             yield served
         finally:
@@ -115,7 +124,8 @@ def _tinker_serve(model: str, vllm: Vllm | None, tmp: Path, *extra: str) -> Iter
 @pytest.fixture(scope="module")
 def served(tiny_model_dir: str, lora_vllm: Vllm, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tinker]:
     tmp = tmp_path_factory.mktemp("tinker")
-    with _tinker_serve(tiny_model_dir, lora_vllm, tmp, "--max-adapters", str(MAX_ADAPTERS)) as t:
+    extra = ("--max-adapters", str(MAX_ADAPTERS), "--session-timeout", str(SESSION_TIMEOUT_S))
+    with _tinker_serve(tiny_model_dir, lora_vllm, tmp, *extra, name=SERVED_NAME) as t:
         yield t
 
 
@@ -258,6 +268,144 @@ def test_sampler_weights_are_the_updated_adapter_and_match_a_direct_vllm_call(se
     _unload(tc)
 
 
+LONG = [5 + (37 * i) % 900 for i in range(300)]  # longer than vLLM's KV blocks: its prefix cache keeps some
+
+
+def test_resaving_sampler_weights_under_one_name_serves_each_save(served: Tinker) -> None:
+    """A loop that saves its sampler weights as "latest" after each training round: a sampling client made from the
+    first save samples the second one after it. After each save the sampler's prompt logprobs, and the logprobs of a
+    greedy sample from a 300-token prompt (whose KV the first round left in vLLM's prefix cache), equal the training
+    client's own forward logprobs within VLLM_TOL; the second round moved the prompt logprobs by more than 10x that.
+    The vLLM server then holds one load of the adapter (the replaced one is unloaded once no sample uses it)."""
+    sc = served.client()
+    tc = sc.create_lora_training_client(base_model=served.base, rank=4, seed=5).result()
+    prompt, greedy = types.ModelInput.from_ints(LONG), types.SamplingParams(max_tokens=3, temperature=0.0)
+
+    def train(tokens: list[int], lr: float, steps: int) -> None:
+        for _ in range(steps):
+            tc.forward_backward([_datum(tokens, weights=[1.0] * (len(tokens) - 1))], "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=lr)).result()
+
+    def served_matches_trainer(sampler: tinker.SamplingClient) -> list[float]:
+        prompt_lp = sampler.compute_logprobs(prompt).result()[1:]
+        assert prompt_lp == pytest.approx(_logprobs(tc, [_datum(LONG)])[0], abs=VLLM_TOL)
+        seq = sampler.sample(prompt, 1, greedy).result().sequences[0]
+        own = _logprobs(tc, [_datum(LONG + list(seq.tokens))])[0][-len(seq.tokens) :]
+        assert list(seq.logprobs or []) == pytest.approx(own, abs=VLLM_TOL), seq.tokens
+        return prompt_lp  # type: ignore[return-value]
+
+    train(LONG, 2e-2, 2)
+    path = tc.save_weights_for_sampler("latest").result().path
+    sampler = sc.create_sampling_client(model_path=path).result()
+    first = served_matches_trainer(sampler)
+    train(LONG[::-1], 5e-2, 3)
+    assert tc.save_weights_for_sampler("latest").result().path == path
+    second = served_matches_trainer(sampler)
+    assert max(abs(a - b) for a, b in zip(first, second, strict=True)) > 10 * VLLM_TOL
+
+    def loads() -> list[str]:
+        listed = requests.get(served.vllm_url + "/v1/models", headers=auth_headers(), timeout=60).json()["data"]
+        return [m["id"] for m in listed if m["id"].startswith(f"{tc.model_id}--sampler_weights--latest")]
+
+    deadline = time.monotonic() + 120
+    while len(loads()) > 1 and time.monotonic() < deadline:  # the unload runs in the background
+        time.sleep(0.2)
+    assert len(loads()) == 1, loads()
+    _unload(tc)
+
+
+def test_stop_empty_samples_past_eos_up_to_max_tokens(served: Tinker) -> None:
+    """An adapter trained to end SEQ with EOS: a greedy sample with the default stop is that EOS alone ("stop");
+    with stop=[] (the SDK's "no stop, not even EOS") it runs to max_tokens: 6 tokens, the first that EOS ("length")."""
+    sc = served.client()
+    tc = sc.create_lora_training_client(base_model=served.base, rank=4, seed=6).result()
+    eos = tc.get_tokenizer().eos_token_id
+    datum = _datum([*SEQ, eos], weights=[0.0] * (len(SEQ) - 1) + [1.0])
+    for _ in range(4):
+        tc.forward_backward([datum], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints(SEQ)
+    ends = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=6, temperature=0.0)).result().sequences[0]
+    assert (list(ends.tokens), ends.stop_reason) == ([eos], "stop")
+    runs = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])).result().sequences[0]
+    assert (len(runs.tokens), runs.tokens[0], runs.stop_reason) == (6, eos, "length")
+    _unload(tc)
+
+
+def test_training_and_sampling_clients_load_the_model_tokenizer_under_an_unloadable_name(
+    served: Tinker, tiny_model_dir: str
+) -> None:
+    """The fixture serves the model as 'tiny:qwen2', from which the SDK cannot load a tokenizer (it would ask the hub
+    for 'tiny'). A training client's tokenizer, and those of sampling clients made from its saved weights
+    (save_weights_and_get_sampling_client, create_sampling_client(model_path=...)), are the model's own."""
+    from transformers import AutoTokenizer
+
+    text = "Natalia sold clips to 48 of her friends in April."
+    want = AutoTokenizer.from_pretrained(tiny_model_dir).encode(text)
+    sc = served.client()
+    tc = sc.create_lora_training_client(base_model=served.base, rank=2).result()
+    path = tc.save_weights_for_sampler("tok").result().path
+    samplers = [tc.save_weights_and_get_sampling_client().result(), sc.create_sampling_client(model_path=path).result()]
+    assert tc.get_tokenizer().encode(text) == want
+    assert [s.get_tokenizer().encode(text) for s in samplers] == [want, want]
+    _unload(tc)
+
+
+def test_topk_prompt_logprobs_are_vllms_most_likely_tokens(served: Tinker) -> None:
+    """topk_prompt_logprobs=3: no row for the first prompt token, then at each position vLLM's 3 most likely tokens
+    (vLLM called directly with prompt_logprobs 3) with their logprobs, by rank; the prompt's own logprobs come too."""
+    sc = served.client()
+    base = sc.create_sampling_client(base_model=served.base).result()
+    prompt = SEQ[:8]
+    out = base.sample(
+        types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=1),
+        include_prompt_logprobs=True, topk_prompt_logprobs=3,
+    ).result()  # fmt: skip
+    params = {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 3, "detokenize": False}
+    body = {"token_ids": prompt, "sampling_params": params, "stream": False}
+    direct = _post(served.vllm_url + "/inference/v1/generate", body)
+    rows = direct["prompt_logprobs"][1:]
+    ranked = [sorted((e["rank"], int(t), e["logprob"]) for t, e in row.items() if e["rank"] <= 3) for row in rows]
+    got = out.topk_prompt_logprobs
+    assert got is not None and got[0] is None
+    assert [[t for t, _ in row or []] for row in got[1:]] == [[t for _, t, _ in row] for row in ranked]
+    assert [lp for row in got[1:] for _, lp in row or []] == pytest.approx([lp for r in ranked for _, _, lp in r])
+    own = [row[str(t)]["logprob"] for row, t in zip(rows, prompt[1:], strict=True)]
+    assert out.prompt_logprobs is not None and out.prompt_logprobs[1:] == pytest.approx(own)
+
+
+def test_closed_and_silent_sessions_free_their_training_clients(served: Tinker) -> None:
+    """Five sessions in turn, more than the cap of live training clients, each creating a client and closing
+    (ServiceClient as a context manager): every create succeeds, and a closed session's heartbeat is answered 410
+    (the SDK stops heartbeating on it). A program that exits without closing (its heartbeats stop) loses its client
+    once --session-timeout passes: the server logs that session's end, and the client is unknown after it."""
+    ids = []
+    for _ in range(5):
+        with tinker.ServiceClient(base_url=served.url, api_key=served.key) as sc:
+            ids.append(sc.create_lora_training_client(base_model=served.base, rank=2).result().model_id)
+    assert len(set(ids)) == 5
+    beat = _api(served, "session_heartbeat", {"session_id": ids[0].split(":train:")[0]})
+    assert (beat.status_code, beat.text) == (
+        410,
+        f"session_id: session {ids[0].split(':train:')[0]!r} has finished (success)",
+    )
+
+    program = (
+        "import os, tinker\n"
+        f"sc = tinker.ServiceClient(base_url={served.url!r}, api_key={served.key!r})\n"
+        f"print(sc.create_lora_training_client(base_model={served.base!r}, rank=2).result().model_id, flush=True)\n"
+        "os._exit(0)\n"
+    )
+    env = {**os.environ, "TINKER_TELEMETRY": "0"}
+    done = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    model_id = done.stdout.split()[-1]
+    session = model_id.split(":train:")[0]
+    _wait_for_line(served, re.compile(f"session {session} ended: no heartbeat for {SESSION_TIMEOUT_S}s"))
+    assert _api(served, "get_info", {"model_id": model_id}).status_code == 404
+
+
 def test_errors_are_the_sdks_typed_errors_with_one_line(served: Tinker) -> None:
     sc = served.client()
     with pytest.raises(tinker.NotFoundError, match="base_model: 'nope' is not served here"):
@@ -278,6 +426,7 @@ def test_errors_are_the_sdks_typed_errors_with_one_line(served: Tinker) -> None:
         tc.forward_backward([_datum(SEQ, weights=[1.0] * 3)], "cross_entropy").result()
     with pytest.raises(tinker.BadRequestError, match=r"data\[0\]\.loss_fn_inputs: missing 'advantages'"):
         tc.forward_backward([_datum(SEQ)], "ppo").result()
+    _refuses_bad_input(served, sc, tc)
     others = [sc.create_lora_training_client(base_model=served.base, rank=2).result() for _ in range(MAX_ADAPTERS - 1)]
     with pytest.raises(tinker.BadRequestError, match="LoRA training clients are live, the cap"):
         sc.create_lora_training_client(base_model=served.base, rank=2).result()
@@ -287,6 +436,34 @@ def test_errors_are_the_sdks_typed_errors_with_one_line(served: Tinker) -> None:
         ).result()
     for c in [tc, *others]:
         _unload(c)
+
+
+def _refuses_bad_input(served: Tinker, sc: tinker.ServiceClient, tc: tinker.TrainingClient) -> None:
+    """Token ids outside the tiny model's 1024, a datum longer than the vLLM server's context, a negative learning
+    rate and sample fields tinker-serve does not serve are refused at submission; vLLM's own refusal (more prompt
+    logprobs than it allows) fails the call without the vLLM server's address."""
+    vocab = r"is outside the vocabulary \(0\.\.1023, 1024 ids\)"
+    with pytest.raises(tinker.BadRequestError, match=rf"data\[0\]\.model_input: token id 1024 {vocab}"):
+        tc.forward_backward([_datum([5, 1024, 7], weights=[1.0, 1.0])], "cross_entropy").result()
+    bad_target = types.Datum(model_input=types.ModelInput.from_ints([5, 6]), loss_fn_inputs={"target_tokens": [6, -1]})
+    with pytest.raises(tinker.BadRequestError, match=rf"data\[0\]\.loss_fn_inputs\.target_tokens: token id -1 {vocab}"):
+        tc.forward([bad_target], "cross_entropy").result()
+    long = [5 + i % 900 for i in range(1026)]
+    with pytest.raises(tinker.BadRequestError, match=r"data\[1\]\.model_input: 1025 tokens, longer than the sampler's "
+                       r"context \(max_model_len 1024\)"):  # fmt: skip
+        tc.forward([_datum(SEQ), _datum(long)], "cross_entropy").result()
+    with pytest.raises(tinker.BadRequestError, match="learning_rate must be a finite number >= 0, got -0.001"):
+        tc.optim_step(types.AdamParams(learning_rate=-1e-3)).result()
+    base = sc.create_sampling_client(base_model=served.base).result()
+    prompt, params = types.ModelInput.from_ints(SEQ), types.SamplingParams(max_tokens=1)
+    with pytest.raises(tinker.BadRequestError, match=rf"prompt: token id 5000 {vocab}"):
+        base.sample(types.ModelInput.from_ints([5, 5000]), 1, params).result()
+    with pytest.raises(tinker.BadRequestError, match="topk_sample_logprobs: not supported by tinker-serve"):
+        base.sample(prompt, 1, params, topk_sample_logprobs=2).result()
+    with pytest.raises(tinker.RequestFailedError, match="vLLM /inference/v1/generate: HTTP 400 Bad Request: Requested "
+                       "prompt logprobs of 30, which is greater than max allowed: 20") as err:  # fmt: skip
+        base.sample(prompt, 1, params, include_prompt_logprobs=True, topk_prompt_logprobs=30).result()
+    assert served.vllm_url.removeprefix("http://") not in str(err.value)
 
 
 def test_rest_client_lists_training_runs_and_their_checkpoints(served: Tinker) -> None:
@@ -327,6 +504,11 @@ def _unload(tc: tinker.TrainingClient) -> None:
         timeout=60,
     )
     r.raise_for_status()
+
+
+def _api(served: Tinker, route: str, body: dict) -> requests.Response:
+    """POST ``body`` to tinker-serve's ``/api/v1/<route>`` with its key."""
+    return requests.post(f"{served.url}/api/v1/{route}", json=body, headers={"X-API-Key": served.key}, timeout=60)
 
 
 def _post(url: str, body: dict) -> dict:
@@ -387,7 +569,9 @@ def test_full_weight_client_trains_every_weight_and_samples_its_saved_weights(
     loss; a step with learning rate 0 leaves the logprobs as they were (each step's Adam parameters are the ones
     used); the saved sampler weights differ from the base in a non-adapter tensor (the embeddings); sampling from
     them gives the logprobs of that saved model (transformers on the saved directory) and the base sampler the
-    base model's again; a second live client is refused in one line."""
+    base model's again; a second live client is refused in one line. Saving again under the same name after another
+    step, while the server holds the first save's weights: the first sampling client then gives the logprobs of that
+    step (the training client's own forward)."""
     with _tinker_serve(tiny_model_dir, lora_vllm, tmp_path, "--full-weight", backend) as served:
         sc = served.client()
         tc = sc.create_lora_training_client(base_model=served.base, rank=4).result()
@@ -419,3 +603,11 @@ def test_full_weight_client_trains_every_weight_and_samples_its_saved_weights(
         assert sampler.compute_logprobs(prompt).result()[1:] == pytest.approx(new_ref, abs=BF16_TOL)
         base = sc.create_sampling_client(base_model=served.base).result()  # loads the base weights back
         assert base.compute_logprobs(prompt).result()[1:] == pytest.approx(base_ref, abs=BF16_TOL)
+
+        assert sampler.compute_logprobs(prompt).result()[1:] == pytest.approx(new_ref, abs=BF16_TOL)  # full-1 again
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        retrained = _logprobs(tc, data)[0]
+        assert tc.save_weights_for_sampler("full-1").result().path == saved.path
+        assert sampler.compute_logprobs(prompt).result()[1:] == pytest.approx(retrained, abs=BF16_TOL)
+        assert max(abs(a - b) for a, b in zip(retrained, trained, strict=True)) > 3 * BF16_TOL

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from tandemrl.api.net import free_port
 from tandemrl.models.resolve import resolve_model_path
+from tandemrl.tinker.sampler import VLLMError
 from tandemrl.tinker.server import TinkerServer, new_api_key
 from tandemrl.tinker.service import TinkerService
 from tandemrl.utils.cli import first_line
@@ -60,6 +61,13 @@ def _args(argv: list[str]) -> argparse.Namespace:
         "(ZeRO-2) or megatron (tensor and pipeline parallel 1); world size 1, in this process",
     )
     p.add_argument("--vllm-log", default="", help="log file of the vLLM server it starts")
+    p.add_argument(
+        "--session-timeout",
+        type=float,
+        default=60.0,
+        help="seconds without a heartbeat or call after which a session ends and its training clients are unloaded "
+        "(the SDK heartbeats every 10 s while its program runs; 0: never)",
+    )
     return p.parse_args(argv)
 
 
@@ -85,7 +93,9 @@ async def _serve(args: argparse.Namespace, model_dir: str, vllm_addr: str) -> bo
         args.max_lora_rank,
         args.max_adapters,
         full_weight=args.full_weight,
+        session_timeout=args.session_timeout,
     )
+    await service.start()
     server = TinkerServer(service, key)
     port = await server.start(args.host, args.port or free_port(args.host))
     if args.key_file:
@@ -97,9 +107,11 @@ async def _serve(args: argparse.Namespace, model_dir: str, vllm_addr: str) -> bo
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    expiry = asyncio.ensure_future(service.expire_forever())
     try:
         await stop.wait()
     finally:
+        expiry.cancel()
         failed = service.fail_pending()
         logger.info("tinker-serve: stopping; %d unfinished calls failed", failed)
         await service.drain(DRAIN_S)
@@ -129,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
             proc = _start_vllm(model_dir, args.max_lora_rank, args.max_adapters, args.vllm_log)
             vllm_addr = proc.address
         abandoned = asyncio.run(_serve(args, model_dir, vllm_addr))
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, VLLMError) as err:
         print(f"error: {first_line(err)}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     finally:

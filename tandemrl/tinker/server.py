@@ -1,7 +1,7 @@
 """The HTTP face of ``tandemrl tinker-serve``: the routes of the Tinker REST API the ``tinker`` SDK calls.
 
 Every ``/api/v1`` route needs the run's API key in ``X-API-Key`` (401 otherwise). Bad input is
-answered at submission with HTTP 400 (404 for an unknown id) and a one-line plain-text body,
+answered at submission with HTTP 400 (404 for an unknown id, 410 for a finished session) and a one-line body,
 which the SDK raises as ``tinker.BadRequestError`` / ``tinker.NotFoundError``; a call that fails
 while it runs comes back from ``retrieve_future`` as a failed request (``tinker.RequestFailedError``).
 """
@@ -18,7 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from tandemrl.tinker.sdk_range import SdkRange
-from tandemrl.tinker.service import NotFound, Result, TinkerService
+from tandemrl.tinker.service import Gone, NotFound, Result, TinkerService
 from tandemrl.tinker.wire import UserError
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class TinkerServer:
         post("/api/v1/client/config", self._json(lambda _b: client_config()))
         post("/api/v1/client/dynamic_config", self._json(lambda _b: {"refresh_interval_sec": 3600}))
         post("/api/v1/create_session", self._json(lambda _b: s.create_session()))
-        post("/api/v1/session_heartbeat", self._json(lambda _b: {"type": "session_heartbeat"}))
+        post("/api/v1/session_heartbeat", self._json(s.session_heartbeat))
         post("/api/v1/telemetry", self._json(lambda _b: {"status": "accepted"}))
         post("/api/v1/create_model", self._json(s.create_model))
         post("/api/v1/get_info", self._json(lambda b: s.get_info(str(b.get("model_id")))))
@@ -67,7 +67,7 @@ class TinkerServer:
         post("/api/v1/asample", self._json(s.sample))
         post("/api/v1/retrieve_future", self._retrieve)
         get("/api/v1/samplers/{sid}", self._sampler)
-        post("/api/v1/sessions/{sid}/finish", self._json(lambda _b: {}))
+        post("/api/v1/sessions/{sid}/finish", self._finish)
         get("/api/v1/training_runs", self._query(lambda q: s.listing.list_runs(q.get("limit"), q.get("offset"))))
         get("/api/v1/training_runs/{rid}", self._query(lambda q: s.listing.run(q["rid"])))
         get("/api/v1/training_runs/{rid}/checkpoints", self._query(lambda q: s.listing.list_checkpoints(q["rid"])))
@@ -94,6 +94,8 @@ class TinkerServer:
             return await handler(request)
         except NotFound as err:
             return _one_line(404, str(err))
+        except Gone as err:
+            return _one_line(410, str(err))
         except UserError as err:
             return _one_line(400, str(err))
         except web.HTTPException:
@@ -148,6 +150,9 @@ class TinkerServer:
                 return web.Response(body=out.proto, content_type=PROTO)
             return web.json_response(out.json)
         return web.json_response(out)
+
+    async def _finish(self, request: web.Request) -> web.StreamResponse:
+        return web.json_response(self.service.finish_session(request.match_info["sid"], await self._body(request)))
 
     async def _sampler(self, request: web.Request) -> web.StreamResponse:
         return web.json_response(self.service.get_sampler(request.match_info["sid"]))

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import math
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from tandemrl.tinker import wire
@@ -25,7 +29,18 @@ from tandemrl.tinker.trainer import AdapterTrainer, targets_of
 from tandemrl.tinker.wire import NotFound, UserError
 from tandemrl.tinker.worker import TrainWorker
 
+logger = logging.getLogger(__name__)
 STOPPING = "tinker-serve is stopping; this call did not finish"
+UNSUPPORTED_SAMPLE_FIELDS = (
+    "topk_sample_logprobs",
+    "target_prompt_logprobs",
+    "prompt_alt_tokens_k",
+    "prompt_logprobs_last_n",
+)
+
+
+class Gone(UserError):
+    """A session that has finished (HTTP 410: the SDK's heartbeat loop stops on it)."""
 
 
 @dataclass
@@ -42,9 +57,35 @@ class ModelInfo:
     rank: int
 
 
+@dataclass
+class Session:
+    last_seen: float  # time.monotonic() of its last heartbeat or call
+    finished: str = ""  # why it ended: the SDK's finish reason, or the missed heartbeats
+
+
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
+
+
+def _log_failure(fut: asyncio.Future[Any]) -> None:
+    err = None if fut.cancelled() else fut.exception()
+    if err is not None:
+        logger.error("tinker-serve: unloading a finished session's client failed: %s", _first_line(err))
+
+
+def vocab_size_of(model_dir: str) -> int:
+    """The model's embedding rows: token ids must be below it."""
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(model_dir).get_text_config().vocab_size)
+
+
+def check_tokens(ids: Any, vocab_size: int, where: str) -> None:
+    """One line naming ``where`` when a token id is outside ``0..vocab_size-1``."""
+    bad = [int(t) for t in ids if not 0 <= int(t) < vocab_size]
+    if bad:
+        raise UserError(f"{where}: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1}, {vocab_size} ids)")
 
 
 def adapter_shape(directory: str) -> tuple[int, tuple[str, ...]]:
@@ -56,7 +97,9 @@ def adapter_shape(directory: str) -> tuple[int, tuple[str, ...]]:
 
 class TinkerService:
     """``full_weight`` (a backend name: ``fsdp``, ``deepspeed``, ``megatron``) trains one full-weight client instead of
-    adapters."""
+    adapters. A session that finishes (the SDK's ``ServiceClient.close``) or sends no heartbeat and no call for
+    ``session_timeout`` seconds (0: never) ends, and its training clients are unloaded. ``start`` reads the vLLM
+    server's context length, which bounds every datum and prompt."""
 
     def __init__(
         self,
@@ -67,17 +110,23 @@ class TinkerService:
         max_rank: int = 8,
         max_adapters: int = 4,
         full_weight: str = "",
+        session_timeout: float = 60.0,
     ) -> None:
         self.model_dir, self.model_name, self.out_dir = model_dir, model_name, out_dir
+        self.session_timeout = session_timeout
+        self.vocab_size = vocab_size_of(model_dir)
+        self.max_model_len = 0  # the vLLM server's, read by start(); 0: not known, not checked
         self.full: FullWeightTrainer | None = FullWeightTrainer(model_dir, full_weight) if full_weight else None
         self.max_adapters = 1 if self.full is not None else max_adapters
         self.trainer: AdapterTrainer | FullWeightTrainer = self.full or AdapterTrainer(model_dir, max_rank)
-        self.full_dirs: dict[str, str] = {}  # full-weight mode: sampler weights name -> HF directory
+        # full-weight mode: sampler weights name -> (HF directory, save version); every save is a new version
+        self.full_dirs: dict[str, tuple[str, int]] = {}
+        self.saves = 0
         self.listing = Listing(model_name)
         self.sampler = VLLMSampler(vllm_addr, base_dir=model_dir)
         self.worker = TrainWorker()
         self.futures: dict[str, asyncio.Future[Result]] = {}
-        self.sessions: set[str] = set()
+        self.sessions: dict[str, Session] = {}
         self.models: dict[str, ModelInfo] = {}
         self.samplers: dict[str, str | None] = {}  # sampling session -> adapter name (None: base model)
         self.checkpoints: dict[str, str] = {}  # tinker:// path -> directory
@@ -101,11 +150,17 @@ class TinkerService:
         if model_id not in self.models:
             raise NotFound(f"model_id: unknown model {model_id!r} (create it with create_lora_training_client)")
         self.listing.touch(model_id)
-        return self.models[model_id]
+        info = self.models[model_id]
+        self.sessions[info.session_id].last_seen = time.monotonic()
+        return info
 
     def check_base(self, base_model: str | None) -> None:
-        if base_model is not None and base_model != self.model_name:
+        """The served name, or the model directory (the name the SDK loads a sampler's tokenizer from)."""
+        if base_model is not None and base_model not in (self.model_name, self.model_dir):
             raise NotFound(f"base_model: {base_model!r} is not served here (this server serves {self.model_name!r})")
+
+    async def start(self) -> None:
+        self.max_model_len = await self.sampler.max_model_len()
 
     async def retrieve(self, rid: str, wait_s: float = 30.0) -> Result | dict[str, Any]:
         """The result, a ``try_again`` reply while it runs, or a failed-request reply."""
@@ -127,8 +182,54 @@ class TinkerService:
     # ------------------------------------------------------------------ sessions and models
     def create_session(self) -> dict[str, Any]:
         sid = "session-" + uuid.uuid4().hex[:12]
-        self.sessions.add(sid)
+        self.sessions[sid] = Session(time.monotonic())
         return {"type": "create_session", "session_id": sid}
+
+    def session(self, session_id: str) -> Session:
+        """A live session, seen now; 404 if unknown, 410 if it has finished."""
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise NotFound(f"session_id: unknown session {session_id!r}")
+        if session.finished:
+            raise Gone(f"session_id: session {session_id!r} has finished ({session.finished})")
+        session.last_seen = time.monotonic()
+        return session
+
+    def session_heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
+        self.session(str(body.get("session_id")))
+        return {"type": "session_heartbeat"}
+
+    def finish_session(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        """The SDK's ``ServiceClient.close(status)``: the session ends and its training clients are unloaded."""
+        if session_id not in self.sessions:
+            raise NotFound(f"session_id: unknown session {session_id!r}")
+        if not self.sessions[session_id].finished:  # the first reason wins, as the SDK documents
+            self._end_session(session_id, str((body.get("reason") or {}).get("type") or "closed"))
+        return {}
+
+    def expire_sessions(self) -> list[str]:
+        """End every session without a heartbeat or call for ``session_timeout`` seconds; their ids."""
+        if self.session_timeout <= 0:
+            return []
+        now = time.monotonic()
+        idle = [sid for sid, s in self.sessions.items() if not s.finished and now - s.last_seen > self.session_timeout]
+        for sid in idle:
+            self._end_session(sid, f"no heartbeat for {self.session_timeout:g}s")
+        return idle
+
+    async def expire_forever(self) -> None:
+        """``expire_sessions`` every quarter of the timeout (a task ``tinker-serve`` runs while it serves)."""
+        while self.session_timeout > 0:
+            await asyncio.sleep(max(self.session_timeout / 4, 0.5))
+            for sid in self.expire_sessions():
+                logger.info("tinker-serve: session %s ended: %s", sid, self.sessions[sid].finished)
+
+    def _end_session(self, session_id: str, why: str) -> None:
+        self.sessions[session_id].finished = why
+        for model_id in [m for m, info in self.models.items() if info.session_id == session_id]:
+            self.models.pop(model_id)
+            fut = self.worker.submit("unload_model", partial(self.trainer.remove, model_id))
+            fut.add_done_callback(_log_failure)
 
     def create_model(self, body: dict[str, Any]) -> dict[str, Any]:
         self.check_base(body.get("base_model"))
@@ -159,14 +260,14 @@ class TinkerService:
                 f"create_model: full-weight client {next(iter(self.models))!r} is live and --full-weight trains one "
                 "at a time; unload it first"
             )
+        self.expire_sessions()
         if len(self.models) >= self.max_adapters:
             raise UserError(
                 f"create_model: {len(self.models)} LoRA training clients are live, the cap (--max-adapters); "
                 "unload one first"
             )
         session_id = str(body.get("session_id"))
-        if session_id not in self.sessions:
-            raise NotFound(f"session_id: unknown session {session_id!r}")
+        self.session(session_id)
         model_id = f"{session_id}:train:{int(body.get('model_seq_id', 0))}"
         if model_id in self.models:
             raise UserError(f"model_seq_id: model {model_id!r} exists already")
@@ -179,9 +280,11 @@ class TinkerService:
         return {
             "type": "get_info",
             "model_id": model_id,
+            # the SDK makes the sampling clients of save_weights_and_get_sampling_client with model_data.model_name
+            # as their base model and loads their tokenizer from it: the model directory, which loads
             "model_data": {
                 "arch": "lora" if self.full is None else "full",
-                "model_name": self.model_name,
+                "model_name": self.model_dir,
                 "tokenizer_id": self.model_dir,
             },
             "is_lora": self.full is None,
@@ -203,6 +306,7 @@ class TinkerService:
     def forward_backward(self, body: bytes) -> dict[str, Any]:
         model_id, loss_fn, config, forward_only, data = wire.parse_forward_backward(body)
         self.model(model_id)
+        self.check_data(data)
 
         def run() -> Result:
             outputs, metrics = self.trainer.forward_backward(model_id, data, loss_fn, config, not forward_only)
@@ -210,12 +314,27 @@ class TinkerService:
 
         return self._train("forward" if forward_only else "forward_backward", run)
 
+    def check_data(self, data: list[dict[str, Any]]) -> None:
+        """Every datum fits the sampler's context and names only token ids of the vocabulary."""
+        for i, datum in enumerate(data):
+            n = int(datum["input_ids"].numel())
+            if self.max_model_len and n > self.max_model_len:
+                raise UserError(
+                    f"data[{i}].model_input: {n} tokens, longer than the sampler's context "
+                    f"(max_model_len {self.max_model_len})"
+                )
+            check_tokens(datum["input_ids"].tolist(), self.vocab_size, f"data[{i}].model_input")
+            check_tokens(datum["target_tokens"].tolist(), self.vocab_size, f"data[{i}].loss_fn_inputs.target_tokens")
+
     def optim_step(self, body: dict[str, Any]) -> dict[str, Any]:
         model_id = str(body.get("model_id"))
         self.model(model_id)
         adam = body.get("adam_params")
         if adam is None:
             raise UserError("optim_step: adam_params missing (tinker-serve runs Adam only)")
+        lr = float(adam.get("learning_rate", 1e-4))
+        if not (math.isfinite(lr) and lr >= 0):
+            raise UserError(f"optim_step: adam_params.learning_rate must be a finite number >= 0, got {lr}")
 
         def run() -> Result:
             return Result(json={"type": "optim_step", "metrics": self.trainer.optim_step(model_id, adam)})
@@ -278,7 +397,7 @@ class TinkerService:
             await fut
             self.checkpoints[path] = directory
             self.listing.add_checkpoint(path, directory)
-            await self._register_sampler_weights(adapter, directory)
+            await self._register_sampler_weights(adapter, directory, saved=True)
             if named:
                 return Result(json={"type": "save_weights_for_sampler", "path": path})
             sid = self._new_sampler(adapter)
@@ -287,22 +406,25 @@ class TinkerService:
         return self._submit(run)
 
     # ------------------------------------------------------------------ sampling
-    async def _register_sampler_weights(self, name: str, directory: str) -> None:
-        """LoRA: load the adapter into vLLM under ``name``. Full weights: remember the directory; a sample loads it."""
+    async def _register_sampler_weights(self, name: str, directory: str, saved: bool = False) -> None:
+        """LoRA: load the adapter into vLLM under ``name`` (again if it was ``saved`` just now). Full weights: remember
+        the directory and a new version of it if ``saved``; a sample loads them."""
         if self.full is None:
-            await self.sampler.load_adapter(name, directory)
+            await self.sampler.load_adapter(name, directory, reload=saved)
         elif "/sampler_weights/" not in directory.replace(os.sep, "/"):
             raise UserError(f"model_path: {name!r} is a training state, not sampler weights (save_weights_for_sampler)")
-        else:
-            self.full_dirs[name] = directory
+        elif saved or name not in self.full_dirs:
+            self.saves += 1
+            self.full_dirs[name] = (directory, self.saves)
 
     @asynccontextmanager
     async def _serving(self, adapter: str | None) -> AsyncIterator[str | None]:
         """The vLLM model name to sample ``adapter`` under; in full-weight mode its weights are loaded for the while."""
         if self.full is None:
-            yield adapter
+            async with self.sampler.adapter(adapter) as served:
+                yield served
             return
-        async with self.sampler.full_weights(self.model_dir if adapter is None else self.full_dirs[adapter]):
+        async with self.sampler.full_weights(*((self.model_dir, 0) if adapter is None else self.full_dirs[adapter])):
             yield None
 
     def _new_sampler(self, adapter: str | None) -> str:
@@ -326,7 +448,8 @@ class TinkerService:
             raise NotFound(f"sampler_id: unknown sampler {sid!r}")
         adapter = self.samplers[sid]
         path = None if adapter is None else "tinker://" + adapter.replace("--", "/")
-        return {"sampler_id": sid, "base_model": self.model_name, "model_path": path}
+        # the SDK loads a sampler's tokenizer from this name (the part before any ':'): the model directory loads
+        return {"sampler_id": sid, "base_model": self.model_dir, "model_path": path}
 
     def sample(self, body: dict[str, Any]) -> dict[str, Any]:
         sid = body.get("sampling_session_id")
@@ -337,29 +460,46 @@ class TinkerService:
         else:
             self.check_base(body.get("base_model"))
             adapter = None
-        prompt = wire.prompt_tokens(body.get("prompt") or {})
+        prompt = self._prompt(body)
         n = int(body.get("num_samples", 1))
         if n < 1:
             raise UserError(f"num_samples: must be >= 1, got {n}")
         params = dict(body.get("sampling_params") or {})
-        want_prompt_lp = bool(body.get("prompt_logprobs"))
-        if want_prompt_lp and len(prompt) < 2:
+        want_prompt_lp, topk = bool(body.get("prompt_logprobs")), int(body.get("topk_prompt_logprobs") or 0)
+        if (want_prompt_lp or topk) and len(prompt) < 2:
             raise UserError("prompt_logprobs: the prompt needs at least 2 tokens")
 
         async def run() -> Result:
+            plp, rows = None, None
             async with self._serving(adapter) as served:
                 seqs = await self.sampler.sample(prompt, n, params, served)
-                plp = await self.sampler.prompt_logprobs(prompt, served) if want_prompt_lp else None
-            return Result(proto=wire.sample_output(seqs, plp))
+                if want_prompt_lp or topk:
+                    plp, rows = await self.sampler.prompt_logprobs(prompt, served, topk)
+            return Result(proto=wire.sample_output(seqs, plp if want_prompt_lp else None, rows, topk))
 
         reply = self._submit(run)
         reply["sample_sequence_ids"] = [uuid.uuid4().hex for _ in range(n)]
         return reply
 
+    def _prompt(self, body: dict[str, Any]) -> list[int]:
+        """A sample request's prompt tokens, after refusing what tinker-serve does not serve."""
+        for name in UNSUPPORTED_SAMPLE_FIELDS:
+            if body.get(name):
+                raise UserError(f"{name}: not supported by tinker-serve (it serves prompt_logprobs and top-k of them)")
+        if int(body.get("topk_prompt_logprobs") or 0) < 0:
+            raise UserError(f"topk_prompt_logprobs: must be >= 0, got {body['topk_prompt_logprobs']}")
+        prompt = wire.prompt_tokens(body.get("prompt") or {})
+        check_tokens(prompt, self.vocab_size, "prompt")
+        if self.max_model_len and len(prompt) > self.max_model_len:
+            context = f"(max_model_len {self.max_model_len})"
+            raise UserError(f"prompt: {len(prompt)} tokens, longer than the sampler's context {context}")
+        return prompt
+
     def capabilities(self) -> dict[str, Any]:
+        context = self.max_model_len or None
         return {
             "supported_models": [
-                {"model_name": self.model_name, "trainable": True, "sampleable": True, "max_context_length": None}
+                {"model_name": self.model_name, "trainable": True, "sampleable": True, "max_context_length": context}
             ]
         }
 

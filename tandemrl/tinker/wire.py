@@ -105,7 +105,17 @@ def forward_backward_output(outputs: list[dict[str, torch.Tensor]], metrics: dic
     return msg.SerializeToString()
 
 
-def sample_output(sequences: list[tuple[list[int], list[float], str]], prompt_logprobs: list[float] | None) -> bytes:
+MASK_LOGPROB = -99999.0  # the SDK's empty top-k cell (token id 0)
+
+
+def sample_output(
+    sequences: list[tuple[list[int], list[float], str]],
+    prompt_logprobs: list[float] | None,
+    topk: list[list[tuple[int, float]] | None] | None = None,
+    k: int = 0,
+) -> bytes:
+    """The proto ``SampleResponse``; ``topk`` (one row per prompt token, None for an empty row) fills its
+    ``topk_prompt_logprobs`` as the SDK's dense N x ``k`` matrices."""
     msg = pb.SampleResponse()
     for tokens, logprobs, stop in sequences:
         seq = msg.sequences.add()
@@ -114,6 +124,15 @@ def sample_output(sequences: list[tuple[list[int], list[float], str]], prompt_lo
         seq.logprobs = np.asarray(logprobs, dtype=np.float32).tobytes()
     if prompt_logprobs is not None:
         msg.prompt_logprobs = np.asarray([math.nan, *prompt_logprobs], dtype=np.float32).tobytes()
+    if topk is not None and k > 0:
+        ids = np.zeros((len(topk), k), dtype=np.int32)
+        lps = np.full((len(topk), k), MASK_LOGPROB, dtype=np.float32)
+        for i, row in enumerate(topk):
+            for j, (tok, lp) in enumerate(row or []):
+                ids[i, j], lps[i, j] = tok, lp
+        msg.topk_prompt_logprobs.CopyFrom(
+            pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=lps.tobytes(), k=k, length=len(topk))
+        )
     return msg.SerializeToString()
 
 
