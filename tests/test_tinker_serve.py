@@ -124,7 +124,7 @@ def _tinker_serve(model: str, vllm: Vllm | None, tmp: Path, *extra: str, name: s
 @pytest.fixture(scope="module")
 def served(tiny_model_dir: str, lora_vllm: Vllm, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tinker]:
     tmp = tmp_path_factory.mktemp("tinker")
-    extra = ("--max-adapters", str(MAX_ADAPTERS), "--session-timeout", str(SESSION_TIMEOUT_S))
+    extra = ("--max-adapters", str(MAX_ADAPTERS), "--session-timeout", str(SESSION_TIMEOUT_S), "--serve", "adapter")
     with _tinker_serve(tiny_model_dir, lora_vllm, tmp, *extra, name=SERVED_NAME) as t:
         yield t
 
@@ -559,6 +559,37 @@ def _tensor_of(model_dir: str | Path, name: str) -> torch.Tensor:
             if name in f.keys():  # noqa: SIM118 - safe_open has keys(), no __contains__
                 return f.get_tensor(name).float()
     raise KeyError(f"{name} not in {model_dir}")
+
+
+def test_merged_serving_samples_each_save_of_an_adapter_as_merged_weights(
+    tiny_model_dir: str, lora_vllm: Vllm, tmp_path: Path
+) -> None:
+    """``--serve merged`` (what ``auto`` picks on CPU): a LoRA client's sampler weights reach vLLM as the base merged
+    with the adapter. After each save of "latest" the sampler's prompt logprobs equal the training client's forward
+    within BF16_TOL (vLLM computes in bf16) and the second save moved them by more than 3x that; a base-model sampler
+    then gives the base model's logprobs again (transformers on the base directory)."""
+    with _tinker_serve(tiny_model_dir, lora_vllm, tmp_path, "--serve", "merged") as served:
+        sc = served.client()
+        tc = sc.create_lora_training_client(base_model=served.base, rank=4, seed=3).result()
+        data, prompt = [_datum(SEQ, weights=[1.0] * (len(SEQ) - 1))], types.ModelInput.from_ints(SEQ)
+        for _ in range(2):
+            tc.forward_backward(data, "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+        first = _logprobs(tc, data)[0]
+        path = tc.save_weights_for_sampler("latest").result().path
+        sampler = sc.create_sampling_client(model_path=path).result()
+        assert sampler.compute_logprobs(prompt).result()[1:] == pytest.approx(first, abs=BF16_TOL)
+        for _ in range(3):
+            tc.forward_backward(data, "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+        second = _logprobs(tc, data)[0]
+        assert max(abs(a - b) for a, b in zip(first, second, strict=True)) > 3 * BF16_TOL
+        assert tc.save_weights_for_sampler("latest").result().path == path
+        assert sampler.compute_logprobs(prompt).result()[1:] == pytest.approx(second, abs=BF16_TOL)
+        base = sc.create_sampling_client(base_model=served.base).result()
+        base_ref = _hf_logprobs(tiny_model_dir, SEQ)
+        assert base.compute_logprobs(prompt).result()[1:] == pytest.approx(base_ref, abs=BF16_TOL)
+        _unload(tc)
 
 
 @pytest.mark.parametrize("backend", ["fsdp", "deepspeed", "megatron"])

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import tempfile
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
@@ -150,16 +151,21 @@ class VLLMSampler:
             logger.warning("tinker-serve: unloading replaced adapter %s failed: %s", served, err)
 
     @asynccontextmanager
-    async def full_weights(self, directory: str, version: int) -> AsyncIterator[None]:
+    async def full_weights(
+        self, directory: str, version: int, merge: Callable[[str, str], None] | None = None
+    ) -> AsyncIterator[None]:
         """Sample with the full weights saved to ``directory`` as save ``version``: load them (a vLLM disk update)
-        once no sample of other weights is in flight; samples of the loaded weights run concurrently."""
+        once no sample of other weights is in flight; samples of the loaded weights run concurrently.
+
+        ``merge(directory, out)``: ``directory`` holds an adapter; the base model merged with it is written to a
+        temporary ``out``, loaded, and deleted (vLLM keeps the weights in memory).
+        """
         want = (directory, version)
         async with self._swap:
             while self.weights != want and self._readers:
                 await self._swap.wait()
             if self.weights != want:
-                for call in self.backend.build_update_from_disk(WeightUpdateMeta(type="disk", path=directory)):
-                    await self._send(call, retries=0)
+                await self._load_full(directory, merge)
                 self.weights = want
             self._readers += 1
         try:
@@ -168,6 +174,16 @@ class VLLMSampler:
             async with self._swap:
                 self._readers -= 1
                 self._swap.notify_all()
+
+    async def _load_full(self, directory: str, merge: Callable[[str, str], None] | None) -> None:
+        if merge is None:
+            for call in self.backend.build_update_from_disk(WeightUpdateMeta(type="disk", path=directory)):
+                await self._send(call, retries=0)
+            return
+        with tempfile.TemporaryDirectory(prefix="tinker-merged-") as out:
+            await asyncio.to_thread(merge, directory, out)
+            for call in self.backend.build_update_from_disk(WeightUpdateMeta(type="disk", path=out)):
+                await self._send(call, retries=0)
 
     async def _one(self, prompt: list[int], params: dict[str, Any], adapter: str | None, seed: int | None) -> Any:
         g = GenerationHyperparameters(

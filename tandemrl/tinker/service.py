@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from tandemrl.engines.lora import merge_adapter_dir
 from tandemrl.tinker import wire
 from tandemrl.tinker.full import FullWeightTrainer
 from tandemrl.tinker.listing import Listing
@@ -111,6 +112,7 @@ class TinkerService:
         max_adapters: int = 4,
         full_weight: str = "",
         session_timeout: float = 60.0,
+        merged: bool = False,
     ) -> None:
         self.model_dir, self.model_name, self.out_dir = model_dir, model_name, out_dir
         self.session_timeout = session_timeout
@@ -119,6 +121,8 @@ class TinkerService:
         self.full: FullWeightTrainer | None = FullWeightTrainer(model_dir, full_weight) if full_weight else None
         self.max_adapters = 1 if self.full is not None else max_adapters
         self.trainer: AdapterTrainer | FullWeightTrainer = self.full or AdapterTrainer(model_dir, max_rank)
+        # LoRA sampled as merged weights (--serve merged): each adapter merged into the base, loaded whole
+        self.merged = merged and self.full is None
         # full-weight mode: sampler weights name -> (HF directory, save version); every save is a new version
         self.full_dirs: dict[str, tuple[str, int]] = {}
         self.saves = 0
@@ -409,9 +413,9 @@ class TinkerService:
     async def _register_sampler_weights(self, name: str, directory: str, saved: bool = False) -> None:
         """LoRA: load the adapter into vLLM under ``name`` (again if it was ``saved`` just now). Full weights: remember
         the directory and a new version of it if ``saved``; a sample loads them."""
-        if self.full is None:
+        if self.full is None and not self.merged:
             await self.sampler.load_adapter(name, directory, reload=saved)
-        elif "/sampler_weights/" not in directory.replace(os.sep, "/"):
+        elif self.full is not None and "/sampler_weights/" not in directory.replace(os.sep, "/"):
             raise UserError(f"model_path: {name!r} is a training state, not sampler weights (save_weights_for_sampler)")
         elif saved or name not in self.full_dirs:
             self.saves += 1
@@ -419,12 +423,17 @@ class TinkerService:
 
     @asynccontextmanager
     async def _serving(self, adapter: str | None) -> AsyncIterator[str | None]:
-        """The vLLM model name to sample ``adapter`` under; in full-weight mode its weights are loaded for the while."""
-        if self.full is None:
+        """The vLLM model name to sample ``adapter`` under; with full or merged weights they are loaded for the while."""
+        if self.full is None and not self.merged:
             async with self.sampler.adapter(adapter) as served:
                 yield served
             return
-        async with self.sampler.full_weights(*((self.model_dir, 0) if adapter is None else self.full_dirs[adapter])):
+        if adapter is None:
+            async with self.sampler.full_weights(self.model_dir, 0):
+                yield None
+            return
+        merge = partial(merge_adapter_dir, self.model_dir) if self.merged else None
+        async with self.sampler.full_weights(*self.full_dirs[adapter], merge=merge):
             yield None
 
     def _new_sampler(self, adapter: str | None) -> str:
