@@ -47,6 +47,21 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
+DIMUON = (
+    "Tinker does not publish Dimuon's update rule (its matrix-sign iteration count and normalisation epsilon are "
+    "internal constants)"
+)
+
+
+def check_optimizer(config: Any, field: str) -> None:
+    """AdamW is the one optimizer served: a one-line UserError naming any other (``type`` of an SDK optimizer
+    config or params object)."""
+    kind = config.get("type", "adamw") if isinstance(config, dict) else "adamw"
+    if kind != "adamw":
+        why = DIMUON if kind == "dimuon" else "it runs AdamW only"
+        raise UserError(f"{field}: optimizer {kind!r} is not served by tinker-serve: {why}; use AdamW (AdamParams)")
+
+
 def adapter_shape(directory: str) -> tuple[int, tuple[str, ...]]:
     """(rank, target module names) of a saved adapter."""
     with open(os.path.join(directory, "adapter_config.json")) as f:
@@ -132,6 +147,7 @@ class TinkerService:
 
     def create_model(self, body: dict[str, Any]) -> dict[str, Any]:
         self.check_base(body.get("base_model"))
+        check_optimizer(body.get("optimizer_config"), "optimizer_config")
         lora = body.get("lora_config")
         targets: tuple[str, ...] = ()
         if self.full is not None:
@@ -215,7 +231,8 @@ class TinkerService:
         self.model(model_id)
         adam = body.get("adam_params")
         if adam is None:
-            raise UserError("optim_step: adam_params missing (tinker-serve runs Adam only)")
+            check_optimizer(body.get("optimizer_params"), "optim_step.optimizer_params")
+            raise UserError("optim_step: adam_params missing (tinker-serve runs AdamW only)")
 
         def run() -> Result:
             return Result(json={"type": "optim_step", "metrics": self.trainer.optim_step(model_id, adam)})
@@ -246,6 +263,7 @@ class TinkerService:
         path = str(body.get("path"))
         if path not in self.checkpoints:
             raise NotFound(f"path: no checkpoint {path!r} on this server")
+        check_optimizer(body.get("optimizer_config"), "optimizer_config")
         directory, optimizer = self.checkpoints[path], bool(body.get("optimizer"))
         created: tuple[int, tuple[str, ...]] | None = None
         if body.get("model_id") is not None:
@@ -329,6 +347,8 @@ class TinkerService:
         return {"sampler_id": sid, "base_model": self.model_name, "model_path": path}
 
     def sample(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Each sequence gets a ``sequence_id`` (``sample_sequence_ids``); ``record_stability_info`` is accepted and
+        records nothing (its only reader, ``stable_reinforce``, is refused)."""
         sid = body.get("sampling_session_id")
         if sid is not None:
             if sid not in self.samplers:
