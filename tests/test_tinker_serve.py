@@ -466,6 +466,74 @@ def _refuses_bad_input(served: Tinker, sc: tinker.ServiceClient, tc: tinker.Trai
     assert served.vllm_url.removeprefix("http://") not in str(err.value)
 
 
+def test_every_sdk_loss_is_served_with_its_hand_value_or_refused_in_one_line(served: Tinker) -> None:
+    """Each loss the SDK 0.38 names, on one datum of a sequence sampled with ``record_stability_info`` (distinct
+    sequence ids) and carrying its provenance: with sampler logprobs set to the client's own minus log 1.5 (ratio
+    1.5 on the sampled tokens, advantage 1), every served loss's ``loss:sum`` is its hand value (gspo with its
+    default and with wider clip thresholds); ``forward_backward_custom`` reports its loss and the server's
+    cross_entropy with the loss's gradient as weights; stable_reinforce, loss_fn ``custom``, an unknown config key
+    and Dimuon are the SDK's ``BadRequestError`` with one line."""
+    sc = served.client()
+    tc = sc.create_lora_training_client(base_model=served.base, rank=2).result()
+    sampler = sc.create_sampling_client(base_model=served.base, record_stability_info=True).result()
+    prompt = SEQ[:5]
+    params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=3)
+    seqs = sampler.sample(types.ModelInput.from_ints(prompt), 2, params).result().sequences
+    assert all(s.sequence_id for s in seqs) and seqs[0].sequence_id != seqs[1].sequence_id
+    sid, sampled = seqs[0].sequence_id, list(seqs[0].tokens)
+    full, n_p, n_s = prompt + sampled, len(prompt) - 1, len(sampled)
+    all_lp = _logprobs(tc, [_datum(full)])[0]  # the client's logprobs; no optim_step follows, so they stay
+    lp, prompt_sq = all_lp[n_p:], sum(x * x for x in all_lp[:n_p])
+    delta = math.log(1.5)
+    datum = _datum(full, advantages=[0.0] * n_p + [1.0] * n_s, logprobs=[0.0] * n_p + [x - delta for x in lp])
+    datum = datum.with_provenance(
+        model_input=[types.PromptProvenanceSpan(sequence_id=sid, length=len(prompt)),
+                     types.SampledProvenanceSpan(sequence_id=sid, length=n_s - 1)],
+        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id=sid, offset=1, length=n_p),
+                        types.SampledProvenanceSpan(sequence_id=sid, length=n_s)],
+    )  # fmt: skip
+    weighted = _datum(full, weights=[0.0] * n_p + [1.0] * n_s)
+    cases: list[tuple[types.Datum, str, dict[str, float] | None, float]] = [
+        (weighted, "cross_entropy", None, -sum(lp)),
+        (datum, "importance_sampling", None, -1.5 * n_s),
+        (datum, "ppo", None, -1.2 * n_s),
+        (datum, "cispo", None, -1.2 * sum(lp)),
+        # dro's penalty also counts the prompt positions, whose sampler logprob is 0
+        (datum, "dro", None, -(sum(lp) - 0.05 / 2 * (n_s * delta**2 + prompt_sq))),
+        (datum, "gspo", None, -1.2 * n_s),
+        (datum, "gspo", {"clip_low_threshold": 0.5, "clip_high_threshold": 2.0}, -1.5 * n_s),
+    ]
+    for d, loss_fn, config, expected in cases:
+        got = tc.forward_backward([d], loss_fn, config).result().metrics["loss:sum"]  # type: ignore[arg-type]
+        assert got == pytest.approx(expected, abs=1e-4), (loss_fn, config)
+
+    def squared(data: list[types.Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        return sum((x**2).sum() for x in logprobs), {}  # type: ignore[return-value]
+
+    custom = tc.forward_backward_custom([_datum(full)], squared).result().metrics
+    assert custom["loss:sum"] == pytest.approx(sum(x * x for x in all_lp), abs=1e-4)
+    # the server's cross_entropy with weights -d(loss)/d(logp) = -2 logp: sum of 2 logp^2
+    assert custom["surrogate_loss:sum"] == pytest.approx(2 * sum(x * x for x in all_lp), abs=1e-4)
+
+    refused = [
+        (lambda: tc.forward_backward([datum], "stable_reinforce"), "'stable_reinforce' is not served by tinker-serve"),
+        (lambda: tc.forward_backward([datum], "custom", {"loss_id": "l-1"}), "'custom' is not served by tinker-serve"),
+        (lambda: tc.forward_backward([datum], "ppo", {"clip_eps": 0.2}), "unknown key 'clip_eps' for loss 'ppo'"),
+        (lambda: tc.optim_step(types.DimuonParams(learning_rate=1e-3)), "optimizer 'dimuon' is not served"),
+        (
+            lambda: sc.create_lora_training_client(
+                base_model=served.base, rank=2, optimizer=types.DimuonOptimizerConfig()
+            ),
+            "optimizer_config: optimizer 'dimuon' is not served",
+        ),
+    ]
+    for call, message in refused:
+        with pytest.raises(tinker.BadRequestError, match=message) as err:
+            call().result()
+        assert "\n" not in err.value.message
+    _unload(tc)
+
+
 def test_rest_client_lists_training_runs_and_their_checkpoints(served: Tinker) -> None:
     """RestClient: the training run (LoRA, its rank, its metadata) and its two checkpoints with their types and
     tinker:// paths; an unknown run is the SDK's NotFoundError."""

@@ -55,6 +55,7 @@ TIERS: dict[str, str] = {
     "test_tinker_job.py": "unit",
     "test_tinker_losses.py": "unit",
     "test_tinker_sdk_range.py": "unit",
+    "test_tinker_wire.py": "unit",
     "test_tool_latency.py": "unit",
     "test_truncation.py": "unit",
     "test_type_ignores.py": "unit",

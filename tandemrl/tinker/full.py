@@ -27,7 +27,7 @@ from tandemrl.models.functional import gather_logprobs
 from tandemrl.tinker.trainer import set_adam_params
 
 FULL_WEIGHT_BACKENDS = ("fsdp", "deepspeed", "megatron")
-LOSS_INPUTS = ("weights", "advantages", "logprobs")
+LOSS_INPUTS = ("weights", "advantages", "logprobs", "sequence_ratio_mask")
 
 
 @dataclass

@@ -89,6 +89,21 @@ def check_tokens(ids: Any, vocab_size: int, where: str) -> None:
         raise UserError(f"{where}: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1}, {vocab_size} ids)")
 
 
+DIMUON = (
+    "Tinker does not publish Dimuon's update rule (its matrix-sign iteration count and normalisation epsilon are "
+    "internal constants)"
+)
+
+
+def check_optimizer(config: Any, field: str) -> None:
+    """AdamW is the one optimizer served: a one-line UserError naming any other (``type`` of an SDK optimizer
+    config or params object)."""
+    kind = config.get("type", "adamw") if isinstance(config, dict) else "adamw"
+    if kind != "adamw":
+        why = DIMUON if kind == "dimuon" else "it runs AdamW only"
+        raise UserError(f"{field}: optimizer {kind!r} is not served by tinker-serve: {why}; use AdamW (AdamParams)")
+
+
 def adapter_shape(directory: str) -> tuple[int, tuple[str, ...]]:
     """(rank, target module names) of a saved adapter."""
     with open(os.path.join(directory, "adapter_config.json")) as f:
@@ -237,6 +252,7 @@ class TinkerService:
 
     def create_model(self, body: dict[str, Any]) -> dict[str, Any]:
         self.check_base(body.get("base_model"))
+        check_optimizer(body.get("optimizer_config"), "optimizer_config")
         lora = body.get("lora_config")
         targets: tuple[str, ...] = ()
         if self.full is not None:
@@ -335,7 +351,8 @@ class TinkerService:
         self.model(model_id)
         adam = body.get("adam_params")
         if adam is None:
-            raise UserError("optim_step: adam_params missing (tinker-serve runs Adam only)")
+            check_optimizer(body.get("optimizer_params"), "optim_step.optimizer_params")
+            raise UserError("optim_step: adam_params missing (tinker-serve runs AdamW only)")
         lr = float(adam.get("learning_rate", 1e-4))
         if not (math.isfinite(lr) and lr >= 0):
             raise UserError(f"optim_step: adam_params.learning_rate must be a finite number >= 0, got {lr}")
@@ -369,6 +386,7 @@ class TinkerService:
         path = str(body.get("path"))
         if path not in self.checkpoints:
             raise NotFound(f"path: no checkpoint {path!r} on this server")
+        check_optimizer(body.get("optimizer_config"), "optimizer_config")
         directory, optimizer = self.checkpoints[path], bool(body.get("optimizer"))
         created: tuple[int, tuple[str, ...]] | None = None
         if body.get("model_id") is not None:
@@ -461,6 +479,8 @@ class TinkerService:
         return {"sampler_id": sid, "base_model": self.model_dir, "model_path": path}
 
     def sample(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Each sequence gets a ``sequence_id`` (``sample_sequence_ids``); ``record_stability_info`` is accepted and
+        records nothing (its only reader, ``stable_reinforce``, is refused)."""
         sid = body.get("sampling_session_id")
         if sid is not None:
             if sid not in self.samplers:

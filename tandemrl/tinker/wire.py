@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from tinker.proto import tinker_public_pb2 as pb
 
-from tandemrl.algorithms.tinker_losses import loss_inputs_needed
+from tandemrl.algorithms.tinker_losses import LossSpec, check_config, loss_spec, with_defaults
 
 _NP = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
 
@@ -40,29 +40,44 @@ def _tensor(msg: Any, where: str) -> np.ndarray:
 
 
 def parse_forward_backward(body: bytes) -> tuple[str, str, dict[str, float], bool, list[dict[str, torch.Tensor]]]:
-    """(model_id, loss_fn, loss_fn_config, forward_only, data) of a proto request, every datum checked."""
+    """(model_id, loss_fn, loss_fn_config, forward_only, data) of a proto request, every datum checked.
+
+    The datums' provenance spans (``model_input_spans``, ``loss_fn_input_spans``) are accepted and not read:
+    no served loss uses them."""
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
     except Exception as err:  # noqa: BLE001 - protobuf raises its own DecodeError
         raise UserError(f"forward_backward: body is not a ForwardBackwardRequest proto ({err})") from None
-    needed = loss_inputs_needed_or_user_error(msg.loss_fn)
-    config = {k: v.number for k, v in msg.loss_fn_config_v2.items() if v.WhichOneof("value") == "number"}
-    config.update({k: float(v) for k, v in msg.loss_fn_config.items() if k not in config})
+    spec = _user_error(loss_spec, msg.loss_fn)
+    config = loss_config(msg)
     if not msg.data:
         raise UserError("forward_backward: data is empty")
-    data = [_datum(d, i, needed, msg.forward_only) for i, d in enumerate(msg.data)]
+    data = [with_defaults(msg.loss_fn, _datum(d, i, spec, msg.forward_only)) for i, d in enumerate(msg.data)]
     return msg.model_id, msg.loss_fn, config, msg.forward_only, data
 
 
-def loss_inputs_needed_or_user_error(name: str) -> tuple[str, ...]:
+def _user_error(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` with its ValueError turned into a UserError (HTTP 400)."""
     try:
-        return loss_inputs_needed(name)
+        return fn(*args)
     except ValueError as err:
         raise UserError(str(err)) from None
 
 
-def _datum(d: Any, i: int, needed: tuple[str, ...], forward_only: bool) -> dict[str, torch.Tensor]:
+def loss_config(msg: Any) -> dict[str, float]:
+    """The request's loss config: ``loss_fn_config_v2`` (numbers or text; the SDK 0.38 writes every key there) over
+    the legacy float map. Every key must be one the loss takes, and a number."""
+    _user_error(check_config, msg.loss_fn, sorted({*msg.loss_fn_config_v2, *msg.loss_fn_config}))
+    config = {k: float(v) for k, v in msg.loss_fn_config.items()}
+    for key, value in msg.loss_fn_config_v2.items():
+        if value.WhichOneof("value") != "number":
+            raise UserError(f"loss_fn_config.{key}: must be a number for loss {msg.loss_fn!r}, got text {value.text!r}")
+        config[key] = value.number
+    return config
+
+
+def _datum(d: Any, i: int, spec: LossSpec, forward_only: bool) -> dict[str, torch.Tensor]:
     """Token ids and loss inputs of datum ``i``; a forward-only call may leave out the loss's own inputs
     (weights count 1, advantages and sampling logprobs 0: its ``logprobs`` output does not depend on them)."""
     tokens: list[np.ndarray] = []
@@ -75,9 +90,10 @@ def _datum(d: Any, i: int, needed: tuple[str, ...], forward_only: bool) -> dict[
     if n == 0:
         raise UserError(f"data[{i}].model_input: no tokens")
     out = {"input_ids": torch.from_numpy(ids.astype(np.int64))}
-    for name in ("target_tokens", *needed):
-        if name not in d.loss_fn_inputs and forward_only and name != "target_tokens":
-            out[name] = torch.ones(n) if name == "weights" else torch.zeros(n)
+    for name in ("target_tokens", *spec.inputs, *spec.optional):
+        if name not in d.loss_fn_inputs and (name in spec.optional or (forward_only and name != "target_tokens")):
+            if name not in spec.optional:
+                out[name] = torch.ones(n) if name == "weights" else torch.zeros(n)
             continue
         if name not in d.loss_fn_inputs:
             raise UserError(f"data[{i}].loss_fn_inputs: missing {name!r}")
