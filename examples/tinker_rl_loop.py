@@ -99,6 +99,13 @@ def main() -> None:
     p.add_argument("--fill", type=int, default=0, help="groups with signal to train on per iteration (0: any)")
     p.add_argument("--max-rounds", type=int, default=8, help="with --fill: most extra draws of --questions")
     p.add_argument("--eval", type=int, default=0, help="greedy accuracy on the first N test questions, before/after")
+    p.add_argument(
+        "--ratio-base",
+        choices=["sampler", "trainer"],
+        default="sampler",
+        help="the logprobs importance_sampling divides by: the sampler's (at --temperature), or the training "
+        "client's own forward (temperature 1: the ratio is then 1 and the step is REINFORCE on the samples)",
+    )
     args = p.parse_args()
     if args.fill < 0 or args.max_rounds < 0 or args.eval < 0:
         p.error("--fill, --max-rounds and --eval must be >= 0")
@@ -126,6 +133,8 @@ def main() -> None:
             groups = groups[: args.fill] if len(groups) >= args.fill else []  # a full batch or no step
         data = [d for group in groups for d in group]
         loss = None
+        if data and args.ratio_base == "trainer":
+            data = rebase(trainer, data)
         if data:
             fb = trainer.forward_backward(data, "importance_sampling")
             step = trainer.optim_step(types.AdamParams(learning_rate=args.lr))
@@ -149,6 +158,20 @@ def main() -> None:
                           "accuracy_after": sum(after) / len(after), "gained": gained, "lost": lost,
                           "mcnemar_p": mcnemar_p(gained, lost)}), flush=True)  # fmt: skip
     service.close("success").result()  # the session ends on the server; the client stops its heartbeat
+
+
+def rebase(trainer, data: list[types.Datum]) -> list[types.Datum]:
+    """``data`` with each datum's ``logprobs`` replaced by the training client's own (one ``forward``): the
+    Tinker API trains at temperature 1, so sampler logprobs from another temperature are another policy's."""
+    outputs = trainer.forward(data, "cross_entropy").result().loss_fn_outputs
+    rebased = []
+    for d, out in zip(data, outputs, strict=True):
+        own = out["logprobs"].tolist()
+        inputs = {k: v.tolist() for k, v in d.loss_fn_inputs.items()}
+        answer = [a != 0.0 for a in inputs["advantages"]]  # the answer's tokens: the prompt's keep their 0.0
+        inputs["logprobs"] = [lp if keep else 0.0 for lp, keep in zip(own, answer, strict=True)]
+        rebased.append(types.Datum(model_input=d.model_input, loss_fn_inputs=inputs))
+    return rebased
 
 
 def evaluate(trainer, tokenizer, rows: list[tuple[str, str]], args) -> list[bool]:
