@@ -588,13 +588,14 @@ def _post(url: str, body: dict) -> dict:
 
 def test_example_rl_loop_runs_three_iterations_through_the_sdk(served: Tinker, gsm8k_dir: str) -> None:
     """examples/tinker_rl_loop.py (tinker SDK only) runs 3 GRPO-style iterations on the tiny model with
-    ``--fill 1``: one JSON line per iteration with every sample scored; each iteration trains on exactly one
+    ``--fill 1`` and ``--ratio-base trainer`` (a forward before each step): one JSON line per iteration with every sample scored; each iteration trains on exactly one
     group with signal, drawing 2 questions at a time, or trains nothing after its 4 draws; at least one
     trained; then a held-out line (greedy before/after on 4 test questions, with McNemar's p)."""
     env = {**os.environ, "TINKER_BASE_URL": served.url, "TINKER_API_KEY": served.key, "TINKER_TELEMETRY": "0"}
     cmd = [sys.executable, str(REPO_ROOT / "examples" / "tinker_rl_loop.py"), "--base-model", served.base]
     cmd += ["--data", gsm8k_dir, "--iterations", "3", "--questions", "2", "--group", "4", "--max-tokens", "24"]
     cmd += ["--rank", "4", "--number-bonus", "0.1", "--lr", "1e-3", "--fill", "1", "--max-rounds", "3"]
+    cmd += ["--temperature", "0.6", "--ratio-base", "trainer"]  # the SmolLM2 run's settings (docs/tinker.md)
     proc = subprocess.run([*cmd, "--eval", "4"], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     *lines, held_out = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

@@ -91,10 +91,14 @@ def serves_merged(serve: str, full_weight: str) -> bool:
 
 
 def _start_vllm(model_dir: str, max_rank: int, max_adapters: int, log: str, lora: bool) -> ServerProcess:
+    import torch
+
     from tandemrl.inference.server import launch_server
-    from tandemrl.inference.vllm import VLLMBackend, lora_server_flags
+    from tandemrl.inference.vllm import DETERMINISTIC_SERVER_FLAGS, VLLMBackend, lora_server_flags
 
     extra = {**lora_server_flags(max_rank), "max_loras": max_adapters} if lora else {}
+    if not torch.cuda.is_available():  # clients may seed samples: a seeded split prefill kills vLLM's CPU worker
+        extra.update(DETERMINISTIC_SERVER_FLAGS)
     proc = launch_server(VLLMBackend(), model_dir, extra=extra, log_file=log or None)
     proc.wait_healthy(900.0)
     return proc
