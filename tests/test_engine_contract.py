@@ -78,6 +78,7 @@ def test_the_backend_adds_lifecycle_and_weight_export() -> None:
         "is_data_parallel_head",
         "broadcast_in_model_parallel_group",
         "lora_rank",
+        "lora_serve",  # what a disk push sends with LoRA (weights/push.py)
         "hf_param_specs",
         "iter_hf_params",
     }
