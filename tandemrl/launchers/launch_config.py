@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tandemrl.api.allocation import AllocationMode
+from tandemrl.api.inference import serves_adapter
 from tandemrl.configs.experiment import GRPOConfig, SFTConfig, parsed_allocation
 from tandemrl.configs.loader import read_known_keys
 from tandemrl.engines.registry import SHAPES as TRAINING_SHAPES
@@ -214,7 +215,7 @@ def _lora_server_extra(view: LaunchView, alloc: AllocationMode) -> dict[str, Any
     lora = view.actor.engine.lora
     if lora.rank <= 0 or view.weight_update_mode != "disk" or alloc.gen_backend != "vllm":
         return {}
-    if lora.serve == "merged" or (lora.serve == "auto" and not visible_gpus()):
+    if not serves_adapter(lora.serve, on_gpu=bool(visible_gpus())):
         return {}
     from tandemrl.inference.vllm import lora_server_flags
 

@@ -26,6 +26,7 @@ import sys
 import tempfile
 from typing import TYPE_CHECKING
 
+from tandemrl.api.inference import serves_adapter
 from tandemrl.api.net import free_port
 from tandemrl.models.resolve import resolve_model_path
 from tandemrl.tinker.sampler import VLLMError
@@ -80,14 +81,11 @@ def _args(argv: list[str]) -> argparse.Namespace:
 
 
 def serves_merged(serve: str, full_weight: str) -> bool:
-    """Whether LoRA samplers are served as merged weights (``--serve``); never with ``--full-weight``."""
-    if full_weight or serve == "adapter":
-        return False
-    if serve == "merged":
-        return True
+    """Whether LoRA samplers are served as merged weights (``--serve``, decided as ``lora.serve``); never with
+    ``--full-weight``."""
     import torch
 
-    return not torch.cuda.is_available()
+    return not full_weight and not serves_adapter(serve, on_gpu=torch.cuda.is_available())
 
 
 def _start_vllm(model_dir: str, max_rank: int, max_adapters: int, log: str, lora: bool) -> ServerProcess:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from tandemrl.api.engine import TrainBackend
-from tandemrl.api.inference import ParamSpec, WeightUpdateMeta
+from tandemrl.api.inference import ParamSpec, WeightUpdateMeta, serves_adapter
 from tandemrl.api.types import SaveLoadMeta
 from tandemrl.utils import stats_tracker
 from tandemrl.weights import delta
@@ -108,16 +108,9 @@ class _DeltaState:
 
 
 def wants_adapter(rank: int, serve: str, device_type: str) -> bool:
-    """Whether a LoRA engine's disk push should try to send its adapter alone (``lora.serve``).
-
-    ``auto`` sends it unless training on CPU: vLLM's CPU LoRA path generates at 0.46x the merged
-    model's tokens/s (bench/lora_serving.py), so a CPU run pushes merged weights instead.
-    """
-    if rank <= 0 or serve == "merged":
-        return False
-    if serve not in ("auto", "adapter"):
-        raise ValueError(f"lora.serve: unknown value {serve!r} (auto, adapter or merged)")
-    return serve == "adapter" or device_type != "cpu"
+    """Whether a LoRA engine's disk push should try to send its adapter alone (``lora.serve``; a CPU engine means
+    CPU servers, so ``auto`` pushes merged weights there)."""
+    return rank > 0 and serves_adapter(serve, on_gpu=device_type != "cpu")
 
 
 def adapter_fits(rank: int, serve: str, limit: int) -> bool:
