@@ -5,7 +5,7 @@ current adapter to vLLM, sample ``--group`` answers for each of ``--prompts`` fi
 (seeded), build importance-sampling datums with group-centred rewards, one forward/backward and
 one Adam step on a rank-``--rank`` adapter. The API path goes through the unmodified ``tinker``
 SDK over HTTP to a ``tinker-serve`` subprocess; the native path calls the same trainer
-(``tandemrl.tinker.trainer.AdapterTrainer``) and vLLM client (``tandemrl.tinker.sampler``) in this
+(``tandemrl.tinker.trainer.EngineTrainer``) and vLLM client (``tandemrl.tinker.sampler``) in this
 process. The steps alternate (API, native, API, ...) so machine load hits both alike; the
 median step time of each and their ratio are printed, never asserted. The reward is a fixed
 function of the tokens (even token ids count), so both paths see signal on any model.
@@ -33,7 +33,7 @@ from tandemrl.inference.server_auth import TOKEN_ENV, new_token
 from tandemrl.inference.vllm import VLLMBackend, lora_server_flags
 from tandemrl.models.resolve import resolve_model_path
 from tandemrl.tinker.sampler import VLLMSampler
-from tandemrl.tinker.trainer import AdapterTrainer, targets_of
+from tandemrl.tinker.trainer import EngineTrainer, targets_of
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -81,7 +81,7 @@ def api_step(trainer, prompts: list[list[int]], args: argparse.Namespace, step: 
 
 
 async def native_step(
-    trainer: AdapterTrainer,
+    trainer: EngineTrainer,
     sampler: VLLMSampler,
     out: str,
     prompts: list[list[int]],
@@ -90,7 +90,7 @@ async def native_step(
 ) -> None:
     name = f"native-{step}"
     path = os.path.join(out, name)
-    trainer.save_adapter("native", path)
+    trainer.save_for_sampler("native", path)
     await sampler.load_adapter(name, path)
     params = {"max_tokens": args.max_tokens, "temperature": 1.0}
     async with sampler.adapter(name) as served:
@@ -141,7 +141,7 @@ def main() -> None:
         serve, url, key = start_tinker_serve(model_dir, vllm.address, out)
         api = tinker.ServiceClient(base_url=url, api_key=key)
         api_trainer = api.create_lora_training_client(base_model=model_dir, rank=args.rank, seed=0).result()
-        native = AdapterTrainer(model_dir, args.rank)
+        native = EngineTrainer(model_dir, args.rank)
         native.add("native", args.rank, targets_of(True, True), 0)
         sampler = VLLMSampler(vllm.address)
         g = torch.Generator().manual_seed(0)

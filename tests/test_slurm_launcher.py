@@ -25,7 +25,7 @@ import pytest
 import yaml
 from slurm_cluster import SlurmCluster, free_ports, skip_reason, start_cluster, stop_cluster
 from test_launcher import ENV, _grpo_args, _two_async_grpo_steps
-from test_tinker_launcher import sdk_cross_entropy
+from test_tinker_launcher import sdk_training
 from utils import REPO_ROOT, free_port
 
 LAUNCHER = "tandemrl.launchers.slurm"
@@ -476,8 +476,8 @@ def test_interrupted_wait_cancels_the_job(slurm: SlurmCluster, tmp_path: Path) -
 @pytest.mark.slow
 def test_tinker_serve_job_through_sbatch(slurm: SlurmCluster, tiny_model_dir: str, tmp_path: Path) -> None:
     """examples/tinker_serve.py as a Slurm job (the LoRA-enabled vLLM server and tinker-serve in their own job
-    steps): its trainer log names the base URL and key, a forward_backward through the unmodified SDK returns a
-    positive cross-entropy, and SIGTERM to ``--wait`` cancels the job with nothing of it left."""
+    steps): its trainer log names the base URL and key, two cross_entropy steps through the unmodified SDK lower the
+    loss, and SIGTERM to ``--wait`` cancels the job with nothing of it left."""
     args = ["examples/tinker_serve.py", "--config", "examples/tinker_serve.yaml", f"model.path={tiny_model_dir}"]
     args += [f"cluster.fileroot={tmp_path}", "tinker.max_adapters=2", "launcher.server_args.max_loras=2"]
     env = {**ENV, "SLURM_CONF": str(slurm.conf), "TINKER_TELEMETRY": "0"}
@@ -503,7 +503,7 @@ def test_tinker_serve_job_through_sbatch(slurm: SlurmCluster, tiny_model_dir: st
         match = ready.search(trainer_log.read_text())
         assert match is not None
         job_id = _job_id(run_dir)
-        assert sdk_cross_entropy(match.group(1), match.group(2), tiny_model_dir) > 0
+        assert sdk_training(match.group(1), match.group(2), tiny_model_dir) > 0
         _sigterm_cancels(launcher, job_id)
     finally:
         _kill(launcher)

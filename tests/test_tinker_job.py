@@ -12,8 +12,8 @@ from tandemrl.configs.tinker import TinkerServeConfig
 from tandemrl.engines.registry import SHAPES as TRAINING_SHAPES
 from tandemrl.inference.registry import SHAPES as INFERENCE_SHAPES
 from tandemrl.launchers.launch_config import read_launch_spec, script_config
-from tandemrl.tinker.full import check_backend
 from tandemrl.tinker.job import serve_argv
+from tandemrl.tinker.trainer import check_backend
 
 SHAPES = (TRAINING_SHAPES, INFERENCE_SHAPES)
 
@@ -29,6 +29,7 @@ def test_config_becomes_the_serve_command_line() -> None:
     assert argv[argv.index("--max-adapters") + 1] == "2"
     assert argv[argv.index("--out") + 1] == "/r/logs/tandemrl/t/ckpt"
     assert "--full-weight" not in argv
+    assert serve_argv(_config("allocation_mode=vllm:d1+fsdp:d2"), "127.0.0.1:9")[:2] == ["--model", "tiny:qwen2"]
     full = serve_argv(_config("tinker.full_weight=true", "allocation_mode=vllm:d1+deepspeed:d1"), "127.0.0.1:9")
     assert full[full.index("--full-weight") + 1] == "deepspeed"
     meg = serve_argv(_config("tinker.full_weight=true", "allocation_mode=vllm:d1+megatron:d1"), "127.0.0.1:9")
@@ -50,7 +51,8 @@ def test_checkpoints_go_to_the_launchers_run_directory(names: list[str], tmp_pat
 @pytest.mark.parametrize(
     ("overrides", "addrs", "message"),
     [
-        (["allocation_mode=vllm:d1+fsdp:d2"], "a:1", "allocation_mode: tinker-serve trains in one process"),
+        (["allocation_mode=vllm:d1+fsdp:d1t2"], "a:1", "allocation_mode: tinker-serve trains data parallel only"),
+        (["allocation_mode=vllm:d1+deepspeed:d2"], "a:1", "allocation_mode: LoRA clients train on fsdp, got 'deep"),
         (["allocation_mode=vllm:d2+fsdp:d1"], "a:1,b:2", "allocation_mode: tinker-serve samples through one"),
         ([], "a:1,b:2", "TANDEMRL_LLM_SERVER_ADDRS: expected one server address"),
     ],

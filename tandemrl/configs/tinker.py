@@ -28,7 +28,7 @@ class TinkerSection:
         default=False,
         metadata={
             "help": "Train every weight for one client at a time on allocation_mode's training backend "
-            "(fsdp, deepspeed or megatron, d1) instead of LoRA adapters."
+            "(fsdp, deepspeed or megatron; data parallel) instead of LoRA adapters (which train on fsdp)."
         },
     )
     max_lora_rank: int = field(default=8, metadata={"help": "Largest adapter rank a client may ask for.", "min": 1})
@@ -41,10 +41,12 @@ class TinkerSection:
 @dataclass
 class TinkerServeConfig(RunNameConfig):
     """A Tinker API job: ``allocation_mode`` names one inference server (LoRA-enabled through
-    ``launcher.server_args`` unless ``tinker.full_weight``) and a training component of size 1."""
+    ``launcher.server_args`` unless ``tinker.full_weight``) and a data-parallel training component (``fsdp:d2``: two
+    torchrun ranks train every client's batches, rank 0 serves the API)."""
 
     allocation_mode: str = field(
-        default="vllm:d1+fsdp:d1", metadata={"help": "One inference server and one training process."}
+        default="vllm:d1+fsdp:d1",
+        metadata={"help": "One inference server and the training ranks (data parallel only, e.g. fsdp:d2)."},
     )
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     model: TinkerModelConfig = field(default_factory=TinkerModelConfig)

@@ -25,9 +25,12 @@ def serve_argv(config: TinkerServeConfig, addrs: str) -> list[str]:
     assert alloc is not None  # read_config parsed it
     if alloc.gen is None or alloc.gen.strategy.dp != 1:
         raise ValueError(f"allocation_mode: tinker-serve samples through one inference server, got {alloc.spec!r}")
-    if alloc.train is None or alloc.train_world_size != 1:
+    if alloc.train is None or alloc.train.strategy.dp != alloc.train_world_size:
+        raise ValueError(f"allocation_mode: tinker-serve trains data parallel only (e.g. fsdp:d2), got {alloc.spec!r}")
+    if not config.tinker.full_weight and alloc.train.backend != "fsdp":
         raise ValueError(
-            f"allocation_mode: tinker-serve trains in one process (a d1 training part), got {alloc.spec!r}"
+            f"allocation_mode: LoRA clients train on fsdp, got {alloc.train.backend!r} (tinker.full_weight: true "
+            "trains every weight on it)"
         )
     servers = [a for a in addrs.split(",") if a]
     if len(servers) != 1:

@@ -2,13 +2,14 @@
 
     tandemrl tinker-serve --model tiny:qwen2 [--port 8080] [--vllm-addr HOST:PORT] [--key-file PATH] [--full-weight fsdp]
 
-Loads the base model once for training (many LoRA adapters on it) and samples through a
-LoRA-enabled vLLM server: the one at ``--vllm-addr`` (started with ``--enable-lora`` and
-runtime adapter loading), or one it starts itself. A fresh API key is made for the run
+Trains on a tandemrl engine: LoRA adapters of many clients on one FSDP2 model (the base loaded
+once), and samples through a vLLM server: the one at ``--vllm-addr`` (started with ``--enable-lora``
+and runtime adapter loading unless ``--serve merged``), or one it starts itself. Under torchrun every
+rank trains (data parallel: each takes a share of every batch) and rank 0 serves the API
+(``tandemrl.tinker.ranks``). A fresh API key is made for the run
 (``--api-key`` to choose one); it is printed with the base URL and written to ``--key-file``
 (mode 0600). With ``--full-weight BACKEND`` it trains every weight of the model instead, for one
-training client at a time, on that tandemrl engine (``fsdp``, ``deepspeed`` or ``megatron``; world size 1,
-in this process). Point the unmodified ``tinker`` SDK at it with ``TINKER_BASE_URL`` and ``TINKER_API_KEY``.
+training client at a time, on that tandemrl engine (``fsdp``, ``deepspeed`` or ``megatron``). Point the unmodified ``tinker`` SDK at it with ``TINKER_BASE_URL`` and ``TINKER_API_KEY``.
 
 SIGTERM or Ctrl-C stops it without waiting for a training call that is running: unfinished calls
 fail (``tinker-serve is stopping``), the HTTP server and the vLLM server it started stop, and the
@@ -29,9 +30,11 @@ from typing import TYPE_CHECKING
 from tandemrl.api.inference import serves_adapter
 from tandemrl.api.net import free_port
 from tandemrl.models.resolve import resolve_model_path
+from tandemrl.tinker.ranks import follow
 from tandemrl.tinker.sampler import VLLMError
 from tandemrl.tinker.server import TinkerServer, new_api_key
 from tandemrl.tinker.service import TinkerService
+from tandemrl.tinker.trainer import EngineTrainer, check_backend
 from tandemrl.utils.cli import first_line
 
 if TYPE_CHECKING:
@@ -59,7 +62,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
         default="",
         choices=["", "fsdp", "deepspeed", "megatron"],
         help="train all weights (one client at a time) on this engine instead of LoRA adapters: fsdp, deepspeed "
-        "(ZeRO-2) or megatron (tensor and pipeline parallel 1); world size 1, in this process",
+        "(ZeRO-2) or megatron (tensor and pipeline parallel 1); data parallel over the torchrun world",
     )
     p.add_argument("--vllm-log", default="", help="log file of the vLLM server it starts")
     p.add_argument(
@@ -102,18 +105,16 @@ def _start_vllm(model_dir: str, max_rank: int, max_adapters: int, log: str, lora
     return proc
 
 
-async def _serve(args: argparse.Namespace, model_dir: str, vllm_addr: str) -> bool:
+async def _serve(args: argparse.Namespace, trainer: EngineTrainer, vllm_addr: str) -> bool:
     """Serve until SIGTERM/SIGINT; True if a training call was still running when it stopped."""
     key = args.api_key or new_api_key()
     out = args.out or tempfile.mkdtemp(prefix="tandemrl-tinker-")
     service = TinkerService(
-        model_dir,
+        trainer,
         args.model_name or args.model,
         vllm_addr,
         out,
-        args.max_lora_rank,
         args.max_adapters,
-        full_weight=args.full_weight,
         session_timeout=args.session_timeout,
         merged=serves_merged(args.serve, args.full_weight),
     )
@@ -154,16 +155,19 @@ def main(argv: list[str] | None = None) -> None:
         if args.api_key and not args.api_key.startswith("tml-"):
             raise ValueError("--api-key: the tinker SDK accepts only keys that start with 'tml-'")
         if args.full_weight:
-            from tandemrl.tinker.full import check_backend
-
             check_backend(args.full_weight)
         model_dir = resolve_model_path(args.model, "--model")
+        trainer = EngineTrainer(model_dir, args.max_lora_rank, args.full_weight)  # every rank
+        if trainer.rank != 0:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a follower blocks in a collective: die at once
+            follow(trainer)
+            return
         vllm_addr = args.vllm_addr
         if not vllm_addr:
             lora = not args.full_weight and not serves_merged(args.serve, args.full_weight)
             proc = _start_vllm(model_dir, args.max_lora_rank, args.max_adapters, args.vllm_log, lora)
             vllm_addr = proc.address
-        abandoned = asyncio.run(_serve(args, model_dir, vllm_addr))
+        abandoned = asyncio.run(_serve(args, trainer, vllm_addr))
     except (ValueError, FileNotFoundError, VLLMError) as err:
         print(f"error: {first_line(err)}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None

@@ -23,10 +23,10 @@ from typing import Any
 
 from tandemrl.engines.lora import merge_adapter_dir
 from tandemrl.tinker import wire
-from tandemrl.tinker.full import FullWeightTrainer
 from tandemrl.tinker.listing import Listing
+from tandemrl.tinker.ranks import Ranks
 from tandemrl.tinker.sampler import VLLMSampler
-from tandemrl.tinker.trainer import AdapterTrainer, targets_of
+from tandemrl.tinker.trainer import EngineTrainer, targets_of
 from tandemrl.tinker.wire import NotFound, UserError
 from tandemrl.tinker.worker import TrainWorker
 
@@ -112,32 +112,31 @@ def adapter_shape(directory: str) -> tuple[int, tuple[str, ...]]:
 
 
 class TinkerService:
-    """``full_weight`` (a backend name: ``fsdp``, ``deepspeed``, ``megatron``) trains one full-weight client instead of
-    adapters. A session that finishes (the SDK's ``ServiceClient.close``) or sends no heartbeat and no call for
+    """The API over ``trainer`` (rank 0's; its calls reach every rank through ``Ranks``): LoRA clients, or one
+    full-weight client when the trainer was built with ``full_weight``. A session that finishes (the SDK's ``ServiceClient.close``) or sends no heartbeat and no call for
     ``session_timeout`` seconds (0: never) ends, and its training clients are unloaded. ``start`` reads the vLLM
     server's context length, which bounds every datum and prompt."""
 
     def __init__(
         self,
-        model_dir: str,
+        trainer: EngineTrainer,
         model_name: str,
         vllm_addr: str,
         out_dir: str,
-        max_rank: int = 8,
         max_adapters: int = 4,
-        full_weight: str = "",
         session_timeout: float = 60.0,
         merged: bool = False,
     ) -> None:
+        model_dir = trainer.model_dir
         self.model_dir, self.model_name, self.out_dir = model_dir, model_name, out_dir
         self.session_timeout = session_timeout
         self.vocab_size = vocab_size_of(model_dir)
         self.max_model_len = 0  # the vLLM server's, read by start(); 0: not known, not checked
-        self.full: FullWeightTrainer | None = FullWeightTrainer(model_dir, full_weight) if full_weight else None
-        self.max_adapters = 1 if self.full is not None else max_adapters
-        self.trainer: AdapterTrainer | FullWeightTrainer = self.full or AdapterTrainer(model_dir, max_rank)
+        self.trainer, self.ranks = trainer, Ranks(trainer)
+        self.full_weight = bool(trainer.full_weight)
+        self.max_adapters = 1 if self.full_weight else max_adapters
         # LoRA sampled as merged weights (--serve merged): each adapter merged into the base, loaded whole
-        self.merged = merged and self.full is None
+        self.merged = merged and not self.full_weight
         # full-weight mode: sampler weights name -> (HF directory, save version); every save is a new version
         self.full_dirs: dict[str, tuple[str, int]] = {}
         self.saves = 0
@@ -247,7 +246,7 @@ class TinkerService:
         self.sessions[session_id].finished = why
         for model_id in [m for m, info in self.models.items() if info.session_id == session_id]:
             self.models.pop(model_id)
-            fut = self.worker.submit("unload_model", partial(self.trainer.remove, model_id))
+            fut = self.worker.submit("unload_model", partial(self.ranks.run, "remove", model_id))
             fut.add_done_callback(_log_failure)
 
     def create_model(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -255,7 +254,7 @@ class TinkerService:
         check_optimizer(body.get("optimizer_config"), "optimizer_config")
         lora = body.get("lora_config")
         targets: tuple[str, ...] = ()
-        if self.full is not None:
+        if self.full_weight:
             rank = 0  # the SDK always sends a LoRA config; a --full-weight server trains every weight
         elif not lora:
             raise UserError("lora_config: tinker-serve trains LoRA adapters only; pass a rank")
@@ -268,14 +267,14 @@ class TinkerService:
         seed = (lora or {}).get("seed")
 
         def create() -> Result:
-            self.trainer.add(model_id, rank, targets, seed)
+            self.ranks.run("add", model_id, rank, targets, seed)
             return Result(json={"type": "create_model", "model_id": model_id})
 
         return self._train("create_model", create)
 
     def _new_model(self, body: dict[str, Any], rank: int) -> str:
         """Register a training client under the id the SDK derives: ``<session>:train:<model_seq_id>``."""
-        if self.full is not None and self.models:
+        if self.full_weight and self.models:
             raise UserError(
                 f"create_model: full-weight client {next(iter(self.models))!r} is live and --full-weight trains one "
                 "at a time; unload it first"
@@ -292,7 +291,7 @@ class TinkerService:
         if model_id in self.models:
             raise UserError(f"model_seq_id: model {model_id!r} exists already")
         self.models[model_id] = ModelInfo(session_id, rank)
-        self.listing.add_run(model_id, rank if self.full is None else None, body.get("user_metadata"))
+        self.listing.add_run(model_id, None if self.full_weight else rank, body.get("user_metadata"))
         return model_id
 
     def get_info(self, model_id: str) -> dict[str, Any]:
@@ -303,12 +302,12 @@ class TinkerService:
             # the SDK makes the sampling clients of save_weights_and_get_sampling_client with model_data.model_name
             # as their base model and loads their tokenizer from it: the model directory, which loads
             "model_data": {
-                "arch": "lora" if self.full is None else "full",
+                "arch": "full" if self.full_weight else "lora",
                 "model_name": self.model_dir,
                 "tokenizer_id": self.model_dir,
             },
-            "is_lora": self.full is None,
-            "lora_rank": info.rank if self.full is None else None,
+            "is_lora": not self.full_weight,
+            "lora_rank": None if self.full_weight else info.rank,
             "model_name": self.model_name,
         }
 
@@ -317,7 +316,7 @@ class TinkerService:
         self.models.pop(model_id)
 
         def unload() -> Result:
-            self.trainer.remove(model_id)
+            self.ranks.run("remove", model_id)
             return Result(json={"type": "unload_model", "model_id": model_id})
 
         return self._train("unload_model", unload)
@@ -329,7 +328,7 @@ class TinkerService:
         self.check_data(data)
 
         def run() -> Result:
-            outputs, metrics = self.trainer.forward_backward(model_id, data, loss_fn, config, not forward_only)
+            outputs, metrics = self.ranks.run("forward_backward", model_id, data, loss_fn, config, not forward_only)
             return Result(proto=wire.forward_backward_output(outputs, metrics))
 
         return self._train("forward" if forward_only else "forward_backward", run)
@@ -358,7 +357,7 @@ class TinkerService:
             raise UserError(f"optim_step: adam_params.learning_rate must be a finite number >= 0, got {lr}")
 
         def run() -> Result:
-            return Result(json={"type": "optim_step", "metrics": self.trainer.optim_step(model_id, adam)})
+            return Result(json={"type": "optim_step", "metrics": self.ranks.run("optim_step", model_id, adam)})
 
         return self._train("optim_step", run)
 
@@ -374,7 +373,7 @@ class TinkerService:
         path, directory = self._ckpt(model_id, "weights", body.get("path"))
 
         def run() -> Result:
-            self.trainer.save_state(model_id, directory)
+            self.ranks.run("save_state", model_id, directory)
             self.checkpoints[path] = directory
             self.listing.add_checkpoint(path, directory)
             return Result(json={"type": "save_weights", "path": path})
@@ -394,13 +393,13 @@ class TinkerService:
             self.model(model_id)
         else:
             self.check_base(body.get("base_model"))
-            rank, targets = adapter_shape(directory) if self.full is None else (0, ())
+            rank, targets = (0, ()) if self.full_weight else adapter_shape(directory)
             model_id, created = self._new_model(body, rank), (rank, targets)
 
         def run() -> Result:
             if created is not None:
-                self.trainer.add(model_id, created[0], created[1], None)
-            self.trainer.load_state(model_id, directory, optimizer)
+                self.ranks.run("add", model_id, created[0], created[1], None)
+            self.ranks.run("load_state", model_id, directory, optimizer)
             return Result(json={"type": "load_weights", "path": path, "model_id": model_id})
 
         return self._train("load_weights", run)
@@ -411,9 +410,9 @@ class TinkerService:
         named = body.get("path") is not None
         path, directory = self._ckpt(model_id, "sampler_weights", body.get("path"))
         adapter = path.removeprefix("tinker://").replace("/", "--")
-        trainer = self.trainer
-        save = trainer.save_for_sampler if isinstance(trainer, FullWeightTrainer) else trainer.save_adapter
-        fut = self.worker.submit("save_weights_for_sampler", lambda: save(model_id, directory))
+        fut = self.worker.submit(
+            "save_weights_for_sampler", partial(self.ranks.run, "save_for_sampler", model_id, directory)
+        )
 
         async def run() -> Result:
             await fut
@@ -431,9 +430,9 @@ class TinkerService:
     async def _register_sampler_weights(self, name: str, directory: str, saved: bool = False) -> None:
         """LoRA: load the adapter into vLLM under ``name`` (again if it was ``saved`` just now). Full weights: remember
         the directory and a new version of it if ``saved``; a sample loads them."""
-        if self.full is None and not self.merged:
+        if not self.full_weight and not self.merged:
             await self.sampler.load_adapter(name, directory, reload=saved)
-        elif self.full is not None and "/sampler_weights/" not in directory.replace(os.sep, "/"):
+        elif self.full_weight and "/sampler_weights/" not in directory.replace(os.sep, "/"):
             raise UserError(f"model_path: {name!r} is a training state, not sampler weights (save_weights_for_sampler)")
         elif saved or name not in self.full_dirs:
             self.saves += 1
@@ -442,7 +441,7 @@ class TinkerService:
     @asynccontextmanager
     async def _serving(self, adapter: str | None) -> AsyncIterator[str | None]:
         """The vLLM model name to sample ``adapter`` under; with full or merged weights they are loaded for the while."""
-        if self.full is None and not self.merged:
+        if not self.full_weight and not self.merged:
             async with self.sampler.adapter(adapter) as served:
                 yield served
             return
@@ -548,6 +547,6 @@ class TinkerService:
 
     def close(self, wait_s: float = 2.0) -> bool:
         """Stop the worker (waiting up to ``wait_s`` for a running call) and the sampler; True if a call still runs."""
-        busy = self.worker.close(wait_s)
+        busy = self.worker.close(wait_s, last=self.ranks.stop)  # the other ranks return once the queue is done
         self.sampler.close()
         return busy

@@ -1,25 +1,39 @@
-"""Many LoRA adapters on one base model: the training side of ``tandemrl tinker-serve``.
+"""The training side of ``tandemrl tinker-serve``: every Tinker training call on one tandemrl ``TrainEngine``.
 
-The base HF model is loaded once and its target linears are wrapped by tandemrl's
-``LoRALinear`` (``tandemrl.engines.lora``). Each Tinker training client owns its own adapter
-tensors (``A``, ``B`` per target module) and its own AdamW state; before a call the client's
-tensors are put into the wrapped modules (no copy: the modules' ``lora_A``/``lora_B`` take the
-client's Parameters), so one forward/backward serves any client. Calls run one at a time,
-in the order they were submitted (the service's single training worker).
+LoRA (the default): one FSDP2 engine holds the base model, built once with adapters of the
+largest rank served on every attention and MLP linear; each training client is a named adapter of
+``tandemrl.engines.adapter_bank`` with its own tensors and AdamW state. ``--full-weight BACKEND``:
+one client at a time trains every weight on a fresh ``fsdp``, ``deepspeed`` or ``megatron`` engine.
+
+A Tinker ``forward_backward`` runs the engine's ``forward`` for its outputs (per-target logprobs
+and the per-token loss) and keeps its datums; the next ``optim_step`` runs one ``train_batch`` over
+every datum kept since the last step (forward, backward, one optimizer step) with that call's Adam
+parameters. So the gradient is the one Tinker accumulates (the weights do not change between a
+client's ``forward_backward`` and its ``optim_step``) and the loss is the plain sum over tokens and
+datums: each micro-batch's summed loss is rescaled so that the engine's token weighting
+(``weight / global weight``, averaged over data-parallel ranks) comes out as that sum.
+
+Under torchrun every rank makes each call with the same arguments (``tandemrl.tinker.ranks``): the
+datums are split over the data-parallel ranks, each trains on its share, and rank 0 gathers the
+outputs. A rank with no datum runs one zero-weight filler row to keep the collectives aligned.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
-from torch import nn
+import torch.distributed as dist
 
 from tandemrl.algorithms.tinker_losses import tinker_loss
-from tandemrl.configs.engine import LoRAConfig
-from tandemrl.engines.lora import LoRALinear, apply_lora, read_adapter, write_adapter
+from tandemrl.api.types import FinetuneSpec, ParallelStrategy, SaveLoadMeta, TensorDict
+from tandemrl.configs.engine import LoRAConfig, OptimizerConfig, TrainEngineConfig
+from tandemrl.engines.adapter_bank import AdapterBank
+from tandemrl.engines.base import BaseTrainEngine, init_default_process_group
+from tandemrl.engines.lora import read_adapter, write_adapter
+from tandemrl.engines.registry import engine_class
 from tandemrl.models.functional import gather_logprobs
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -27,6 +41,9 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 # alpha 32 at every rank, as Tinker's service (its cookbook's LoRA learning-rate helper assumes lora_alpha=32):
 # the adapter scale is 32 / rank, so a learning rate tuned on Tinker means the same here.
 ALPHA = 32.0
+FULL_WEIGHT_BACKENDS = ("fsdp", "deepspeed", "megatron")
+LOSS_INPUTS = ("weights", "advantages", "logprobs", "sequence_ratio_mask")
+FILLER = -1  # the ``tinker_call`` of a rank's filler row
 
 
 def set_adam_params(param_groups: list[dict[str, Any]], adam: dict[str, Any]) -> None:
@@ -38,19 +55,6 @@ def set_adam_params(param_groups: list[dict[str, Any]], adam: dict[str, Any]) ->
         group["weight_decay"] = float(adam.get("weight_decay", 0.0))
 
 
-@dataclass
-class Adapter:
-    """One training client's adapter: its Parameters by module name, its optimizer, its grads."""
-
-    rank: int
-    targets: tuple[str, ...]
-    params: dict[str, tuple[nn.Parameter, nn.Parameter]]
-    optimizer: torch.optim.AdamW
-    steps: int = 0
-    pending: int = 0  # forward_backward calls whose grads wait for optim_step
-    meta: dict[str, Any] = field(default_factory=dict)
-
-
 def targets_of(train_attn: bool, train_mlp: bool) -> tuple[str, ...]:
     targets = (ATTN if train_attn else ()) + (MLP if train_mlp else ())
     if not targets:
@@ -58,118 +62,223 @@ def targets_of(train_attn: bool, train_mlp: bool) -> tuple[str, ...]:
     return targets
 
 
-class AdapterTrainer:
-    """The base model plus the adapters of every training client (see the module docstring)."""
+def check_backend(backend: str) -> None:
+    if backend not in FULL_WEIGHT_BACKENDS:
+        raise ValueError(f"--full-weight: unknown backend {backend!r} (one of: {', '.join(FULL_WEIGHT_BACKENDS)})")
 
-    def __init__(self, model_dir: str, max_rank: int, device: str | None = None) -> None:
-        from transformers import AutoModelForCausalLM
 
-        self.model_dir = model_dir
-        self.max_rank = max_rank
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        # Wrap every target once (rank 1 placeholders); clients bring their own A and B.
-        self.wrapped = apply_lora(model, LoRAConfig(rank=1, alpha=ALPHA, target_modules=list(ATTN + MLP)))
-        self.model = torch.nn.Module.to(model, self.device).train()
-        self.modules = {n: cast(LoRALinear, model.get_submodule(n)) for n in self.wrapped}
-        self.adapters: dict[str, Adapter] = {}
+@dataclass
+class Pending:
+    """The datums of one ``forward_backward`` call waiting for ``optim_step``."""
 
-    # ------------------------------------------------------------------ adapters
+    data: list[dict[str, torch.Tensor]]
+    loss_fn: str
+    config: dict[str, float]
+
+
+@dataclass
+class Client:
+    rank: int  # LoRA rank; 0 for the full-weight client
+    steps: int = 0
+    pending: list[Pending] = field(default_factory=list)
+
+
+def padded_batch(data: list[dict[str, torch.Tensor]], calls: list[int]) -> TensorDict:
+    """The engine's padded batch: ``input_ids``, ``attention_mask``, every loss input per token, the call index."""
+    lens = [int(d["input_ids"].numel()) for d in data]
+    width = max(lens)
+    keys = sorted({k for d in data for k in d if k != "input_ids"})
+    batch = {"input_ids": torch.zeros(len(data), width, dtype=torch.long)}
+    batch["attention_mask"] = torch.zeros(len(data), width, dtype=torch.bool)
+    for k in keys:
+        batch[k] = torch.zeros(len(data), width, dtype=torch.long if k == "target_tokens" else torch.float32)
+    for i, (d, n) in enumerate(zip(data, lens, strict=True)):
+        batch["input_ids"][i, :n] = d["input_ids"]
+        batch["attention_mask"][i, :n] = True
+        for k in keys:
+            if k in d:
+                batch[k][i, :n] = d[k]
+    batch["tinker_call"] = torch.tensor(calls, dtype=torch.long)
+    return batch
+
+
+def _real_tokens(mb: TensorDict) -> float:
+    """Tokens of a packed micro-batch's datums (not of filler rows)."""
+    lens = mb["cu_seqlens"].diff()
+    return float(lens[mb["tinker_call"].to(lens.device) != FILLER].sum())
+
+
+class EngineTrainer:
+    """Tinker training calls on a ``TrainEngine`` (see the module docstring); ``full_weight`` names the backend of
+    full-weight training, empty for LoRA clients of rank up to ``max_rank`` on FSDP2."""
+
+    def __init__(self, model_dir: str, max_rank: int = 8, full_weight: str = "", compute_dtype: str | None = None):
+        if full_weight:
+            check_backend(full_weight)
+        self.model_dir, self.full_weight = model_dir, full_weight
+        self.max_rank = 0 if full_weight else max_rank
+        init_default_process_group()  # the torchrun world, or a world of one in this process
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        # calls, gathers: a CPU group whatever the engine's backend (NCCL moves no Python objects)
+        self.object_group = dist.new_group(backend="gloo") if self.world > 1 else None
+        lora = LoRAConfig() if full_weight else LoRAConfig(rank=max_rank, alpha=ALPHA, target_modules=list(ATTN + MLP))
+        config = TrainEngineConfig(
+            path=model_dir,
+            mixed_precision=compute_dtype,
+            prefix_sharing="off",  # rows stay whole in a micro-batch: each datum's loss is computed on its own row
+            optimizer=OptimizerConfig(lr=1e-4, gradient_clipping=0.0, weight_decay=0.0),
+            lora=lora,
+        )
+        self.engine: BaseTrainEngine = engine_class(full_weight or "fsdp")(config)
+        self.engine.create_process_group(ParallelStrategy(dp=self.world))
+        self.clients: dict[str, Client] = {}
+        self.bank: AdapterBank | None = None
+        if not full_weight:  # the base model once, for every adapter
+            self.engine.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=1, train_batch_size=1))
+            self.bank = AdapterBank(self.engine.built_model, self.engine.built_optimizer)
+
+    # ------------------------------------------------------------------ clients
     def add(self, model_id: str, rank: int, targets: tuple[str, ...], seed: int | None) -> None:
-        if not 1 <= rank <= self.max_rank:
-            raise ValueError(f"lora_config.rank: {rank} is outside 1..{self.max_rank} (the server's --max-lora-rank)")
-        gen = torch.Generator().manual_seed(seed if seed is not None else len(self.adapters))
-        params: dict[str, tuple[nn.Parameter, nn.Parameter]] = {}
-        for name, mod in self.modules.items():
-            if name.rsplit(".", 1)[-1] not in targets:
-                continue
-            bound = 1.0 / mod.in_features**0.5  # nn.Linear's Kaiming-uniform bound for A
-            a = (torch.rand(rank, mod.in_features, generator=gen) * 2 - 1) * bound
-            b = torch.zeros(mod.out_features, rank)
-            params[name] = (nn.Parameter(a.to(self.device)), nn.Parameter(b.to(self.device)))
-        flat = [p for ab in params.values() for p in ab]
-        opt = torch.optim.AdamW(flat, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
-        self.adapters[model_id] = Adapter(rank, targets, params, opt)
+        """A new client: an adapter (from ``seed``), or for full weights a fresh model from the base weights."""
+        if self.bank is not None:
+            if not 1 <= rank <= self.max_rank:
+                raise ValueError(f"lora_config.rank: {rank} is outside 1..{self.max_rank} (--max-lora-rank)")
+            self.bank.add(model_id, rank, ALPHA, targets, seed if seed is not None else len(self.clients))
+        else:
+            if self.clients:
+                live = next(iter(self.clients))
+                raise ValueError(f"create_model: full-weight client {live!r} is live; unload it first")
+            self.engine.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=1, train_batch_size=1))
+        self.clients[model_id] = Client(rank)
 
     def remove(self, model_id: str) -> None:
-        self.adapters.pop(model_id, None)
+        if self.clients.pop(model_id, None) is None:
+            return
+        if self.bank is not None:
+            self.bank.remove(model_id)
+        else:
+            self.engine.destroy()
 
-    def _activate(self, ad: Adapter) -> None:
-        for name, mod in self.modules.items():
-            if name in ad.params:
-                mod.lora_A.weight, mod.lora_B.weight = ad.params[name]
-                mod.scaling = ALPHA / ad.rank
-            else:
-                mod.scaling = 0.0  # not a target of this client: the adapter path adds nothing
+    def _client(self, model_id: str) -> Client:
+        if model_id not in self.clients:
+            raise ValueError(f"model_id: {model_id!r} is not a live training client")
+        if self.bank is not None:
+            self.bank.activate(model_id)
+        return self.clients[model_id]
+
+    def _share(self, data: list[dict[str, torch.Tensor]], calls: list[int]) -> tuple[list[int], TensorDict]:
+        """This rank's datums (indices into ``data``) and their padded batch; a filler row when it has none."""
+        mine = list(range(self.rank, len(data), self.world))
+        if not mine:
+            filler = {"input_ids": torch.zeros(2, dtype=torch.long), "target_tokens": torch.zeros(2, dtype=torch.long)}
+            return [], padded_batch([filler], [FILLER])
+        return mine, padded_batch([data[i] for i in mine], [calls[i] for i in mine])
 
     # ------------------------------------------------------------------ steps
     def forward_backward(
         self, model_id: str, data: list[dict[str, torch.Tensor]], loss_fn: str, config: dict[str, float], backward: bool
     ) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
-        """Per-datum ``logprobs`` and ``elementwise_loss`` and the summed loss; grads accumulate if ``backward``."""
-        ad = self.adapters[model_id]
-        self._activate(ad)
-        outputs: list[dict[str, torch.Tensor]] = []
-        total = 0.0
-        with torch.set_grad_enabled(backward):
-            for datum in data:
-                ids = datum["input_ids"].to(self.device)[None]
-                logits = self.model(input_ids=ids, use_cache=False).logits[0]
-                logp = gather_logprobs(logits, datum["target_tokens"].to(self.device))
-                inputs = {k: v.to(self.device) for k, v in datum.items() if k not in ("input_ids", "target_tokens")}
-                per_token = tinker_loss(loss_fn, logp, inputs, config)
-                loss = per_token.sum()
-                if backward:
-                    loss.backward()
-                total += float(loss.detach())
-                outputs.append({"logprobs": logp.detach().cpu(), "elementwise_loss": per_token.detach().cpu()})
+        """Per-datum ``logprobs`` and ``elementwise_loss`` at the current weights and the summed loss (rank 0's);
+        with ``backward`` the datums wait for ``optim_step``, which computes their gradient at these same weights."""
+        client = self._client(model_id)
+        mine, batch = self._share(data, [0] * len(data))
+
+        def hook(logits: torch.Tensor, mb: TensorDict) -> torch.Tensor:
+            return gather_logprobs(logits, mb["target_tokens"])
+
+        logp = self.engine.forward(batch, post_hook=hook).float().cpu()
+        outputs: list[tuple[int, dict[str, torch.Tensor]]] = []
+        for row, i in enumerate(mine):
+            d, n = data[i], int(data[i]["input_ids"].numel())
+            inputs = {k: v for k, v in d.items() if k not in ("input_ids", "target_tokens")}
+            per_token = tinker_loss(loss_fn, logp[row, :n], inputs, config)
+            outputs.append((i, {"logprobs": logp[row, :n].clone(), "elementwise_loss": per_token.detach()}))
         if backward:
-            ad.pending += 1
-        return outputs, {"loss:sum": total}
+            client.pending.append(Pending(data, loss_fn, dict(config)))
+        ordered = [out for _, out in sorted(self._gather(outputs), key=lambda pair: pair[0])]
+        return ordered, {"loss:sum": float(sum(float(o["elementwise_loss"].sum()) for o in ordered))}
+
+    def _gather(self, items: list[Any]) -> list[Any]:
+        """Every rank's ``items`` concatenated on rank 0 (an empty list elsewhere)."""
+        if self.world == 1:
+            return items
+        parts: list[Any] = [None] * self.world if self.rank == 0 else []
+        dist.gather_object(items, parts if self.rank == 0 else None, dst=0, group=self.object_group)
+        return [x for part in parts for x in part]
 
     def optim_step(self, model_id: str, adam: dict[str, float]) -> dict[str, float]:
-        """One AdamW step with this call's parameters (Tinker sends them per step), then zero the grads."""
-        ad = self.adapters[model_id]
-        params = [p for ab in ad.params.values() for p in ab]
-        clip = float(adam.get("grad_clip_norm", 0.0))
-        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-        set_adam_params(ad.optimizer.param_groups, adam)
-        ad.optimizer.step()
-        ad.optimizer.zero_grad(set_to_none=True)
-        ad.steps += 1
-        ad.pending = 0
-        return {"grad_norm": float(norm), "step": float(ad.steps)}
+        """One engine ``train_batch`` over the kept datums with this call's Adam parameters."""
+        client = self._client(model_id)
+        if not client.pending:
+            raise ValueError("optim_step: no forward_backward since the last step (nothing to apply)")
+        pending, client.pending = client.pending, []
+        data = [d for p in pending for d in p.data]
+        _, batch = self._share(data, [c for c, p in enumerate(pending) for _ in p.data])
+        total = float(sum(int(d["input_ids"].numel()) for d in data))  # the engine's global weight
+        self._set_adam(adam)
+
+        def loss_fn(logits: torch.Tensor, mb: TensorDict) -> torch.Tensor:
+            logp = gather_logprobs(logits, mb["target_tokens"])
+            cu, loss = mb["cu_seqlens"].tolist(), logits.new_zeros((), dtype=torch.float32)
+            for row, call in enumerate(mb["tinker_call"].tolist()):
+                if call == FILLER:
+                    loss = loss + 0.0 * logp[cu[row] : cu[row + 1]].sum()
+                    continue
+                s, e = cu[row], cu[row + 1]
+                inputs = {k: mb[k][s:e] for k in LOSS_INPUTS if k in mb}
+                loss = loss + tinker_loss(pending[call].loss_fn, logp[s:e], inputs, pending[call].config).sum()
+            weight = _real_tokens(mb)
+            return loss * (total / weight) if weight > 0 else loss  # the engine weights it by weight / total
+
+        stats = self.engine.train_batch(batch, loss_fn, _real_tokens)
+        client.steps += 1
+        return {"grad_norm": float(stats["grad_norm"]), "step": float(client.steps)}
+
+    def _set_adam(self, adam: dict[str, Any]) -> None:
+        opt_cfg = self.engine.config.optimizer
+        assert opt_cfg is not None
+        opt_cfg.gradient_clipping = float(adam.get("grad_clip_norm", 0.0))
+        groups = self.engine.built_optimizer.param_groups
+        set_adam_params(groups, adam)
+        schedule = self.engine.lr_scheduler
+        if schedule is not None:  # the schedule (constant) must step the call's LR; megatron copies it into its groups
+            schedule.base_lrs = [groups[0]["lr"]] * len(schedule.base_lrs)
+            for group in schedule.optimizer.param_groups:
+                group["lr"] = groups[0]["lr"]
 
     # ------------------------------------------------------------------ checkpoints
-    def _tensors(self, ad: Adapter) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for name, (a, b) in ad.params.items():
-            out[f"base_model.model.{name}.lora_A.weight"] = a.detach().cpu()
-            out[f"base_model.model.{name}.lora_B.weight"] = b.detach().cpu()
-        return out
-
-    def save_adapter(self, model_id: str, path: str) -> None:
-        """The PEFT adapter directory vLLM loads (``tandemrl.engines.lora.write_adapter``)."""
-        ad = self.adapters[model_id]
-        write_adapter(path, self._tensors(ad), LoRAConfig(rank=ad.rank, alpha=ALPHA), self.model_dir)
+    def save_for_sampler(self, model_id: str, path: str) -> None:
+        """LoRA: the PEFT adapter directory vLLM loads. Full weights: the model as an HF safetensors directory."""
+        client = self._client(model_id)
+        if self.bank is None:
+            self.engine.save(SaveLoadMeta(path, weight_format="hf", tokenizer_path=self.model_dir))
+            return
+        tensors = self.bank.peft_tensors(model_id)
+        if self.rank == 0:
+            write_adapter(path, tensors, LoRAConfig(rank=client.rank, alpha=ALPHA), self.model_dir)
 
     def save_state(self, model_id: str, path: str) -> None:
-        """Adapter plus optimizer state (``load_state`` restores both)."""
-        self.save_adapter(model_id, path)
-        ad = self.adapters[model_id]
-        torch.save({"optimizer": ad.optimizer.state_dict(), "steps": ad.steps}, os.path.join(path, "optimizer.pt"))
+        """LoRA: the adapter plus its AdamW state and step count. Full weights: the engine's ``dcp`` checkpoint."""
+        client = self._client(model_id)
+        if self.bank is None:
+            self.engine.save(SaveLoadMeta(path, weight_format="dcp", with_optim=True))
+            return
+        self.save_for_sampler(model_id, path)
+        state = self.bank.optimizer_state(model_id)
+        if self.rank == 0:
+            torch.save({"optimizer": state, "steps": client.steps}, os.path.join(path, "optimizer.pt"))
 
     def load_state(self, model_id: str, path: str, optimizer: bool) -> None:
-        ad = self.adapters[model_id]
+        client = self._client(model_id)
+        if self.bank is None:
+            self.engine.load(SaveLoadMeta(path, weight_format="dcp", with_optim=optimizer))
+            return
         config, tensors = read_adapter(path)
-        if int(config["r"]) != ad.rank:
-            raise ValueError(f"load_weights: checkpoint rank {config['r']} != this model's rank {ad.rank}")
-        with torch.no_grad():
-            for name, (a, b) in ad.params.items():
-                a.copy_(tensors[f"{name}.lora_A.weight"])
-                b.copy_(tensors[f"{name}.lora_B.weight"])
+        if int(config["r"]) != client.rank:
+            raise ValueError(f"load_weights: checkpoint rank {config['r']} != this model's rank {client.rank}")
+        self.bank.load_tensors(model_id, tensors)
         opt_file = os.path.join(path, "optimizer.pt")
         if optimizer and os.path.isfile(opt_file):
-            state = torch.load(opt_file, weights_only=False)
-            ad.optimizer.load_state_dict(state["optimizer"])
-            ad.steps = int(state["steps"])
+            saved = torch.load(opt_file, weights_only=False)
+            self.bank.load_optimizer_state(model_id, saved["optimizer"])
+            client.steps = int(saved["steps"])

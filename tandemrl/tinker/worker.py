@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-_Item = tuple[int, str, Callable[[], Any], "asyncio.Future[Any]", asyncio.AbstractEventLoop]
+_Item = tuple[int, str, Callable[[], Any], "asyncio.Future[Any] | None", asyncio.AbstractEventLoop | None]
 
 
 class TrainWorker:
@@ -41,6 +41,9 @@ class TrainWorker:
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             call, name, fn, fut, loop = item
+            if fut is None or loop is None:  # the last call of close: no one waits for it
+                _run_last(name, fn)
+                continue
             if fut.done():  # cancelled while queued
                 continue
             logger.info("tinker-serve: call %d (%s) started", call, name)
@@ -54,11 +57,21 @@ class TrainWorker:
             except RuntimeError:  # the event loop is closed: the server stopped meanwhile
                 return
 
-    def close(self, wait_s: float) -> bool:
-        """Stop taking calls and wait up to ``wait_s`` for the running one; True if the thread is still busy."""
+    def close(self, wait_s: float, last: Callable[[], Any] | None = None) -> bool:
+        """Stop taking calls (``last`` runs after the calls queued) and wait up to ``wait_s`` for the running one;
+        True if the thread is still busy."""
+        if last is not None:
+            self._queue.put((0, "close", last, None, None))
         self._queue.put(None)
         self._thread.join(wait_s)
         return self._thread.is_alive()
+
+
+def _run_last(name: str, fn: Callable[[], Any]) -> None:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - nobody waits for it: log it
+        logger.warning("tinker-serve: %s failed: %s", name, e)
 
 
 def _settle(fut: asyncio.Future[Any], result: Any, err: BaseException | None) -> None:
