@@ -12,6 +12,7 @@ from __future__ import annotations
 
 TIERS: dict[str, str] = {
     # unit
+    "test_adapter_bank.py": "unit",
     "test_algorithms.py": "unit",
     "test_allocation_mode.py": "unit",
     "test_architecture_doc.py": "unit",
@@ -77,6 +78,7 @@ TIERS: dict[str, str] = {
     "test_distill_teacher.py": "integration",
     "test_docs.py": "integration",
     "test_dry_run.py": "integration",
+    "test_engine_accumulate.py": "integration",
     "test_fsdp_engine.py": "integration",
     "test_http_keepalive.py": "integration",
     "test_lora.py": "integration",

@@ -7,8 +7,9 @@ gradient, hence a zero AdamW update), so the padded adapter computes exactly the
 Modules an adapter does not target hold zeros for it and get scaling 0.
 
 ``activate(name)`` copies the adapter's tensors into the modules (this rank's shard, under FSDP2),
-sets each module's ``scaling`` and puts the adapter's AdamW state into the engine's optimizer; the
-adapter that was active keeps what it trained. Activating the active adapter again copies nothing.
+sets each module's ``scaling`` and puts the adapter's AdamW state and its accumulated gradients into
+the engine's optimizer and parameters; the adapter that was active keeps what it trained and the
+gradients it has not stepped on yet. Activating the active adapter again copies nothing.
 Every method is collective where the engine's parameters are sharded (``DTensor``): under
 torchrun each rank calls it with the same arguments.
 """
@@ -52,6 +53,7 @@ class Adapter:
     targets: tuple[str, ...]  # module names (e.g. ``q_proj``) it adapts
     local: Tensors  # parameter name -> this rank's part, padded to the bank's rank
     optim: dict[str, dict[str, Any]] = field(default_factory=dict)  # parameter name -> AdamW state
+    grads: dict[str, torch.Tensor | None] = field(default_factory=dict)  # gradients waiting for its step
 
 
 class AdapterBank:
@@ -108,9 +110,11 @@ class AdapterBank:
                 for n, p in self.params.items():
                     out.local[n].copy_(_local(p))
                     out.optim[n] = state.pop(p, {})
+                    out.grads[n] = p.grad
             for n, p in self.params.items():
                 _local(p).copy_(ad.local[n])
                 state[p] = ad.optim.get(n, {})
+                p.grad = ad.grads.pop(n, None)
         for mod_name, mod in self.modules.items():
             mod.scaling = ad.scaling if mod_name.rsplit(".", 1)[-1] in ad.targets else 0.0
         self.active = name

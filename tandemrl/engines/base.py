@@ -405,6 +405,40 @@ class BaseTrainEngine(TrainBackend):
         stats_tracker.scalar(**stats, skipped_empty=0.0, skipped_nonfinite=float(not stepped))
         return stats
 
+    def accumulate_gradients(
+        self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn, total_weight: float
+    ) -> float:
+        """Forward and backward of ``batch`` with no optimizer step: the gradient adds to what earlier calls left,
+        and :meth:`apply_gradients` steps on the sum (Tinker's ``forward_backward`` then ``optim_step``).
+
+        Each micro-batch's loss is weighted by ``loss_weight_fn(mb) / total_weight``, ``total_weight`` being the
+        weight of this call's whole batch over every DP rank (the caller knows it: no collective asks).
+        Returns this rank's ``sum(loss * weight)``.
+        """
+        self._require_trainable("accumulate_gradients")
+        if total_weight <= 0:
+            raise ValueError(f"accumulate_gradients: total_weight must be > 0, got {total_weight}")
+        self.train()
+        mbs = self._split(batch)
+        weights = self._weights(mbs, loss_weight_fn)
+        with stats_tracker.record_timing("fwd_bwd"):
+            loss_sum = self._train_micro_batches(mbs, weights, self.data_parallel_world_size / total_weight, loss_fn)
+            self._sync_device()
+        return loss_sum
+
+    def apply_gradients(self) -> dict[str, float]:
+        """One optimizer step on the gradient :meth:`accumulate_gradients` left (then zeroed), then the LR schedule
+        advances one step; ``grad_norm``, ``update_successful`` and ``lr``."""
+        self._require_trainable("apply_gradients")
+        assert self.optimizer is not None
+        with stats_tracker.record_timing("optimizer_step"):
+            grad_norm, stepped = self._optimizer_step()
+        lr = self.optimizer.param_groups[0]["lr"]
+        if not stepped:
+            logger.warning("apply_gradients: optimizer step skipped: gradient norm %s is not finite", grad_norm)
+        self._advance_lr_schedule()
+        return {"grad_norm": grad_norm, "update_successful": float(stepped), "lr": lr}
+
     @torch.no_grad()
     def eval_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> torch.Tensor:
         self._require_initialized("eval_batch")

@@ -5,13 +5,13 @@ largest rank served on every attention and MLP linear; each training client is a
 ``tandemrl.engines.adapter_bank`` with its own tensors and AdamW state. ``--full-weight BACKEND``:
 one client at a time trains every weight on a fresh ``fsdp``, ``deepspeed`` or ``megatron`` engine.
 
-A Tinker ``forward_backward`` runs the engine's ``forward`` for its outputs (per-target logprobs
-and the per-token loss) and keeps its datums; the next ``optim_step`` runs one ``train_batch`` over
-every datum kept since the last step (forward, backward, one optimizer step) with that call's Adam
-parameters. So the gradient is the one Tinker accumulates (the weights do not change between a
-client's ``forward_backward`` and its ``optim_step``) and the loss is the plain sum over tokens and
-datums: each micro-batch's summed loss is rescaled so that the engine's token weighting
-(``weight / global weight``, averaged over data-parallel ranks) comes out as that sum.
+A Tinker ``forward_backward`` is one forward and backward on the engine
+(``accumulate_gradients``): its outputs (per-target logprobs, the per-token loss) come from that
+forward and its gradient adds to the client's; ``optim_step`` is one AdamW step on the sum
+(``apply_gradients``) with that call's Adam parameters. A ``forward`` (no backward) runs the
+engine's ``forward``. The loss is the plain sum over tokens and datums: each micro-batch's summed
+loss is rescaled so that the engine's token weighting (``weight / the call's total weight``,
+averaged over data-parallel ranks) comes out as that sum.
 
 Under torchrun every rank makes each call with the same arguments (``tandemrl.tinker.ranks``): the
 datums are split over the data-parallel ranks, each trains on its share, and rank 0 gathers the
@@ -21,7 +21,7 @@ outputs. A rank with no datum runs one zero-weight filler row to keep the collec
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -68,23 +68,15 @@ def check_backend(backend: str) -> None:
 
 
 @dataclass
-class Pending:
-    """The datums of one ``forward_backward`` call waiting for ``optim_step``."""
-
-    data: list[dict[str, torch.Tensor]]
-    loss_fn: str
-    config: dict[str, float]
-
-
-@dataclass
 class Client:
     rank: int  # LoRA rank; 0 for the full-weight client
     steps: int = 0
-    pending: list[Pending] = field(default_factory=list)
+    pending: int = 0  # forward_backward calls whose gradient waits for optim_step
 
 
 def padded_batch(data: list[dict[str, torch.Tensor]], calls: list[int]) -> TensorDict:
-    """The engine's padded batch: ``input_ids``, ``attention_mask``, every loss input per token, the call index."""
+    """The engine's padded batch: ``input_ids``, ``attention_mask``, every loss input per token, and per row
+    ``tinker_call``: the datum's index in its call (``FILLER`` for a filler row)."""
     lens = [int(d["input_ids"].numel()) for d in data]
     width = max(lens)
     keys = sorted({k for d in data for k in d if k != "input_ids"})
@@ -179,22 +171,42 @@ class EngineTrainer:
         self, model_id: str, data: list[dict[str, torch.Tensor]], loss_fn: str, config: dict[str, float], backward: bool
     ) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
         """Per-datum ``logprobs`` and ``elementwise_loss`` at the current weights and the summed loss (rank 0's);
-        with ``backward`` the datums wait for ``optim_step``, which computes their gradient at these same weights."""
+        with ``backward`` the same forward's gradient adds to the client's, for its next ``optim_step``."""
         client = self._client(model_id)
-        mine, batch = self._share(data, [0] * len(data))
-
-        def hook(logits: torch.Tensor, mb: TensorDict) -> torch.Tensor:
-            return gather_logprobs(logits, mb["target_tokens"])
-
-        logp = self.engine.forward(batch, post_hook=hook).float().cpu()
-        outputs: list[tuple[int, dict[str, torch.Tensor]]] = []
-        for row, i in enumerate(mine):
-            d, n = data[i], int(data[i]["input_ids"].numel())
-            inputs = {k: v for k, v in d.items() if k not in ("input_ids", "target_tokens")}
-            per_token = tinker_loss(loss_fn, logp[row, :n], inputs, config)
-            outputs.append((i, {"logprobs": logp[row, :n].clone(), "elementwise_loss": per_token.detach()}))
+        mine, batch = self._share(data, list(range(len(data))))
+        logps: dict[int, torch.Tensor] = {}
         if backward:
-            client.pending.append(Pending(data, loss_fn, dict(config)))
+            total = float(sum(int(d["input_ids"].numel()) for d in data))  # the batch's weight on every rank
+
+            def loss_of(logits: torch.Tensor, mb: TensorDict) -> torch.Tensor:
+                logp = gather_logprobs(logits, mb["target_tokens"])
+                cu, loss = mb["cu_seqlens"].tolist(), logits.new_zeros((), dtype=torch.float32)
+                for row, i in enumerate(mb["tinker_call"].tolist()):
+                    s, e = cu[row], cu[row + 1]
+                    if i == FILLER:
+                        loss = loss + 0.0 * logp[s:e].sum()
+                        continue
+                    logps[i] = logp[s:e].detach().float().cpu()
+                    inputs = {k: mb[k][s:e] for k in LOSS_INPUTS if k in mb}
+                    loss = loss + tinker_loss(loss_fn, logp[s:e], inputs, config).sum()
+                weight = _real_tokens(mb)
+                return loss * (total / weight) if weight > 0 else loss  # the engine weights it by weight / total
+
+            self.engine.accumulate_gradients(batch, loss_of, _real_tokens, total)
+            client.pending += 1
+        else:
+
+            def hook(logits: torch.Tensor, mb: TensorDict) -> torch.Tensor:
+                return gather_logprobs(logits, mb["target_tokens"])
+
+            padded = self.engine.forward(batch, post_hook=hook).float().cpu()
+            logps = {i: padded[row, : int(data[i]["input_ids"].numel())] for row, i in enumerate(mine)}
+        outputs: list[tuple[int, dict[str, torch.Tensor]]] = []
+        for i in mine:
+            inputs = {k: v for k, v in data[i].items() if k not in ("input_ids", "target_tokens")}
+            with torch.no_grad():
+                per_token = tinker_loss(loss_fn, logps[i], inputs, config)
+            outputs.append((i, {"logprobs": logps[i].clone(), "elementwise_loss": per_token.detach()}))
         ordered = [out for _, out in sorted(self._gather(outputs), key=lambda pair: pair[0])]
         return ordered, {"loss:sum": float(sum(float(o["elementwise_loss"].sum()) for o in ordered))}
 
@@ -207,30 +219,14 @@ class EngineTrainer:
         return [x for part in parts for x in part]
 
     def optim_step(self, model_id: str, adam: dict[str, float]) -> dict[str, float]:
-        """One engine ``train_batch`` over the kept datums with this call's Adam parameters."""
+        """One AdamW step with this call's parameters on the gradient of the ``forward_backward`` calls since the
+        last step."""
         client = self._client(model_id)
         if not client.pending:
             raise ValueError("optim_step: no forward_backward since the last step (nothing to apply)")
-        pending, client.pending = client.pending, []
-        data = [d for p in pending for d in p.data]
-        _, batch = self._share(data, [c for c, p in enumerate(pending) for _ in p.data])
-        total = float(sum(int(d["input_ids"].numel()) for d in data))  # the engine's global weight
         self._set_adam(adam)
-
-        def loss_fn(logits: torch.Tensor, mb: TensorDict) -> torch.Tensor:
-            logp = gather_logprobs(logits, mb["target_tokens"])
-            cu, loss = mb["cu_seqlens"].tolist(), logits.new_zeros((), dtype=torch.float32)
-            for row, call in enumerate(mb["tinker_call"].tolist()):
-                if call == FILLER:
-                    loss = loss + 0.0 * logp[cu[row] : cu[row + 1]].sum()
-                    continue
-                s, e = cu[row], cu[row + 1]
-                inputs = {k: mb[k][s:e] for k in LOSS_INPUTS if k in mb}
-                loss = loss + tinker_loss(pending[call].loss_fn, logp[s:e], inputs, pending[call].config).sum()
-            weight = _real_tokens(mb)
-            return loss * (total / weight) if weight > 0 else loss  # the engine weights it by weight / total
-
-        stats = self.engine.train_batch(batch, loss_fn, _real_tokens)
+        stats = self.engine.apply_gradients()
+        client.pending = 0
         client.steps += 1
         return {"grad_norm": float(stats["grad_norm"]), "step": float(client.steps)}
 
