@@ -29,6 +29,9 @@ def test_config_becomes_the_serve_command_line() -> None:
     assert argv[argv.index("--max-adapters") + 1] == "2"
     assert argv[argv.index("--out") + 1] == "/r/logs/tandemrl/t/ckpt"
     assert "--full-weight" not in argv
+    assert argv[argv.index("--compute-dtype") + 1] == "float32"
+    bf16 = serve_argv(_config("tinker.compute_dtype=bfloat16"), "127.0.0.1:9")
+    assert bf16[bf16.index("--compute-dtype") + 1] == "bfloat16"
     assert serve_argv(_config("allocation_mode=vllm:d1+fsdp:d2"), "127.0.0.1:9")[:2] == ["--model", "tiny:qwen2"]
     full = serve_argv(_config("tinker.full_weight=true", "allocation_mode=vllm:d1+deepspeed:d1"), "127.0.0.1:9")
     assert full[full.index("--full-weight") + 1] == "deepspeed"

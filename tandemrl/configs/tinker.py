@@ -31,6 +31,13 @@ class TinkerSection:
             "(fsdp, deepspeed or megatron; data parallel) instead of LoRA adapters (which train on fsdp)."
         },
     )
+    compute_dtype: str = field(
+        default="float32",
+        metadata={
+            "help": "dtype of the training forward and backward; weights, AdamW state and logprobs stay fp32.",
+            "choices": ["float32", "bfloat16"],
+        },
+    )
     max_lora_rank: int = field(default=8, metadata={"help": "Largest adapter rank a client may ask for.", "min": 1})
     max_adapters: int = field(default=4, metadata={"help": "Most live LoRA training clients.", "min": 1})
     out: str = field(default="", metadata={"help": "Checkpoint directory (empty: the run directory's ckpt/)."})

@@ -39,7 +39,7 @@ def serve_argv(config: TinkerServeConfig, addrs: str) -> list[str]:
     run_dir = os.path.join(config.cluster.fileroot, "logs", config.experiment_name, config.trial_name)
     argv = ["--model", config.model.path, "--vllm-addr", servers[0], "--host", t.host, "--port", str(t.port)]
     argv += ["--max-lora-rank", str(t.max_lora_rank), "--max-adapters", str(t.max_adapters)]
-    argv += ["--out", t.out or os.path.join(run_dir, "ckpt")]
+    argv += ["--out", t.out or os.path.join(run_dir, "ckpt"), "--compute-dtype", t.compute_dtype]
     for flag, value in (("--model-name", t.model_name), ("--api-key", t.api_key), ("--key-file", t.key_file)):
         if value:
             argv += [flag, value]

@@ -64,6 +64,13 @@ def _args(argv: list[str]) -> argparse.Namespace:
         help="train all weights (one client at a time) on this engine instead of LoRA adapters: fsdp, deepspeed "
         "(ZeRO-2) or megatron (tensor and pipeline parallel 1); data parallel over the torchrun world",
     )
+    p.add_argument(
+        "--compute-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="dtype of the training forward and backward (weights, AdamW state and logprobs stay fp32); bfloat16 "
+        "ran an example iteration in 42 s vs 47 s on 2 CPU cores (docs/tinker.md)",
+    )
     p.add_argument("--vllm-log", default="", help="log file of the vLLM server it starts")
     p.add_argument(
         "--serve",
@@ -157,7 +164,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.full_weight:
             check_backend(args.full_weight)
         model_dir = resolve_model_path(args.model, "--model")
-        trainer = EngineTrainer(model_dir, args.max_lora_rank, args.full_weight)  # every rank
+        compute = None if args.compute_dtype == "float32" else args.compute_dtype
+        trainer = EngineTrainer(model_dir, args.max_lora_rank, args.full_weight, compute)  # every rank
         if trainer.rank != 0:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a follower blocks in a collective: die at once
             follow(trainer)
