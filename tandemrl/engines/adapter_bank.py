@@ -139,13 +139,7 @@ class AdapterBank:
             for n, p in self.params.items():
                 if n not in tensors:
                     continue
-                full = torch.zeros(p.shape)
-                src = tensors[n]
-                if n.endswith("lora_A.weight"):
-                    full[: src.shape[0]] = src
-                else:
-                    full[:, : src.shape[1]] = src
-                _local(p).copy_(_shard_of(p, full))
+                _local(p).copy_(_shard_of(p, _padded(n, tensors[n], p.shape)))
 
     def optimizer_state(self, name: str) -> dict[str, dict[str, torch.Tensor]]:
         """The adapter's AdamW state as whole tensors at its rank (empty before its first step)."""
@@ -167,12 +161,7 @@ class AdapterBank:
                 if v.dim() == 0:
                     entry[k] = v.clone()
                     continue
-                full = torch.zeros(p.shape, dtype=v.dtype)
-                if n.endswith("lora_A.weight"):
-                    full[: v.shape[0]] = v
-                else:
-                    full[:, : v.shape[1]] = v
-                shard = _shard_of(p, full).to(v.dtype)
+                shard = _shard_of(p, _padded(n, v, p.shape)).to(v.dtype)
                 if isinstance(p, DTensor):
                     shard = DTensor.from_local(shard, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
                 entry[k] = shard
@@ -180,4 +169,15 @@ class AdapterBank:
 
 
 def _padded_slice(name: str, t: torch.Tensor, rank: int) -> torch.Tensor:
+    """The first ``rank`` rows of an A-shaped tensor, columns of a B-shaped one (the inverse of ``_padded``)."""
     return (t[:rank] if name.endswith("lora_A.weight") else t[:, :rank]).contiguous()
+
+
+def _padded(name: str, t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``t`` (an A- or B-shaped tensor at its own rank) in zeros of the bank's ``shape``."""
+    full = torch.zeros(shape, dtype=t.dtype)
+    if name.endswith("lora_A.weight"):
+        full[: t.shape[0]] = t
+    else:
+        full[:, : t.shape[1]] = t
+    return full

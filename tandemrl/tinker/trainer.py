@@ -175,6 +175,7 @@ class EngineTrainer:
         client = self._client(model_id)
         mine, batch = self._share(data, list(range(len(data))))
         logps: dict[int, torch.Tensor] = {}
+        losses: dict[int, torch.Tensor] = {}  # per-token losses the backward's forward computed already
         if backward:
             total = float(sum(int(d["input_ids"].numel()) for d in data))  # the batch's weight on every rank
 
@@ -186,9 +187,10 @@ class EngineTrainer:
                     if i == FILLER:
                         loss = loss + 0.0 * logp[s:e].sum()
                         continue
-                    logps[i] = logp[s:e].detach().float().cpu()
                     inputs = {k: mb[k][s:e] for k in LOSS_INPUTS if k in mb}
-                    loss = loss + tinker_loss(loss_fn, logp[s:e], inputs, config).sum()
+                    per_token = tinker_loss(loss_fn, logp[s:e], inputs, config)
+                    logps[i], losses[i] = logp[s:e].detach().float().cpu(), per_token.detach().float().cpu()
+                    loss = loss + per_token.sum()
                 weight = _real_tokens(mb)
                 return loss * (total / weight) if weight > 0 else loss  # the engine weights it by weight / total
 
@@ -203,10 +205,10 @@ class EngineTrainer:
             logps = {i: padded[row, : int(data[i]["input_ids"].numel())] for row, i in enumerate(mine)}
         outputs: list[tuple[int, dict[str, torch.Tensor]]] = []
         for i in mine:
-            inputs = {k: v for k, v in data[i].items() if k not in ("input_ids", "target_tokens")}
-            with torch.no_grad():
-                per_token = tinker_loss(loss_fn, logps[i], inputs, config)
-            outputs.append((i, {"logprobs": logps[i].clone(), "elementwise_loss": per_token.detach()}))
+            if i not in losses:
+                inputs = {k: v for k, v in data[i].items() if k not in ("input_ids", "target_tokens")}
+                losses[i] = tinker_loss(loss_fn, logps[i], inputs, config).detach()
+            outputs.append((i, {"logprobs": logps[i].clone(), "elementwise_loss": losses[i]}))
         ordered = [out for _, out in sorted(self._gather(outputs), key=lambda pair: pair[0])]
         return ordered, {"loss:sum": float(sum(float(o["elementwise_loss"].sum()) for o in ordered))}
 
