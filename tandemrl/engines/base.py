@@ -439,6 +439,27 @@ class BaseTrainEngine(TrainBackend):
         self._advance_lr_schedule()
         return {"grad_norm": grad_norm, "update_successful": float(stepped), "lr": lr}
 
+    def set_optimizer_params(
+        self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float, gradient_clipping: float
+    ) -> None:
+        """AdamW's parameters for the next steps (a caller that sends them with every step, as the Tinker API does):
+        every parameter group's, the gradient-clipping norm (0: none), and a constant schedule at ``lr``."""
+        self._require_trainable("set_optimizer_params")
+        assert self.optimizer is not None and self.config.optimizer is not None
+        self.config.optimizer.gradient_clipping = float(gradient_clipping)
+        groups = self.optimizer.param_groups
+        for group in groups:
+            group.update(lr=float(lr), betas=(float(betas[0]), float(betas[1])), eps=float(eps))
+            group["weight_decay"] = float(weight_decay)
+        schedule = self.lr_scheduler
+        if isinstance(schedule, torch.optim.lr_scheduler.LambdaLR):  # megatron's holds a parameter group of its own
+            schedule.base_lrs = [float(lr)] * len(schedule.base_lrs)
+            schedule.lr_lambdas = [lambda _step: 1.0 for _ in schedule.lr_lambdas]
+            for group in schedule.optimizer.param_groups:
+                group["lr"] = float(lr)
+        elif schedule is not None:
+            raise TypeError(f"set_optimizer_params: cannot hold the LR of a {type(schedule).__name__} schedule")
+
     @torch.no_grad()
     def eval_batch(self, batch: TensorDict, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> torch.Tensor:
         self._require_initialized("eval_batch")

@@ -47,15 +47,6 @@ FILLER = -1  # the ``tinker_call`` of a rank's filler row
 MAX_TOKENS_PER_MB = 1024
 
 
-def set_adam_params(param_groups: list[dict[str, Any]], adam: dict[str, Any]) -> None:
-    """One ``optim_step``'s Adam parameters (Tinker sends them with every step), with the SDK's defaults."""
-    for group in param_groups:
-        group["lr"] = float(adam.get("learning_rate", 1e-4))
-        group["betas"] = (float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95)))
-        group["eps"] = float(adam.get("eps", 1e-12))
-        group["weight_decay"] = float(adam.get("weight_decay", 0.0))
-
-
 def targets_of(train_attn: bool, train_mlp: bool) -> tuple[str, ...]:
     targets = (ATTN if train_attn else ()) + (MLP if train_mlp else ())
     if not targets:
@@ -238,16 +229,14 @@ class EngineTrainer:
         return {"grad_norm": float(stats["grad_norm"]), "step": float(client.steps)}
 
     def _set_adam(self, adam: dict[str, Any]) -> None:
-        opt_cfg = self.engine.config.optimizer
-        assert opt_cfg is not None
-        opt_cfg.gradient_clipping = float(adam.get("grad_clip_norm", 0.0))
-        groups = self.engine.built_optimizer.param_groups
-        set_adam_params(groups, adam)
-        schedule = self.engine.lr_scheduler
-        if schedule is not None:  # the schedule (constant) must step the call's LR; megatron copies it into its groups
-            schedule.base_lrs = [groups[0]["lr"]] * len(schedule.base_lrs)
-            for group in schedule.optimizer.param_groups:
-                group["lr"] = groups[0]["lr"]
+        """One ``optim_step``'s Adam parameters (Tinker sends them with every step), with the SDK's defaults."""
+        self.engine.set_optimizer_params(
+            lr=float(adam.get("learning_rate", 1e-4)),
+            betas=(float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95))),
+            eps=float(adam.get("eps", 1e-12)),
+            weight_decay=float(adam.get("weight_decay", 0.0)),
+            gradient_clipping=float(adam.get("grad_clip_norm", 0.0)),
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def save_for_sampler(self, model_id: str, path: str) -> None:
