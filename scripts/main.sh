@@ -6,14 +6,17 @@
 # before and after with the paired McNemar test). No network at run time. Extra args are config overrides.
 # --gsm8k: the GSM8K reference job instead (examples/gsm8k_grpo_smollm2.yaml, the local GSM8K copy).
 # --quick: the GSM8K job on a tiny random model (examples/gsm8k_grpo.yaml), a ~2-minute smoke run.
+# --reasoning-gym: the same model on a mix of reasoning-gym tasks scored by their own verifiers
+#   (examples/reasoning_gym_grpo_smollm2.yaml; the rows are generated into runs/data/reasoning_gym on first use).
 # --verbose: keep every library progress bar and warning (quiet by default).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 job=arith
-while [[ "${1:-}" == --quick || "${1:-}" == --gsm8k || "${1:-}" == --verbose ]]; do
+while [[ "${1:-}" == --quick || "${1:-}" == --gsm8k || "${1:-}" == --reasoning-gym || "${1:-}" == --verbose ]]; do
   case "$1" in
     --quick) job=quick ;;
     --gsm8k) job=gsm8k ;;
+    --reasoning-gym) job=reasoning_gym ;;
     --verbose) export TANDEMRL_VERBOSE=1 ;;  # library progress bars and warnings back on (tandemrl/utils/quiet.py)
   esac
   shift
@@ -29,6 +32,9 @@ case "$job" in
     [[ -f "$data/test.jsonl" ]] || .venv/bin/python -m tandemrl.data.arith --out "$data" --difficulty 1 ;;
   gsm8k) config=examples/gsm8k_grpo_smollm2.yaml; data="${TANDEMRL_GSM8K:-$root/../shared/data/gsm8k}" ;;
   quick) config=examples/gsm8k_grpo.yaml; data="${TANDEMRL_GSM8K:-$root/../shared/data/gsm8k}" ;;
+  reasoning_gym)
+    exec .venv/bin/python -m tandemrl.launchers.local examples/reasoning_gym_grpo.py \
+      --config examples/reasoning_gym_grpo_smollm2.yaml train_dataset.path="$root/runs/data/reasoning_gym" "$@" ;;
 esac
 exec .venv/bin/python -m tandemrl.launchers.local examples/gsm8k_grpo.py \
   --config "$config" train_dataset.path="$data" "$@"

@@ -341,6 +341,10 @@ def test_sft_multirun_sweep_makes_separate_trials(tiny_model_dir: str, gsm8k_dir
             "'async_training' in the schema defaults must be false when allocation_mode",
         ),
         ("allocation_mode='vllm[gen]:d1+vllm[judge]:d1+fsdp[actor]:d1'", "'aux_servers.judge.path' is not set"),
+        (
+            "train_dataset.reasoning_gym.tasks=[chain_summ]",
+            "train_dataset.reasoning_gym.tasks[0].name: 'chain_summ' is not a reasoning-gym task (close: chain_sum",
+        ),
     ],
 )
 def test_bad_input_fails_before_any_process(override: str, expected: str, tmp_path: Path) -> None:

@@ -23,17 +23,30 @@ if TYPE_CHECKING:
 REQUIRED_FIELDS = ("question", "answer")
 
 
-def user_messages(question: str) -> list[dict[str, str]]:
-    """The chat a GSM8K question becomes: a single user turn."""
-    return [{"role": "user", "content": question}]
+# A row may also carry a ``system`` prompt (its chat starts with it) and any other fields, which RL prompts keep:
+# the workflow hands them to the reward as keyword arguments (e.g. ``reasoning_gym``, tandemrl.data.reasoning_gym).
+SYSTEM_FIELD = "system"
 
 
-def render_prompts(tokenizer: Any, questions: list[str]) -> list[list[int]]:
-    """Token ids of each question as a chat prompt ending with the assistant header."""
+def user_messages(question: str, system: str | None = None) -> list[dict[str, str]]:
+    """The chat a question becomes: a single user turn, after a system turn if ``system`` is non-empty."""
+    head = [{"role": "system", "content": system}] if system else []
+    return [*head, {"role": "user", "content": question}]
+
+
+def render_prompts(tokenizer: Any, questions: list[str], systems: list[str | None] | None = None) -> list[list[int]]:
+    """Token ids of each question (after its system prompt, if any) as a chat prompt ending with the assistant
+    header."""
+    systems = systems if systems is not None else [None] * len(questions)
     texts = [
-        tokenizer.apply_chat_template(user_messages(q), tokenize=False, add_generation_prompt=True) for q in questions
+        tokenizer.apply_chat_template(user_messages(q, s), tokenize=False, add_generation_prompt=True)
+        for q, s in zip(questions, systems, strict=True)
     ]
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def _systems(batch: dict[str, list[Any]]) -> list[str | None]:
+    return list(batch[SYSTEM_FIELD]) if SYSTEM_FIELD in batch else [None] * len(batch["question"])
 
 
 def _load_valid(path: str, split: str, max_samples: int | None) -> tuple[Dataset, str]:
@@ -71,7 +84,7 @@ def get_gsm8k_sft_dataset(
     ds, source = _load_valid(path, split, max_samples)
 
     def process(batch: dict[str, list[Any]]) -> dict[str, list[list[int]]]:
-        prompts = render_prompts(tokenizer, batch["question"])
+        prompts = render_prompts(tokenizer, batch["question"], _systems(batch))
         answers = tokenizer(batch["answer"], add_special_tokens=False)["input_ids"]
         input_ids = [p + a + [eos] for p, a in zip(prompts, answers, strict=True)]
         loss_mask = [[0] * len(p) + [1] * (len(a) + 1) for p, a in zip(prompts, answers, strict=True)]
@@ -94,21 +107,24 @@ def get_gsm8k_rl_dataset(
     on_too_long: str = "drop",
     context_length: int | None = None,
 ) -> Dataset:
-    """Prompts {id, messages, question, answer}; ``id`` is the 0-based row of the split, identical on
-    every rank and run. The templated prompt's tokens are bounded by ``max_length`` and
+    """Prompts {id, messages, question, answer, and the row's other fields}; ``id`` is the 0-based row of the
+    split, identical on every rank and run. The templated prompt's tokens are bounded by ``max_length`` and
     ``context_length`` (over: dropped or refused, by ``on_too_long``)."""
     limit = length_limit(max_length, context_length)
     ds, source = _load_valid(path, split, max_samples)
+    for name in ("id", "messages"):
+        if name in ds.column_names:
+            raise ValueError(f"{source}: rows have a field {name!r}, which the RL prompt sets itself; rename it")
 
     def process(batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
+        systems = _systems(batch)
         return {
             "id": list(indices),
-            "messages": [user_messages(q) for q in batch["question"]],
-            "question": list(batch["question"]),
-            "answer": list(batch["answer"]),
+            "messages": [user_messages(q, s) for q, s in zip(batch["question"], systems, strict=True)],
         }
 
-    ds = ds.map(process, batched=True, with_indices=True, remove_columns=ds.column_names, keep_in_memory=True)
-    lengths = [len(p) for p in render_prompts(tokenizer, ds["question"])] if limit is not None else []
+    ds = ds.map(process, batched=True, with_indices=True, keep_in_memory=True)
+    systems = ds[SYSTEM_FIELD] if SYSTEM_FIELD in ds.column_names else None
+    lengths = [len(p) for p in render_prompts(tokenizer, ds["question"], systems)] if limit is not None else []
     ds = enforce_length_limit(ds, lengths, limit, on_too_long, source, rank=rank, split=split)
     return shard_for_rank(_nonempty(ds, source, limit), rank, world_size, source)

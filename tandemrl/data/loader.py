@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tandemrl.data import gsm8k
+from tandemrl.data.reasoning_gym import ensure_written
 from tandemrl.data.rows import DATASET_TYPES, _local_split_file, scan_jsonl, tokenizer_context
 
 if TYPE_CHECKING:
@@ -112,6 +113,7 @@ def dataset_from_config(
     handled like those over ``max_length``. None falls back to the tokenizer's ``model_max_length``.
     Builders that do not take ``on_too_long``/``context_length`` are called without them.
     """
+    ensure_written(config, "dataset")  # reasoning-gym rows, if the config generates them and no one has yet
     fn = resolve_dataset_fn(config.path, config.type)
     context = context_length if context_length is not None else tokenizer_context(tokenizer)
     options = _accepted(fn, {"on_too_long": config.on_too_long, "context_length": context})

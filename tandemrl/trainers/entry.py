@@ -20,6 +20,7 @@ from tandemrl.configs.data import DatasetConfig
 from tandemrl.configs.experiment import keep_allocation, parsed_allocation
 from tandemrl.configs.loader import ConfigError, read_config
 from tandemrl.data.loader import check_dataset_inputs
+from tandemrl.data.reasoning_gym import ensure_written
 from tandemrl.engines.registry import SHAPES as TRAINING_SHAPES
 from tandemrl.inference.registry import SHAPES as INFERENCE_SHAPES
 from tandemrl.models.hf import check_tokenizer_dir
@@ -79,7 +80,8 @@ def _check_servers(config: Any) -> None:
 
 
 def check_inputs(config: Any) -> None:
-    """Model paths and dataset files the config points to; raises one line naming the key or file."""
+    """Model paths and dataset files the config points to; raises one line naming the key or file. Datasets the
+    config generates (``reasoning_gym.tasks``) are written to their path here."""
     _check_servers(config)
     for key in _ENGINE_KEYS:
         path = getattr(_at(config, key), "path", None)
@@ -94,6 +96,7 @@ def check_inputs(config: Any) -> None:
     for key in _DATASET_KEYS:
         ds = getattr(config, key, None)
         if isinstance(ds, DatasetConfig):
+            ensure_written(ds, key)  # reasoning-gym rows: generated here, before any process starts
             try:
                 check_dataset_inputs(ds)
             except FileNotFoundError as err:

@@ -2,7 +2,8 @@
 
 ``evaluate_gsm8k(client_or_url, tokenizer, rows)`` sends one greedy request per row (all in
 flight at once, or ``concurrency`` at a time), decodes each completion as the RLVR workflow
-does, and scores it with the GSM8K training reward (``tandemrl.rewards.gsm8k``). Rows are
+does, and scores it with the GSM8K training reward (``tandemrl.rewards.gsm8k``), or a reasoning-gym row
+with its task's verifier (``tandemrl.rewards.reasoning_gym``). Rows are
 those of ``tandemrl.data.gsm8k.get_gsm8k_rl_dataset`` (``id``, ``messages``, ``answer``); the
 prompt is built as in training (``chat_prompt_ids``), or is the bare question with
 ``chat_template=False``. A running trainer passes its own client; a script passes a server's
@@ -22,6 +23,7 @@ from tandemrl.api.generation import GenerationHyperparameters
 from tandemrl.api.inference import ModelRequest
 from tandemrl.api.workflow import GenerationClient
 from tandemrl.rewards.gsm8k import extract_final_answer, extract_reference_answer, gsm8k_reward_fn
+from tandemrl.rewards.reasoning_gym import score_entry
 from tandemrl.workflows.rlvr import chat_prompt_ids
 
 if TYPE_CHECKING:
@@ -120,8 +122,14 @@ def mcnemar_exact_p(b: int, c: int) -> float:
     return min(1.0, 2.0 * tail)
 
 
-def score_completion(index: int, completion: str, answer: str) -> QuestionResult:
-    """Score one completion against a GSM8K reference ``answer`` with the training reward."""
+def score_completion(
+    index: int, completion: str, answer: str, reasoning_gym: str | None = None, answer_format: str = "tag"
+) -> QuestionResult:
+    """Score one completion with the training reward: against a GSM8K reference ``answer``, or for a reasoning-gym
+    row (its ``reasoning_gym`` entry) by its task's verifier, correct at full score."""
+    if reasoning_gym:
+        score, extracted = score_entry(completion, reasoning_gym, answer_format)
+        return QuestionResult(index, completion, extracted, answer, correct=score == 1.0)
     reward = gsm8k_reward_fn(None, completion, None, None, answer=answer)
     return QuestionResult(
         index=index,
@@ -197,7 +205,8 @@ async def aevaluate_gsm8k(
 
     completions = await asyncio.gather(*(generate(row) for row in rows))
     questions = [
-        score_completion(int(row["id"]), text, row["answer"]) for row, text in zip(rows, completions, strict=True)
+        score_completion(int(row["id"]), text, row["answer"], row.get("reasoning_gym"), row.get("answer_format", "tag"))
+        for row, text in zip(rows, completions, strict=True)
     ]
     return summarize(questions, max_new_tokens, chat_template, time.perf_counter() - start)
 
