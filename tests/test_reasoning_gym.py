@@ -13,7 +13,7 @@ from tandemrl.configs.data import DatasetConfig, ReasoningGymConfig
 from tandemrl.data import reasoning_gym as rg_data
 from tandemrl.data.gsm8k import get_gsm8k_rl_dataset
 from tandemrl.rewards.reasoning_gym import reasoning_gym_reward_fn, score_entry
-from tandemrl.workflows.gsm8k_eval import score_completion
+from tandemrl.workflows.gsm8k_eval import score_completion, summarize
 
 SMALL = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
 MIX = [{"name": "chain_sum", "weight": 3, "config": SMALL}, "leg_counting"]
@@ -112,6 +112,30 @@ def test_the_reward_is_the_tasks_verifier_on_the_last_answer_tag(tmp_path: Path)
     right = score_completion(7, f"<answer>{gold}</answer>", gold, entry)
     part = score_completion(8, f"<answer>x{gold}</answer>", gold, entry)
     assert (right.correct, right.extracted, right.gold, part.correct) == (True, gold, gold, False)
+    assert right.task == part.task == "chain_sum"
+
+
+def test_held_out_results_count_each_task_of_a_mix(tmp_path: Path) -> None:
+    rg_data.ensure_written(_config(tmp_path), "train_dataset")
+    rows = _rows(tmp_path, "test")[:12]
+    # right on every chain_sum row but the first, wrong on every leg_counting row
+    sums = [i for i, r in enumerate(rows) if '"chain_sum"' in r["reasoning_gym"]]
+    legs = [i for i, r in enumerate(rows) if '"leg_counting"' in r["reasoning_gym"]]
+    assert sums and legs
+    scored = [
+        score_completion(
+            i, f"<answer>{r['answer']}</answer>" if i in sums[1:] else "no", r["answer"], r["reasoning_gym"]
+        )
+        for i, r in enumerate(rows)
+    ]
+    result = summarize(scored, 8, True, 0.0)
+    assert result.by_task() == {"chain_sum": (len(sums) - 1, len(sums)), "leg_counting": (0, len(legs))}
+    first = "chain_sum" if sums[0] == 0 else "leg_counting"
+    assert list(result.by_task())[0] == first  # in order of first appearance
+    assert result.tasks_line().startswith(f"{first} ")
+    assert result.to_dict()["by_task"]["chain_sum"] == {"correct": len(sums) - 1, "n": len(sums)}
+    gsm8k = summarize([score_completion(0, "#### 3", "#### 3")], 8, True, 0.0)
+    assert gsm8k.by_task() == {} and gsm8k.tasks_line() == ""
 
 
 def test_the_rl_loader_keeps_the_system_prompt_and_the_entry(tmp_path: Path, tiny_model_dir: str) -> None:

@@ -66,7 +66,10 @@ class HeldoutEval:
             out = HeldoutScore(tag, version, result)
             self.scores.append(out)
             path = self._write(out)
-            print(f"held-out greedy accuracy {tag} training (version {version}): {out.line()}; {path}", flush=True)
+            tasks = f" (by task: {result.tasks_line()})" if result.by_task() else ""
+            print(
+                f"held-out greedy accuracy {tag} training (version {version}): {out.line()}{tasks}; {path}", flush=True
+            )
         if dist.is_initialized():
             dist.barrier()
         return out

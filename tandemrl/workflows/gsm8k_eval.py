@@ -23,7 +23,7 @@ from tandemrl.api.generation import GenerationHyperparameters
 from tandemrl.api.inference import ModelRequest
 from tandemrl.api.workflow import GenerationClient
 from tandemrl.rewards.gsm8k import extract_final_answer, extract_reference_answer, gsm8k_reward_fn
-from tandemrl.rewards.reasoning_gym import score_entry
+from tandemrl.rewards.reasoning_gym import entry_of, score_entry
 from tandemrl.workflows.rlvr import chat_prompt_ids
 
 if TYPE_CHECKING:
@@ -42,6 +42,7 @@ class QuestionResult:
     extracted: str | None  # the completion's final answer as the reward reads it; None if it has none
     gold: str
     correct: bool
+    task: str | None = None  # a reasoning-gym row's task; None for GSM8K rows
 
 
 @dataclass
@@ -63,6 +64,19 @@ class EvalResult:
     def indices(self) -> list[int]:
         return [q.index for q in self.questions]
 
+    def by_task(self) -> dict[str, tuple[int, int]]:
+        """(correct, n) per task of a reasoning-gym mix, in order of first appearance; empty for GSM8K rows."""
+        out: dict[str, tuple[int, int]] = {}
+        for q in self.questions:
+            if q.task is not None:
+                right, n = out.get(q.task, (0, 0))
+                out[q.task] = (right + q.correct, n + 1)
+        return out
+
+    def tasks_line(self) -> str:
+        """``chain_sum 42/256, gcd 7/244``; empty for GSM8K rows."""
+        return ", ".join(f"{task} {right}/{n}" for task, (right, n) in self.by_task().items())
+
     def summary(self) -> str:
         """``accuracy 0.1234 (24/200), 95% Wilson score interval [0.0812, 0.1776]``."""
         return (
@@ -73,6 +87,7 @@ class EvalResult:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["indices"] = self.indices
+        out["by_task"] = {task: {"correct": r, "n": n} for task, (r, n) in self.by_task().items()}
         return out
 
 
@@ -129,7 +144,8 @@ def score_completion(
     row (its ``reasoning_gym`` entry) by its task's verifier, correct at full score."""
     if reasoning_gym:
         score, extracted = score_entry(completion, reasoning_gym, answer_format)
-        return QuestionResult(index, completion, extracted, answer, correct=score == 1.0)
+        task = entry_of(reasoning_gym)["metadata"]["source_dataset"]
+        return QuestionResult(index, completion, extracted, answer, correct=score == 1.0, task=task)
     reward = gsm8k_reward_fn(None, completion, None, None, answer=answer)
     return QuestionResult(
         index=index,
