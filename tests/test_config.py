@@ -309,6 +309,7 @@ YAML_SCHEMAS = {
     EXAMPLES / "gsm8k_grpo.yaml": GRPOConfig,
     EXAMPLES / "gsm8k_grpo_smollm2.yaml": GRPOConfig,
     EXAMPLES / "arith_grpo_smollm2.yaml": GRPOConfig,
+    EXAMPLES / "reasoning_gym_grpo_smollm2.yaml": GRPOConfig,
     EXAMPLES / "gsm8k_judge.yaml": GRPOConfig,
     EXAMPLES / "arith_grpo.yaml": GRPOConfig,
     EXAMPLES / "gsm8k_remax.yaml": GRPOConfig,
