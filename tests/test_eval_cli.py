@@ -191,7 +191,7 @@ def test_cli_matches_transformers_greedy(
     # On smollm2-135m this is also the check that the built directory reloads in vLLM (served in fp32 here)
     # with transformers' greedy output, and that the tied lm_head survives there.
     model_dir = request.getfixturevalue(model_fixture)
-    n, max_new = 20, 32
+    n, max_new = 8, 32
     out = tmp_path / "report.json"
     args = ["--data", gsm8k_dir, "--n", str(n), "--max-new-tokens", str(max_new), "--dtype", "float32"]
     r = _cli(model_dir, *args, "--out", str(out), "--server-log", str(tmp_path / "server.log"))
