@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -92,3 +94,20 @@ def vllm_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
         yield server
     finally:
         server.proc.stop()
+
+
+@pytest.fixture
+def running_server(vllm_server) -> Iterator[Any]:
+    """The session's vLLM server for one launched run, instead of a server the launcher starts (~25 s of start-up).
+
+    ``overrides`` set ``rollout.server_addrs`` (the launcher starts no generation server and the trainer pushes its
+    initial weights to it first); ``env`` carries the server's token. Afterwards the server has its original
+    weights and version label again, unpaused.
+    """
+    from vllm_server import TOKEN_ENV, RunningServer, restore_session_server, weight_label
+
+    label = weight_label(vllm_server)
+    try:
+        yield RunningServer([f"rollout.server_addrs=[{vllm_server.proc.address}]"], {TOKEN_ENV: os.environ[TOKEN_ENV]})
+    finally:
+        restore_session_server(vllm_server, label)

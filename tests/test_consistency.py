@@ -25,9 +25,8 @@ from typing import Any
 
 import pytest
 import torch
-from test_weight_sync import restore_session_server, weight_label
 from utils import run_torchrun
-from vllm_server import VLLMTestServer, launch_test_server
+from vllm_server import VLLMTestServer, launch_test_server, restore_session_server, weight_label
 
 from tandemrl.api.inference import HttpRequest
 from tandemrl.inference.server import ServerProcess

@@ -15,9 +15,9 @@ import json
 from pathlib import Path
 
 import pytest
-from test_weight_sync import check_update_record, random_prompts, restore_session_server, weight_label
+from test_weight_sync import check_update_record, random_prompts
 from utils import run_torchrun
-from vllm_server import VLLMTestServer, load_hf
+from vllm_server import VLLMTestServer, load_hf, restore_session_server, weight_label
 
 from tandemrl.api.inference import HttpRequest
 

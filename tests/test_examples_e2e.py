@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from utils import REPO_ROOT
+from vllm_server import RunningServer
 
 LAUNCH = [sys.executable, "-m", "tandemrl.launchers.local"]
 ENV = {**os.environ, "WANDB_SILENT": "true", "TANDEMRL_DIST_TIMEOUT": "300", "PYTHONPATH": str(REPO_ROOT)}
@@ -34,13 +35,25 @@ def _scalars(tb_dir: Path) -> dict[str, list[float]]:
 
 
 def _launch(
-    example: str, overrides: list[str], tmp_path: Path, config: str = "", with_eval: bool = True
+    example: str,
+    overrides: list[str],
+    tmp_path: Path,
+    config: str = "",
+    with_eval: bool = True,
+    server: RunningServer | None = None,
 ) -> dict[str, list[float]]:
     config = config or example
     args = [f"examples/{example}.py", "--config", f"examples/{config}.yaml", f"cluster.fileroot={tmp_path}"]
     cheap = CHEAP if with_eval else [o for o in CHEAP if not o.startswith(("valid_dataset.", "evaluator."))]
+    running = server.overrides if server else []
+    env = {**ENV, **(server.env if server else {})}
     proc = subprocess.run(
-        LAUNCH + args + cheap + overrides, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=1200
+        LAUNCH + args + cheap + overrides + running,
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert " done: 2 steps in " in proc.stdout, proc.stdout[-2000:]
@@ -67,14 +80,16 @@ def _finite(values: list[float]) -> bool:
 
 
 @pytest.mark.slow
-def test_remax_example_two_steps(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
+def test_remax_example_two_steps(
+    tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path, running_server: RunningServer
+) -> None:
     """The ReMax example runs 2 steps through the launcher: a finite REINFORCE loss and a real optimizer step
     each step, the greedy baseline scored each step, a recoverable final checkpoint. That the step raises
     the REINFORCE objective is asserted on a fixed batch (test_ppo_actor.py::test_reinforce_step_raises_its_objective):
     the tiny random model earns no GSM8K reward, so here every advantage is 0."""
     # recover.mode=auto with no frequency: the one recoverable checkpoint is the final one.
     overrides = [f"actor.engine.path={tiny_model_dir}", f"train_dataset.path={gsm8k_dir}", "recover.mode=auto"]
-    stats = _launch("gsm8k_remax", overrides, tmp_path)
+    stats = _launch("gsm8k_remax", overrides, tmp_path, server=running_server)
     assert len(stats["actor/reinforce/loss"]) == 2 and _finite(stats["actor/reinforce/loss"])
     assert _finite(stats["actor/reinforce/grad_norm"])
     assert stats["actor/reinforce/update_successful"] == [1.0, 1.0]
@@ -85,7 +100,12 @@ def test_remax_example_two_steps(tiny_model_dir: str, gsm8k_dir: str, tmp_path: 
     # Launched again, the finished run says so in one line and trains nothing.
     args = ["examples/gsm8k_remax.py", "--config", "examples/gsm8k_remax.yaml", f"cluster.fileroot={tmp_path}"]
     again = subprocess.run(
-        LAUNCH + args + CHEAP + overrides, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=1200
+        LAUNCH + args + CHEAP + overrides + running_server.overrides,
+        cwd=REPO_ROOT,
+        env={**ENV, **running_server.env},
+        capture_output=True,
+        text=True,
+        timeout=1200,
     )
     recover = tmp_path / "checkpoints" / "gsm8k-remax" / "trial0" / "recover"
     line = f"recover: this run already finished (2 of 2 steps in {recover}): nothing left to train"
@@ -94,10 +114,12 @@ def test_remax_example_two_steps(tiny_model_dir: str, gsm8k_dir: str, tmp_path: 
 
 
 @pytest.mark.slow
-def test_ppo_critic_example_two_steps(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
+def test_ppo_critic_example_two_steps(
+    tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path, running_server: RunningServer
+) -> None:
     overrides = [f"actor.engine.path={tiny_model_dir}", f"train_dataset.path={gsm8k_dir}"]
     # Staleness 0: synchronous rollout (async_training follows the bound); step 2 must see the new weights.
-    stats = _launch("gsm8k_ppo", [*overrides, "rollout.max_head_offpolicyness=0"], tmp_path)
+    stats = _launch("gsm8k_ppo", [*overrides, "rollout.max_head_offpolicyness=0"], tmp_path, server=running_server)
     actor_loss = stats["actor/ppo_actor/update/loss"]
     critic_loss = stats["critic/ppo_critic/loss"]
     assert len(actor_loss) == 2 and _finite(actor_loss)

@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 from utils import REPO_ROOT, is_torchrun
+from vllm_server import RunningServer, VLLMTestServer, load_noisy_weights
 
 LAUNCHER = "tandemrl.launchers.local"
 LAUNCH = [sys.executable, "-m", LAUNCHER]
@@ -29,9 +30,13 @@ def _scalars(tb_dir: Path) -> dict[str, list[float]]:
     return {t: [e.value for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
 
 
-def _run(args: list[str], timeout: float, launcher: str = LAUNCHER) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", launcher, *args]
-    return subprocess.run(cmd, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+def _run(
+    args: list[str], timeout: float, launcher: str = LAUNCHER, server: RunningServer | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Launch ``args``; with ``server`` (the ``running_server`` fixture) on that running server, none started."""
+    cmd = [sys.executable, "-m", launcher, *args, *(server.overrides if server else [])]
+    env = {**ENV, **(server.env if server else {})}
+    return subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def _grpo_args(script: str, model: str, data: str, root: Path, steps: int, new_tokens: int) -> list[str]:
@@ -67,14 +72,18 @@ PIPELINE_KEYS = {
 
 
 @pytest.mark.slow
-def test_grpo_gsm8k_dp2_sync_and_async_on_fsdp(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
+def test_grpo_gsm8k_dp2_sync_and_async_on_fsdp(
+    tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path, running_server: RunningServer
+) -> None:
     """``vllm:d1+fsdp:d2``, 3 steps per ``async_training=false,true`` trial (one launch): each DP rank's client
     rolls out its own prompts and groups are dealt whole (``_grpo_dp2``); held-out accuracy before and after,
     quiet output, the metrics contract, stats.jsonl, curves and the final model, which vLLM reloads."""
     heldout = ["heldout_eval.n=6", "heldout_eval.max_new_tokens=8"]
-    trials, proc = _grpo_dp2(
-        ["allocation_mode=vllm:d1+fsdp:d2", *heldout], tiny_model_dir, gsm8k_dir, tmp_path, steps=3
-    )
+    fsdp = ["allocation_mode=vllm:d1+fsdp:d2", *heldout]
+    trials, proc = _grpo_dp2(fsdp, tiny_model_dir, gsm8k_dir, tmp_path, steps=3, server=running_server)
+    # Both trials ran on the session's server (the second after the first had trained it: _grpo_dp2's sync
+    # trial checks are on-policy from version 0 on).
+    assert proc.stdout.count("[launcher] vllm servers not started here (rollout.server_addrs): ") == 2
     assert len(trials) == 2
     # Held-out accuracy before the first step (version 0) and after the last (version 3), both trials.
     assert proc.stdout.count("held-out greedy accuracy on test[:6] (gsm8k): ") == 2, proc.stdout[-3000:]
@@ -226,6 +235,7 @@ def _grpo_dp2(
     tmp_path: Path,
     sweep: tuple[str, ...] = ("--multirun",),
     steps: int = 2,
+    server: RunningServer | None = None,
 ) -> tuple[dict[str, dict[str, list[float]]], subprocess.CompletedProcess[str]]:
     """STEPS GRPO steps per trial on 2 data-parallel trainer ranks, by default one trial per
     ``async_training=false,true``; returns each trial's tensorboard scalars by trial name, and the launch.
@@ -235,7 +245,7 @@ def _grpo_dp2(
     """
     args = _grpo_args(PROBE, model, data, tmp_path, steps=steps, new_tokens=16)
     modes = ["async_training=false,true"] if sweep == ("--multirun",) else []
-    proc = _run([*args, "train_dataset.max_samples=64", *sweep, *modes, *backend_args], timeout=1800)
+    proc = _run([*args, "train_dataset.max_samples=64", *sweep, *modes, *backend_args], timeout=1800, server=server)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     trials = {}
     for probe_dir in sorted((tmp_path / "dp_probe").iterdir()):
@@ -265,7 +275,9 @@ def _grpo_dp2(
 
 
 @pytest.mark.slow
-def test_grpo_dp2_sync_and_async_on_deepspeed(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
+def test_grpo_dp2_sync_and_async_on_deepspeed(
+    tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path, running_server: RunningServer
+) -> None:
     """``vllm:d1+deepspeed:d2``: sync on ZeRO-2, async on ZeRO-3, both with a user's DeepSpeed JSON."""
     ds_json = tmp_path / "ds_config.json"  # the engine owns these two: it warns and uses its own values
     ds_json.write_text(json.dumps({"gradient_clipping": 5.0, "zero_optimization": {"stage": 1}}))
@@ -277,7 +289,8 @@ def test_grpo_dp2_sync_and_async_on_deepspeed(tiny_model_dir: str, gsm8k_dir: st
             f"async_training={mode}",
             f"trial_name=zero{stage}",
         ]
-        trials, _ = _grpo_dp2(run, tiny_model_dir, gsm8k_dir, tmp_path / f"zero{stage}", sweep=())
+        root = tmp_path / f"zero{stage}"
+        trials, _ = _grpo_dp2(run, tiny_model_dir, gsm8k_dir, root, sweep=(), server=running_server)
         assert list(trials) == [f"zero{stage}"]
         log = (tmp_path / f"zero{stage}" / "logs" / "gsm8k-grpo" / f"zero{stage}" / "trainer.log").read_text()
         # The DeepSpeed engine trained on this stage: it read the user's JSON and overrode the keys it owns.
@@ -287,14 +300,18 @@ def test_grpo_dp2_sync_and_async_on_deepspeed(tiny_model_dir: str, gsm8k_dir: st
 
 @pytest.mark.slow
 def test_grpo_dp2_async_on_megatron(
-    tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: str,
+    gsm8k_dir: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    running_server: RunningServer,
 ) -> None:
     """``vllm:d1+megatron:d2``, async: two DP replicas of one rank each, both heads of their replica. (The DP
     dealing of rollouts is the rollout layer's, run sync and async on FSDP2 and DeepSpeed above.)"""
     # Verbose: Megatron's own start-up notices, which the quiet default hides, show that it trained.
     monkeypatch.setitem(ENV, "TANDEMRL_VERBOSE", "1")
     run = ["allocation_mode=vllm:d1+megatron:d2", "async_training=true", "trial_name=async"]
-    trials, _ = _grpo_dp2(run, tiny_model_dir, gsm8k_dir, tmp_path, sweep=())
+    trials, _ = _grpo_dp2(run, tiny_model_dir, gsm8k_dir, tmp_path, sweep=(), server=running_server)
     assert list(trials) == ["async"]
     for trial in trials:
         assert "megatron" in (tmp_path / "logs" / "gsm8k-grpo" / trial / "trainer.log").read_text()
@@ -342,11 +359,21 @@ def test_sft_multirun_sweep_makes_separate_trials(tiny_model_dir: str, gsm8k_dir
             "train_dataset.reasoning_gym.tasks=[chain_summ]",
             "train_dataset.reasoning_gym.tasks[0].name: 'chain_summ' is not a reasoning-gym task (close: chain_sum",
         ),
+        (
+            "rollout.server_addrs=[127.0.0.1:1] launcher.server_args.max_num_seqs=4",
+            "rollout.server_addrs names running servers, so the server flags ['max_num_seqs']",
+        ),
     ],
 )
 def test_bad_input_fails_before_any_process(override: str, expected: str, tmp_path: Path) -> None:
     proc = _run(
-        ["examples/gsm8k_grpo.py", "--config", "examples/gsm8k_grpo.yaml", f"cluster.fileroot={tmp_path}", override],
+        [
+            "examples/gsm8k_grpo.py",
+            "--config",
+            "examples/gsm8k_grpo.yaml",
+            f"cluster.fileroot={tmp_path}",
+            *override.split(),
+        ],
         timeout=120,
     )
     assert proc.returncode == 2
@@ -420,14 +447,25 @@ OFFPOLICY = ("tis", "icepop")
 
 
 @pytest.mark.slow
-def test_grpo_async_offpolicy_corrections_log_mismatch(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
+def test_grpo_async_offpolicy_corrections_log_mismatch(
+    tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path, running_server: RunningServer, vllm_server: VLLMTestServer
+) -> None:
     """2 async GRPO steps on FSDP2 per mismatch correction (one launch, a --multirun sweep); each logs the
-    trainer/server mismatch, what its correction dropped or truncated, and the staleness of every step."""
+    trainer/server mismatch, what its correction dropped or truncated, and the staleness of every step.
+
+    The trials run on a running server (``rollout.server_addrs``) that holds other weights when the launch
+    starts (the first trial: the tiny model plus noise; the second: the first trial's last push). Each
+    trainer installs its own initial weights first, so step 0's tokens match the trainer's forward: mean
+    |dlogp| 0.0008-0.001 measured; without that push the first trial's was 0.49.
+    """
+    load_noisy_weights(vllm_server, tmp_path / "noisy")
     args = _grpo_args("examples/gsm8k_grpo.py", tiny_model_dir, gsm8k_dir, tmp_path, steps=2, new_tokens=16)
     # C = 1.001: the bf16 trainer's gap to the server (|dlogp| ~ 1e-3) makes every correction act.
     sweep = ["--multirun", f"actor.offpolicy_correction={','.join(OFFPOLICY)}", "actor.offpolicy_cap=1.001"]
-    proc = _run([*args, "async_training=true", "train_dataset.batch_size=2", *sweep], timeout=2400)
+    launch = [*args, "async_training=true", "train_dataset.batch_size=2", *sweep]
+    proc = _run(launch, timeout=2400, server=running_server)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("[launcher] vllm servers not started here (rollout.server_addrs): ") == 2
     mm, sv = "actor/ppo_actor/update/offpolicy/", "actor/ppo_actor/offpolicy/"
     for kind in OFFPOLICY:
         trial = f"trial0_offpolicy_correction{kind}"
@@ -443,6 +481,8 @@ def test_grpo_async_offpolicy_corrections_log_mismatch(tiny_model_dir: str, gsm8
         assert all(len(v) == 2 for v in got.values()), (trial, got)
         # bf16 trainer vs the server: a small, non-zero gap on the same tokens.
         assert all(0.0 < a <= m < 5.0 for a, m in zip(got["abs_dlogp/avg"], got["abs_dlogp/max"], strict=True))
+        # Step 0's tokens came from the trainer's own initial weights, pushed over the server's noisy ones.
+        assert got["abs_dlogp/avg"][0] < 0.01, (trial, got["abs_dlogp/avg"])
         assert all(k >= 0.0 for k in got["kl_k3"]), (trial, got["kl_k3"])
         fractions = got["masked"] + got["truncated"] + got["multi_version_tokens"]
         assert all(0.0 <= f <= 1.0 for f in fractions), (trial, got)

@@ -233,7 +233,8 @@ def test_server_without_lora_gets_merged_weights(
 ) -> None:
     """The session server loads no adapters: a LoRA trainer's disk and collective pushes send the merged
     model, and the server then generates as transformers does on the merged export."""
-    from test_weight_sync import check_update_record, random_prompts, restore_session_server, run_worker, weight_label
+    from test_weight_sync import check_update_record, random_prompts, run_worker
+    from vllm_server import restore_session_server, weight_label
 
     label = weight_label(vllm_server)
     prompts = random_prompts(int(load_hf(tiny_model_dir).config.vocab_size), seed=17, n=256)

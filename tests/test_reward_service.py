@@ -23,7 +23,7 @@ from tandemrl.configs.loader import ConfigError
 from tandemrl.configs.rollout import GenerationHyperparameters, InferenceClientConfig
 from tandemrl.configs.services import RewardServiceConfig
 from tandemrl.inference.reward_service import RemoteReward
-from tandemrl.launchers.common import refuse_aux_servers
+from tandemrl.launchers.common import refuse_local_only
 from tandemrl.launchers.dry_run import allocation_lines
 from tandemrl.launchers.launch_config import read_launch_spec
 from tandemrl.launchers.placement import plan_placement
@@ -241,11 +241,14 @@ def test_service_config_errors_are_one_line_naming_the_key(overrides: list[str],
     assert f"'{key}'" in str(launch_err.value) and says in str(launch_err.value)
 
 
-def test_ray_and_slurm_refuse_aux_servers_before_any_start() -> None:
+def test_ray_and_slurm_refuse_aux_servers_and_running_servers_before_any_start() -> None:
     specs = [([], read_launch_spec("examples/gsm8k_grpo.yaml", JUDGE))]
     with pytest.raises(ValueError, match=r"auxiliary servers \(judge\) are started by the local launcher only"):
-        refuse_aux_servers(specs, "ray")
-    refuse_aux_servers([([], read_launch_spec("examples/gsm8k_grpo.yaml", []))], "slurm")  # none: fine
+        refuse_local_only(specs, "ray")
+    running = [([], read_launch_spec("examples/gsm8k_grpo.yaml", ["rollout.server_addrs=[127.0.0.1:1]"]))]
+    with pytest.raises(ValueError, match=r"^rollout.server_addrs: running servers are used by the local launcher only"):
+        refuse_local_only(running, "slurm")
+    refuse_local_only([([], read_launch_spec("examples/gsm8k_grpo.yaml", []))], "slurm")  # neither: fine
     assert "auxiliary server judge: 1 vllm, 1 devices each" in allocation_lines(specs[0][1].allocation)
 
 

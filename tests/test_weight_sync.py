@@ -42,7 +42,8 @@ from vllm_server import (
     join,
     launch_test_server,
     load_hf,
-    restore_original,
+    restore_session_server,
+    weight_label,
 )
 
 from tandemrl.api.inference import HttpRequest, ModelRequest, ModelResponse, WeightUpdateMeta
@@ -74,17 +75,6 @@ TOP_PROMPTS = 8  # compared on a bf16 server: the prompts whose greedy paths hav
 
 
 # ------------------------------------------------------------------------------ helpers
-
-
-def weight_label(server: VLLMTestServer) -> str:
-    return str(server.call(HttpRequest("GET", "/weight_info", None, 60.0))["weight_version"])
-
-
-def restore_session_server(server: VLLMTestServer, label: str) -> None:
-    """Original weights, unpaused, version label ``label`` (what every test must leave)."""
-    restore_original(server)
-    server.call(HttpRequest("POST", "/update_weight_version", {"new_version": label}, 60.0))
-    assert server.call(HttpRequest("GET", "/is_paused", None, 60.0))["is_paused"] is False
 
 
 def run_worker(mode: str, model: str, server: VLLMTestServer, out: Path, *extra: str) -> None:

@@ -36,6 +36,15 @@ TESTS_DIR = Path(__file__).resolve().parent
 START_TIMEOUT_S = 900.0
 
 
+@dataclass
+class RunningServer:
+    """A running server for a launched run (the ``running_server`` fixture): the launch's extra ``overrides``
+    and ``env``."""
+
+    overrides: list[str]
+    env: dict[str, str]
+
+
 class VLLMTestServer:
     """The session server plus what tests need to talk to it."""
 
@@ -199,3 +208,33 @@ def restore_original(server: VLLMTestServer) -> None:
     for req in b.build_update_from_disk(WeightUpdateMeta(type="disk", path=server.model_dir)):
         server.call(req)
     server.call(b.build_resume())
+
+
+def weight_label(server: VLLMTestServer) -> str:
+    return str(server.call(HttpRequest("GET", "/weight_info", None, 60.0))["weight_version"])
+
+
+def restore_session_server(server: VLLMTestServer, label: str) -> None:
+    """Original weights, unpaused, version label ``label`` (what every test must leave)."""
+    restore_original(server)
+    server.call(HttpRequest("POST", "/update_weight_version", {"new_version": label}, 60.0))
+    assert server.call(HttpRequest("GET", "/is_paused", None, 60.0))["is_paused"] is False
+
+
+def load_noisy_weights(server: VLLMTestServer, out_dir: Path, std: float = 0.05) -> None:
+    """Give the server other weights: its model's, each tensor plus Gaussian noise of ``std`` (saved in ``out_dir``)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tandemrl.api.inference import WeightUpdateMeta
+
+    shutil.copytree(server.model_dir, out_dir)
+    gen = torch.Generator().manual_seed(0)
+    for f in out_dir.glob("*.safetensors"):
+        tensors = load_file(f)
+        noisy = {k: (t.float() + std * torch.randn(t.shape, generator=gen)).to(t.dtype) for k, t in tensors.items()}
+        save_file(noisy, f, metadata={"format": "pt"})
+    for req in server.backend.build_update_from_disk(WeightUpdateMeta(type="disk", path=str(out_dir))):
+        server.call(req)
+    server.call(server.backend.build_resume())

@@ -85,7 +85,11 @@ class InferenceClientConfig:
         },
     )
     server_addrs: list[str] = field(
-        default_factory=list, metadata={"help": "host:port of servers; empty reads the launcher's environment."}
+        default_factory=list,
+        metadata={
+            "help": "host:port of running servers: the local launcher starts none and the RL trainer pushes its "
+            "initial weights to them (version 0) before the first rollout; empty: the launcher's servers."
+        },
     )
 
     def concurrency(self, per_rank_batch: int) -> int:

@@ -144,14 +144,20 @@ def plan_trials(args: LaunchArgs) -> list[tuple[list[str], LaunchSpec]]:
     return specs
 
 
-def refuse_aux_servers(specs: list[tuple[list[str], LaunchSpec]], launcher: str) -> None:
-    """Launchers that cannot start auxiliary servers yet refuse them before anything starts (one line)."""
+def refuse_local_only(specs: list[tuple[list[str], LaunchSpec]], launcher: str) -> None:
+    """What only the local launcher does yet (auxiliary servers; running servers given in ``rollout.server_addrs``)
+    is refused by the others before anything starts (one line)."""
     for _, spec in specs:
         if spec.aux_servers:
             names = ", ".join(a.name for a in spec.aux_servers)
             raise ValueError(
                 f"allocation_mode '{spec.allocation}': auxiliary servers ({names}) are started by the local "
                 f"launcher only; the {launcher} launcher does not start them yet"
+            )
+        if spec.server_addrs:
+            raise ValueError(
+                f"rollout.server_addrs: running servers are used by the local launcher only; the {launcher} "
+                "launcher starts its own (leave rollout.server_addrs empty)"
             )
 
 

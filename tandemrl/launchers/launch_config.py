@@ -65,6 +65,7 @@ class LaunchSpec:
     aux_servers: list[AuxServer] = field(default_factory=list)  # the allocation's aux components, in order
     server_stall_warn: float = 60.0  # launcher.server_stall_warn: a live server silent this long is reported
     server_stall_limit: float = 900.0  # launcher.server_stall_limit: ... and this long stops the run
+    server_addrs: list[str] = field(default_factory=list)  # rollout.server_addrs: running servers, none started
 
     @property
     def run_dir(self) -> str:
@@ -123,6 +124,13 @@ def read_launch_spec(config_path: str | None, overrides: list[str]) -> LaunchSpe
             model_key, model_path = key, path
             break
     cfg = _load(config_path, [o for o in overrides if o.lstrip("+~").startswith(f"{LAUNCHER_SECTION}.")])
+    server_extra = _server_extra(cfg, view, alloc)
+    if view.rollout.server_addrs and server_extra:
+        raise ValueError(
+            f"rollout.server_addrs names running servers, so the server flags {sorted(server_extra)} "
+            f"({LAUNCHER_SECTION}.server_args, LoRA) are not applied by the launcher: start those servers with them "
+            "and leave them out here"
+        )
     return LaunchSpec(
         allocation=alloc,
         experiment_name=view.experiment_name,
@@ -133,8 +141,9 @@ def read_launch_spec(config_path: str | None, overrides: list[str]) -> LaunchSpe
         corpus_path=view.train_dataset.path or None,
         server_timeout=view.rollout.setup_timeout,
         weight_update_mode=view.weight_update_mode,
-        server_extra=_server_extra(cfg, view, alloc),
+        server_extra=server_extra,
         aux_servers=_aux_servers(view, alloc),
+        server_addrs=list(view.rollout.server_addrs),
         **_stall_bounds(cfg),
     )
 

@@ -81,15 +81,19 @@ def start_servers(
     gen = alloc.gen
     if gen is None:
         return []
-    extra = {**placement.server_flags, **spec.server_extra}
-    children.servers += _launch(gen, spec.model_path, extra, placement.server_env, run_dir, token, "")
+    if spec.server_addrs:  # running servers (rollout.server_addrs): the trainer pushes its weights to them first
+        addrs = list(spec.server_addrs)
+    else:
+        extra = {**placement.server_flags, **spec.server_extra}
+        children.servers += _launch(gen, spec.model_path, extra, placement.server_env, run_dir, token, "")
+        addrs = []
     for aux in spec.aux_servers:
         comp = alloc.get(aux.name)
         servers = _launch(comp, aux.model_path, aux.server_args, placement.aux_env[aux.name], run_dir, token, aux.name)
         children.aux += [(aux.name, s) for s in servers]
     for server in [*children.servers, *(s for _, s in children.aux)]:
         server.wait_healthy(timeout=spec.server_timeout)
-    return [s.address for s in children.servers]
+    return addrs or [s.address for s in children.servers]
 
 
 def _launch(
@@ -131,8 +135,10 @@ def run_trial(script: str, config_path: str | None, overrides: list[str], spec: 
     children = _Children()
 
     def body(run_dir: Path) -> tuple[int, str]:
-        # fresh per run, never printed
+        # fresh per run, never printed; running servers (rollout.server_addrs) keep the caller's
         token = new_token() if any(c.backend == "vllm" for c in [alloc.gen, *alloc.aux] if c) else None
+        if spec.server_addrs and os.environ.get(TOKEN_ENV):
+            token = os.environ[TOKEN_ENV]
         placement = plan_placement(alloc, visible_gpus(), visible_cpus())
         crowded = oversubscription(alloc, visible_gpus(), visible_cpus())
         if crowded:
@@ -150,7 +156,13 @@ def run_trial(script: str, config_path: str | None, overrides: list[str], spec: 
             env[TOKEN_ENV] = token
         if addrs:
             env[SERVER_ADDRS_ENV] = ",".join(addrs)
-            print(f"[launcher] {alloc.gen_backend} servers healthy at {env[SERVER_ADDRS_ENV]}", flush=True)
+            if spec.server_addrs:
+                print(
+                    f"[launcher] {alloc.gen_backend} servers not started here (rollout.server_addrs): {env[SERVER_ADDRS_ENV]}",
+                    flush=True,
+                )
+            else:
+                print(f"[launcher] {alloc.gen_backend} servers healthy at {env[SERVER_ADDRS_ENV]}", flush=True)
         env.pop(AUX_SERVERS_ENV, None)
         if children.aux:
             table: dict[str, list[str]] = {}

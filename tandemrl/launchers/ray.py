@@ -658,7 +658,7 @@ def connect(specs: list[tuple[list[str], LaunchSpec]]) -> bool:
 def main(argv: list[str]) -> int:
     args = common.parse_args(argv, "tandemrl.launchers.ray", flags=("--multirun", dry_run.FLAG))
     specs = common.plan_trials(args)
-    common.refuse_aux_servers(specs, "ray")
+    common.refuse_local_only(specs, "ray")
     for combo, spec in specs:
         read_settings(args.config_path, combo, spec)  # launcher.ray.*: a bad value fails before anything starts
         if is_colocated(spec.allocation):

@@ -386,7 +386,7 @@ def main(argv: list[str]) -> int:
     flags = (dry_run.FLAG, WAIT)
     args = common.parse_args(argv, "tandemrl.launchers.slurm", flags=flags, options=OPTIONS)
     specs = common.plan_trials(args)
-    common.refuse_aux_servers(specs, "slurm")
+    common.refuse_local_only(specs, "slurm")
     if any(o in ("--multirun", "-m") for o in args.overrides):
         raise ValueError("the slurm launcher submits one trial: run one launcher call per sweep value")
     overrides, spec = specs[0]

@@ -294,6 +294,10 @@ class RLTrainer(TrainerBase[GRPOConfig]):
             rollout=self.rollout,
         )
         if state is None:
+            if self.config.rollout.server_addrs:
+                # Running servers (rollout.server_addrs) may hold any weights: install ours as version 0
+                # before the first rollout.
+                self.rollout.push_weights(0, restored=True)
             return 0
         # The servers started from the initial model: give them the restored weights, labelled with
         # the restored version, before any rollout; rollout capacity counts from that version.
