@@ -12,18 +12,22 @@ from pathlib import Path
 
 import pytest
 from utils import REPO_ROOT
+from vllm_server import RunningServer
 
 pytestmark = pytest.mark.slow
 ENV = {**os.environ, "WANDB_SILENT": "true", "TANDEMRL_DIST_TIMEOUT": "300", "PYTHONPATH": str(REPO_ROOT)}
 
 
-def _launch(overrides: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+def _launch(overrides: list[str], timeout: float, server: RunningServer) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "tandemrl.launchers.local", "examples/reasoning_gym_grpo.py"]
-    cmd += ["--config", "examples/gsm8k_grpo.yaml", *overrides]
-    return subprocess.run(cmd, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+    cmd += ["--config", "examples/gsm8k_grpo.yaml", *overrides, *server.overrides]
+    env = {**ENV, **server.env}
+    return subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_three_steps_with_the_task_verifier_as_reward(tiny_model_dir: str, tmp_path: Path) -> None:
+def test_three_steps_with_the_task_verifier_as_reward(
+    tiny_model_dir: str, tmp_path: Path, running_server: RunningServer
+) -> None:
     data = tmp_path / "data" / "rg"
     proc = _launch(
         [
@@ -41,6 +45,7 @@ def test_three_steps_with_the_task_verifier_as_reward(tiny_model_dir: str, tmp_p
             "heldout_eval.max_new_tokens=8",
         ],
         timeout=900,
+        server=running_server,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     spec = json.loads((data / "reasoning_gym.json").read_text())
