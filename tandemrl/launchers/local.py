@@ -156,13 +156,7 @@ def run_trial(script: str, config_path: str | None, overrides: list[str], spec: 
             env[TOKEN_ENV] = token
         if addrs:
             env[SERVER_ADDRS_ENV] = ",".join(addrs)
-            if spec.server_addrs:
-                print(
-                    f"[launcher] {alloc.gen_backend} servers not started here (rollout.server_addrs): {env[SERVER_ADDRS_ENV]}",
-                    flush=True,
-                )
-            else:
-                print(f"[launcher] {alloc.gen_backend} servers healthy at {env[SERVER_ADDRS_ENV]}", flush=True)
+            _announce_servers(spec, env[SERVER_ADDRS_ENV])
         env.pop(AUX_SERVERS_ENV, None)
         if children.aux:
             table: dict[str, list[str]] = {}
@@ -214,6 +208,14 @@ def run_trial(script: str, config_path: str | None, overrides: list[str], spec: 
     if result.returncode != 0 and children.trainer is not None:
         result.log = str(Path(result.run_dir) / "trainer.log")
     return result
+
+
+def _announce_servers(spec: LaunchSpec, addrs: str) -> None:
+    backend = spec.allocation.gen_backend
+    if spec.server_addrs:
+        print(f"[launcher] {backend} servers not started here (rollout.server_addrs): {addrs}", flush=True)
+    else:
+        print(f"[launcher] {backend} servers healthy at {addrs}", flush=True)
 
 
 def main(argv: list[str]) -> int:
