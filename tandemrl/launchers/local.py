@@ -81,19 +81,16 @@ def start_servers(
     gen = alloc.gen
     if gen is None:
         return []
-    if spec.server_addrs:  # running servers (rollout.server_addrs): the trainer pushes its weights to them first
-        addrs = list(spec.server_addrs)
-    else:
+    if not spec.server_addrs:  # running servers (rollout.server_addrs) are used as they are
         extra = {**placement.server_flags, **spec.server_extra}
         children.servers += _launch(gen, spec.model_path, extra, placement.server_env, run_dir, token, "")
-        addrs = []
     for aux in spec.aux_servers:
         comp = alloc.get(aux.name)
         servers = _launch(comp, aux.model_path, aux.server_args, placement.aux_env[aux.name], run_dir, token, aux.name)
         children.aux += [(aux.name, s) for s in servers]
     for server in [*children.servers, *(s for _, s in children.aux)]:
         server.wait_healthy(timeout=spec.server_timeout)
-    return addrs or [s.address for s in children.servers]
+    return list(spec.server_addrs) or [s.address for s in children.servers]
 
 
 def _launch(
