@@ -107,7 +107,13 @@ def running_server(vllm_server) -> Iterator[Any]:
     from vllm_server import TOKEN_ENV, RunningServer, restore_session_server, weight_label
 
     label = weight_label(vllm_server)
+    assert vllm_server.request_log is not None
     try:
-        yield RunningServer([f"rollout.server_addrs=[{vllm_server.proc.address}]"], {TOKEN_ENV: os.environ[TOKEN_ENV]})
+        yield RunningServer(
+            [f"rollout.server_addrs=[{vllm_server.proc.address}]"],
+            {TOKEN_ENV: os.environ[TOKEN_ENV]},
+            vllm_server.request_log,
+            vllm_server.request_log.stat().st_size,
+        )
     finally:
         restore_session_server(vllm_server, label)

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from test_executor import ToyWorkflow, make_executor, make_loader
 from test_launcher import _grpo_args, _run
+from vllm_server import RunningServer
 
 from tandemrl.api.episode import note_failure
 from tandemrl.api.types import TensorDict
@@ -72,12 +73,12 @@ def test_a_run_whose_every_group_drops_stops_at_the_bound_with_its_cause() -> No
 
 @pytest.mark.slow
 def test_an_always_failing_reward_stops_the_launched_run_in_one_line(
-    tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path
+    tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path, running_server: RunningServer
 ) -> None:
-    """Through the real launcher and vLLM server: a reward that always raises stops the run once 8 groups in a
-    row dropped, and the launcher's summary line is the budget's line with the reward's first error."""
+    """Through the real launcher and vLLM server (the session's): a reward that always raises stops the run once
+    8 groups in a row dropped, and the launcher's summary line is the budget's line with the reward's first error."""
     args = _grpo_args("tests/workers/grpo_failing_reward.py", tiny_model_dir, gsm8k_dir, tmp_path, 3, 8)
-    proc = _run([*args, "rollout.max_consecutive_drops=8"], timeout=900)
+    proc = _run([*args, "rollout.max_consecutive_drops=8"], timeout=900, server=running_server)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     failed = [line for line in proc.stdout.splitlines() if line.startswith("[launcher] trial trial0 failed: ")]
     assert len(failed) == 1, proc.stdout[-3000:]

@@ -24,6 +24,7 @@ import pytest
 import torch
 from test_executor import RandomDelayEngine, ToyWorkflow
 from utils import REPO_ROOT, is_torchrun
+from vllm_server import RunningServer
 
 from tandemrl.configs.data import DatasetConfig
 from tandemrl.configs.rollout import InferenceClientConfig
@@ -129,20 +130,22 @@ def _read_lines(path: Path) -> list[dict[str, Any]]:
 
 @pytest.mark.slow
 def test_grpo_killed_mid_run_resumes_and_the_ledger_explains_every_sample(
-    tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path
+    tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path, running_server: RunningServer
 ) -> None:
     """A 3-step GRPO run SIGKILLed in step 3, after step 2's recoverable checkpoint; the same command
     resumes at step 3 on the restored weights. Every logged step's sample ledger balances in samples and
     tokens, counts the dropped, filtered and too-long samples it was built to produce, and each step hands
     the trainer one batch (8 prompts x 4 samples); the samples in flight at the checkpoint come back as
-    ``lost_at_restart`` and their prompts are trained after the resume, none skipped, none twice."""
+    ``lost_at_restart`` and their prompts are trained after the resume, none skipped, none twice. Both launches
+    use the session's server (``running_server``), which outlives the killed run as a user's running server does."""
     from transformers import AutoModelForCausalLM
 
     log_dir = tmp_path / "logs" / "gsm8k-grpo" / "trial0"
     tb = tmp_path / "tensorboard" / "gsm8k-grpo" / "trial0"
-    args = _grpo_args(tiny_model_dir, gsm8k_dir, tmp_path)
+    args = _grpo_args(tiny_model_dir, gsm8k_dir, tmp_path) + running_server.overrides
+    env = {**ENV, **running_server.env}
     proc = subprocess.Popen(
-        LAUNCH + args, cwd=REPO_ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        LAUNCH + args, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     out: list[str] = []
     reader = threading.Thread(target=lambda: out.extend(proc.stdout or []), daemon=True)
@@ -169,7 +172,7 @@ def test_grpo_killed_mid_run_resumes_and_the_ledger_explains_every_sample(
     assert weights_fingerprint(original.state_dict().items()) != fingerprint  # training changed them
     killed_stats = _read_lines(log_dir / "stats.jsonl")
 
-    second = subprocess.run(LAUNCH + args, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=1200)
+    second = subprocess.run(LAUNCH + args, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]
     text = (log_dir / "trainer.log").read_text()[len(first_log) :]  # the launcher appends: the resumed run only
     resumed = re.findall(r"recover: resumed from \S+ after global step (\d+) \(version (\d+), weights (\w+)\)", text)

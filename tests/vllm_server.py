@@ -39,17 +39,27 @@ START_TIMEOUT_S = 900.0
 @dataclass
 class RunningServer:
     """A running server for a launched run (the ``running_server`` fixture): the launch's extra ``overrides``
-    and ``env``."""
+    and ``env``; ``requests()`` lists the paths of the requests it served since the fixture began."""
 
     overrides: list[str]
     env: dict[str, str]
+    request_log: Path
+    log_offset: int
+
+    def requests(self) -> list[str]:
+        import json
+
+        with open(self.request_log, "rb") as f:
+            f.seek(self.log_offset)
+            return [json.loads(line)["path"] for line in f.read().decode().splitlines() if line.strip()]
 
 
 class VLLMTestServer:
     """The session server plus what tests need to talk to it."""
 
-    def __init__(self, proc: ServerProcess, model_dir: str, start_seconds: float):
+    def __init__(self, proc: ServerProcess, model_dir: str, start_seconds: float, request_log: Path | None = None):
         self.proc = proc
+        self.request_log = request_log  # one JSON line per request served (``tandemrl.inference.request_log``)
         self.gate_dir = gate_dir_for(proc.log_file)
         self.backend = VLLMBackend(request_timeout=120.0, control_timeout=60.0, update_timeout=120.0)
         self.model_dir = model_dir
@@ -99,12 +109,20 @@ def gate_dir_for(log_file: str) -> str:
     return str(Path(log_file).parent / "gate")
 
 
-def launch_test_server(model_dir: str, log_file: str, token: str | None = None, **extra: Any) -> ServerProcess:
+def launch_test_server(
+    model_dir: str, log_file: str, token: str | None = None, request_log: str | None = None, **extra: Any
+) -> ServerProcess:
     """``launch_server`` with ``VLLM_EXTRA`` (+ ``extra``) and the vllm_gate hook importable and pointed at its dir."""
     path = os.pathsep.join(p for p in (str(TESTS_DIR), str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
     env = {GATE_ENV: gate_dir_for(log_file), "PYTHONPATH": path}
     return launch_server(
-        VLLMBackend(), model_dir, extra={**VLLM_EXTRA, **extra}, log_file=log_file, env=env, token=token
+        VLLMBackend(),
+        model_dir,
+        extra={**VLLM_EXTRA, **extra},
+        log_file=log_file,
+        env=env,
+        token=token,
+        request_log=request_log,
     )
 
 
@@ -112,13 +130,15 @@ def start_vllm_server(model_dir: str, log_file: str) -> VLLMTestServer:
     start = time.monotonic()
     # Like the launchers: a per-run token the server requires and this process's clients send.
     os.environ[TOKEN_ENV] = new_token()
-    proc = launch_test_server(model_dir, log_file, token=os.environ[TOKEN_ENV])
+    request_log = Path(log_file).with_suffix(".requests.jsonl")
+    request_log.touch()
+    proc = launch_test_server(model_dir, log_file, token=os.environ[TOKEN_ENV], request_log=str(request_log))
     try:
         proc.wait_healthy(START_TIMEOUT_S)
     except BaseException:
         proc.stop()
         raise
-    return VLLMTestServer(proc, model_dir, time.monotonic() - start)
+    return VLLMTestServer(proc, model_dir, time.monotonic() - start, request_log)
 
 
 def join(th: threading.Thread, box: dict[str, Any], timeout: float = 120.0) -> Any:
