@@ -404,6 +404,9 @@ def test_killing_the_trainer_leaves_no_process(tiny_model_dir: str, gsm8k_dir: s
             f"train_dataset.path={gsm8k_dir}",
             f"cluster.fileroot={tmp_path}",
             "total_train_steps=1000",
+            "gconfig.max_new_tokens=16",  # a first step soon: short generations, no evaluation, no wandb
+            "evaluator.freq_steps=1000",
+            "stats_logger.wandb.mode=disabled",
         ],
         cwd=REPO_ROOT,
         env=ENV,
