@@ -30,7 +30,7 @@ from vllm_server import (
 
 from tandemrl.api.inference import HttpRequest, ModelRequest, WeightUpdateMeta
 from tandemrl.api.types import ParallelStrategy
-from tandemrl.inference.server import ServerError, _bound_cores, launch_server
+from tandemrl.inference.server import ServerError, launch_server
 from tandemrl.weights.group import destroy_group, host_group, join_group
 from tandemrl.weights.wire import (
     broadcast_buckets,
@@ -299,11 +299,6 @@ def test_collective_update_bucketed(vllm_server: VLLMTestServer, tiny_model_dir:
         server.call(HttpRequest("POST", "/collective_rpc", {"method": "tandemrl_destroy_weight_group"}, 60.0))
         destroy_group(pg)
         restore_original(server)
-
-
-@pytest.mark.parametrize(("bind", "cores"), [("auto", 0), ("nobind", 0), ("0,1", 2), ("2-5", 4), ("0,2-3|4,5", 3)])
-def test_the_cores_a_one_rank_cpu_bind_names(bind: str, cores: int) -> None:
-    assert _bound_cores(bind) == cores
 
 
 @pytest.mark.slow

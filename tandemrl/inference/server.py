@@ -213,7 +213,9 @@ def launch_server(
         if not any(_norm(k) == "enforce_eager" for k in flags):
             flags["enforce_eager"] = True
         child_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default grabs a share of host RAM
-        if strategy.world_size == 1 and not any(_norm(k) == "distributed_executor_backend" for k in flags):
+        bind = (env or {}).get(_OMP_BIND, child_env.get(_OMP_BIND, "auto"))
+        chosen = any(_norm(k) == "distributed_executor_backend" for k in flags)
+        if strategy.world_size == 1 and bind in ("", "auto") and not chosen:
             _one_process_cpu_engine(flags, child_env, env or {})
     child_env.update(env or {})
     middleware: list[str] = []
@@ -252,30 +254,21 @@ def _middleware(backend: str, cls: type, what: str) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+_OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM CPU: the cores a server's threads are pinned to
+
+
 def _one_process_cpu_engine(flags: dict[str, Any], child_env: dict[str, str], env: dict[str, str]) -> None:
     """Run a one-device CPU vLLM's model in its engine process (``uni`` executor) instead of a third process.
 
     vLLM on CPU otherwise spawns a worker process that imports vLLM again: ~6 s more per server start on 2 cores.
-    Its multiprocess executor also binds OpenMP threads, which a ``uni`` worker cannot do once started, so the
-    thread count it would have bound is set before the server starts (unless ``env`` sets ``OMP_NUM_THREADS``):
-    the cores of ``VLLM_CPU_OMP_THREADS_BIND``, else all usable cores but one (vLLM's reserve). Not pinned.
+    Only for servers without a core list (``VLLM_CPU_OMP_THREADS_BIND`` unset or ``auto``): a list is pinned by the
+    multiprocess executor alone. Its automatic binding takes every usable core but one, so that many OpenMP threads
+    are set here before the server starts (unless ``env`` sets ``OMP_NUM_THREADS``); they are not pinned.
     """
     flags["distributed_executor_backend"] = "uni"
     child_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # vLLM 0.32 turns ``uni`` back into ``mp`` without this
     if "OMP_NUM_THREADS" not in env:
-        bind = env.get("VLLM_CPU_OMP_THREADS_BIND", child_env.get("VLLM_CPU_OMP_THREADS_BIND", "auto"))
-        child_env["OMP_NUM_THREADS"] = str(_bound_cores(bind) or max(1, usable_cores() - 1))
-
-
-def _bound_cores(bind: str) -> int:
-    """How many cores a one-rank ``VLLM_CPU_OMP_THREADS_BIND`` names ("0,1", "0-3"); 0 for "auto"/"nobind"."""
-    if bind in ("", "auto", "nobind"):
-        return 0
-    cores: set[int] = set()
-    for part in bind.split("|")[0].split(","):
-        lo, _, hi = part.partition("-")
-        cores.update(range(int(lo), int(hi or lo) + 1))
-    return len(cores)
+        child_env["OMP_NUM_THREADS"] = str(max(1, usable_cores() - 1))
 
 
 def _norm(key: str) -> str:
