@@ -24,6 +24,7 @@ from tandemrl.configs import (
 from tandemrl.configs.agent import AgentGRPOConfig
 from tandemrl.configs.loader import list_presets
 from tandemrl.configs.tinker import TinkerServeConfig
+from tandemrl.configs.verifiers import VerifiersGRPOConfig
 from tandemrl.trainers.entry import load_config, load_config_or_exit
 
 GRPO_YAML = {
@@ -315,6 +316,7 @@ YAML_SCHEMAS = {
     EXAMPLES / "gsm8k_remax.yaml": GRPOConfig,
     EXAMPLES / "gsm8k_ppo.yaml": PPOConfig,
     EXAMPLES / "gsm8k_agent.yaml": AgentGRPOConfig,
+    EXAMPLES / "verifiers_grpo.yaml": VerifiersGRPOConfig,
     EXAMPLES / "gsm8k_distill.yaml": DistillConfig,
     EXAMPLES / "tinker_serve.yaml": TinkerServeConfig,
     PRESETS / "grpo_gsm8k.yaml": GRPOConfig,

@@ -81,7 +81,7 @@ def _check_servers(config: Any) -> None:
 
 def check_inputs(config: Any) -> None:
     """Model paths and dataset files the config points to; raises one line naming the key or file. Datasets the
-    config generates (``reasoning_gym.tasks``) are written to their path here."""
+    config generates (``reasoning_gym.tasks``, a ``verifiers`` environment's tasks) are written to their path here."""
     _check_servers(config)
     for key in _ENGINE_KEYS:
         path = getattr(_at(config, key), "path", None)
@@ -93,6 +93,7 @@ def check_inputs(config: Any) -> None:
         if tokenizer:
             check_tokenizer_dir(tokenizer, f"{key}.tokenizer_path")
     _check_run_tokenizer(config)
+    _write_environment_tasks(config)
     for key in _DATASET_KEYS:
         ds = getattr(config, key, None)
         if isinstance(ds, DatasetConfig):
@@ -101,6 +102,18 @@ def check_inputs(config: Any) -> None:
                 check_dataset_inputs(ds)
             except FileNotFoundError as err:
                 raise FileNotFoundError(f"{key}.path: {err}") from None
+
+
+def _write_environment_tasks(config: Any) -> None:
+    """A verifiers environment's tasks are the run's rows: written to ``train_dataset.path`` once, here, so a
+    missing environment or package is one line before any process starts."""
+    from tandemrl.configs.verifiers import VerifiersConfig
+
+    env = getattr(config, "verifiers", None)
+    if isinstance(env, VerifiersConfig) and env.env:
+        from tandemrl.workflows.verifiers import ensure_task_rows
+
+        ensure_task_rows(env, config.train_dataset.path)
 
 
 def _check_run_tokenizer(config: Any) -> None:

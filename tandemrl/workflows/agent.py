@@ -13,10 +13,10 @@ trajectory (reward: the return of its first own call) or one per call (reward: t
 return). Rows have RLVRWorkflow's layout (``tandemrl.workflows.rlvr``) with ``constrained``: 1 on
 the outputs of calls that constrained their output (``structured_outputs``, ``response_format``).
 
-A run that times out (``episode_timeout``) drops its group (``<scope>/group_dropped``); an
-error in the agent, or one the proxy hit serving it, is raised (the executor's
-``workflow_error_policy`` decides). With ``mode='fork'`` or ``granularity='turn'`` the rows per
-episode vary, which suits algorithms without per-group normalisation.
+A run that times out (``episode_timeout``) or raises :class:`EpisodeFailed` drops its group
+(``<scope>/group_dropped``, the cause counted as a failing reward's is); any other error in the agent, or one
+the proxy hit serving it, is raised (the executor's ``workflow_error_policy`` decides). With ``mode='fork'`` or
+``granularity='turn'`` the rows per episode vary, which suits algorithms without per-group normalisation.
 """
 
 from __future__ import annotations
@@ -43,6 +43,15 @@ from tandemrl.workflows.rlvr import build_row
 
 AgentFn = Callable[[Any, dict[str, Any]], Awaitable[Any]]
 _LINKS = ("extend", "repair", "fork", "branch", "new")
+
+
+class EpisodeFailed(Exception):
+    """An agent function's run failed for a reason outside the model (its environment raised or timed out): the
+    group is dropped and ``kind`` with its one-line ``detail`` counted, as a failing reward's are."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(detail)
+        self.kind, self.detail = kind, detail
 
 
 def load_agent(spec: str) -> AgentFn:
@@ -152,6 +161,10 @@ class AgentWorkflow(RolloutWorkflow):
             note_failure(
                 "agent timeout", f"an agent run took over agent.episode_timeout={self.config.episode_timeout}s"
             )
+            return None
+        except EpisodeFailed as failed:
+            stats_tracker.get(self.stat_scope).scalar(agent_failed=1.0)
+            note_failure(failed.kind, failed.detail)
             return None
         finally:
             # What the run did besides waiting for the model (its tools, its reward) is environment wait.
