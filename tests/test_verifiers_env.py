@@ -5,21 +5,31 @@ launcher and the session's vLLM server."""
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from side_venv import side_venv
 from utils import REPO_ROOT
 from vllm_server import RunningServer
 
+from tandemrl.api.inference import ModelRequest, ModelResponse
+from tandemrl.configs.agent import AgentConfig
+from tandemrl.configs.rollout import GenerationHyperparameters
 from tandemrl.configs.verifiers import VerifiersConfig
+from tandemrl.utils import stats_tracker
+from tandemrl.workflows.agent import AgentWorkflow
 from tandemrl.workflows.verifiers import VERIFIERS_VERSION, VerifiersEnv, ensure_task_rows, task_rows
 
 ENVS = str(REPO_ROOT / "examples" / "verifiers_envs")
+TEST_ENVS = str(REPO_ROOT / "tests" / "verifiers_envs")
 ENV = {**os.environ, "WANDB_SILENT": "true", "TANDEMRL_DIST_TIMEOUT": "300", "PYTHONPATH": str(REPO_ROOT)}
 
 
@@ -83,3 +93,87 @@ def test_two_grpo_steps_on_an_unmodified_verifiers_environment(
     assert "eval-rollout/vf/correct" in steps[-1], sorted(steps[-1])
     served = [p for p in running_server.requests() if p == "/inference/v1/generate"]
     assert len(served) >= 2 * 4 * 2, len(served)  # 2 steps x 4 tasks x 2 episodes, each one model call
+
+
+class ToolUser:
+    """The model's double for the tool environment (a random tiny model calls no tool): the first call of an
+    episode answers with a ``<tool_call>`` for the prompt's word, the call after the tool's result with that
+    result; any other prompt gets "Done.". Tokens are the tokenizer's, logprobs fixed, version 5."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.calls: list[tuple[list[int], ModelResponse]] = []
+
+    def get_version(self) -> int:
+        return 5
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        text = self.tokenizer.decode(req.input_ids)
+        result = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", text, re.S)
+        if result:
+            reply = f"The number is {result[-1]}."
+        elif words := re.findall(r'with "(\w+)"', text):
+            reply = '<tool_call>\n{"name": "words_lookup", "arguments": {"word": "' + words[-1] + '"}}\n</tool_call>'
+        else:
+            reply = "Done."
+        ids = [*self.tokenizer(reply, add_special_tokens=False)["input_ids"], self.tokenizer.eos_token_id]
+        resp = ModelResponse(
+            input_tokens=list(req.input_ids),
+            output_tokens=ids,
+            output_logprobs=[-0.5] * len(ids),
+            output_versions=[5] * len(ids),
+            stop_reason="stop",
+        )
+        self.calls.append((list(req.input_ids), resp))
+        return resp
+
+
+@pytest.mark.slow
+def test_a_tool_environment_trains_on_both_turns_exact_tokens(vf_python: str, tiny_model_dir: str) -> None:
+    """word_lookup (a verifiers tool served over MCP) through the agent proxy: each episode is two model calls,
+    the second prompt extends the first call's prompt and output token for token, the row is the last prompt
+    plus its output with loss only on the model's tokens, and the rubric found the tool's number."""
+    from test_agent_proxy import KEEP_TEMPLATE
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = ToolUser(tokenizer)
+    config = VerifiersConfig(env="word_lookup", python=vf_python, paths=[ENVS])
+    with VerifiersEnv(config) as env:
+        agent = AgentConfig(chat_template=KEEP_TEMPLATE, tool_parser="qwen2")
+        gconfig = GenerationHyperparameters(n_samples=2, max_new_tokens=64)
+        wf = AgentWorkflow(env.agent("vf-tools"), gconfig, tokenizer, agent, stat_scope="vf-tools")
+        batch = asyncio.run(wf.arun_episode(model, {"vf_task": 1}))
+    assert batch is not None and batch["rewards"].tolist() == [1.0, 1.0]
+    assert len(model.calls) == 4
+    for i in range(2):
+        n = int(batch["attention_mask"][i].sum())
+        ids, mask = batch["input_ids"][i, :n].tolist(), batch["loss_mask"][i, :n].tolist()
+        mine = sorted((c for c in model.calls if ids[: len(c[0])] == c[0]), key=lambda c: len(c[0]))
+        first, second = mine[0], mine[-1]  # both episodes' first calls have the same prompt
+        assert len(first[0]) < len(second[0])
+        assert second[0][: len(first[0]) + len(first[1].output_tokens)] == first[0] + first[1].output_tokens
+        assert ids == second[0] + second[1].output_tokens
+        glue = len(second[0]) - len(first[0]) - len(first[1].output_tokens)
+        assert mask == [0] * len(first[0]) + [1] * len(first[1].output_tokens) + [0] * glue + [1] * (n - len(second[0]))
+    stats = stats_tracker.get("vf-tools").export()
+    assert stats["vf-tools/vf/turns"] == 2.0 and stats["vf-tools/vf/found"] == 1.0
+    assert stats["vf-tools/agent_extend"] == 1.0 and stats["vf-tools/agent_repair"] == 0.0
+
+
+@pytest.mark.slow
+def test_an_environment_that_raises_drops_its_group_with_the_cause(vf_python: str, tiny_model_dir: str) -> None:
+    from transformers import AutoTokenizer
+
+    from tandemrl.api.episode import notes_in
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = VerifiersConfig(env="broken_reward", python=vf_python, paths=[TEST_ENVS])
+    with VerifiersEnv(config) as env:
+        wf = AgentWorkflow(env.agent("vf-broken"), GenerationHyperparameters(n_samples=2), tokenizer, AgentConfig())
+        ctx = contextvars.copy_context()
+        notes = notes_in(ctx)
+        assert ctx.run(asyncio.run, wf.arun_episode(ToolUser(tokenizer), {"vf_task": 0})) is None
+    assert {kind for kind, _ in notes.failures} == {"environment failed"} and len(notes.failures) == 2
+    detail = notes.failures[0][1]
+    assert detail.startswith("verifiers env 'broken_reward': ") and "ZeroDivisionError" in detail, detail

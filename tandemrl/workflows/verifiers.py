@@ -66,7 +66,8 @@ class VerifiersEnv:
             os.close(fd)
         self.log_file = log_file
         env = {**os.environ, "PATH": os.pathsep.join([os.path.dirname(python), os.environ.get("PATH", "")])}
-        env.pop("PYTHONPATH", None)  # the environment's python sees its own packages only
+        # The environment's python sees its own packages and ``paths`` (also in the tool servers it starts).
+        env["PYTHONPATH"] = os.pathsep.join(spec["paths"])
         with open(log_file, "ab") as log:
             self.proc = subprocess.Popen(
                 [python, "-P", str(BRIDGE), json.dumps(spec)],  # -P: not the bridge's directory on sys.path
