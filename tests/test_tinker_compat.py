@@ -1,7 +1,7 @@
 """Tinker clients besides the lock's SDK against one real ``tandemrl tinker-serve`` on the tiny model and a real
 LoRA-enabled vLLM server (docs/tinker.md, "Supported SDK versions" and "tinker-cookbook"): the oldest SDK the
 server claims and the lock's (newest), one just below the range, and a tinker-cookbook recipe. Each other SDK
-runs in its own virtualenv that the test builds on first use (tests/side_venv.py: pip from the package index,
+runs in its own virtualenv that the test builds once per machine (tests/side_venv.py: pip from the package index,
 then reused offline)."""
 
 from __future__ import annotations

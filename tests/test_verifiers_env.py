@@ -1,5 +1,5 @@
 """verifiers environments in tandemrl (docs/environments.md, "verifiers"): the real verifiers 0.4 package in its own
-virtualenv (``.venv-verifiers-test``, built by tests/side_venv.py on first use: verifiers pins openai<3), the
+virtualenv (``verifiers-test``, built by tests/side_venv.py once per machine: verifiers pins openai<3), the
 environment process (tandemrl/workflows/verifiers_bridge.py), and GRPO steps on examples/verifiers_envs through the
 launcher and the session's vLLM server."""
 
