@@ -68,6 +68,32 @@ def test_a_missing_python_or_environment_is_one_line(vf_python: str, tmp_path: P
 
 
 @pytest.mark.slow
+def test_the_environment_process_ends_with_the_process_that_started_it(vf_python: str, tmp_path: Path) -> None:
+    """A trainer that dies without close() (os._exit here) leaves no environment process behind."""
+    import psutil
+
+    marker = str(tmp_path / "marker")  # a sys.path entry in the bridge's command line: only its processes match
+    code = (
+        "import os\nfrom tandemrl.configs.verifiers import VerifiersConfig\n"
+        "from tandemrl.workflows.verifiers import VerifiersEnv\n"
+        f"env = VerifiersEnv(VerifiersConfig(env='sum_digits', python={vf_python!r}, paths=[{ENVS!r}, {marker!r}]))\n"
+        "print(len(env.tasks), flush=True)\nos._exit(0)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "256", out.stdout + out.stderr  # the environment was up, its tasks listed
+
+    def bridges() -> list[psutil.Process]:
+        found = []
+        for p in psutil.process_iter(["cmdline"]):
+            if marker in " ".join(p.info["cmdline"] or []) and "verifiers_bridge.py" in " ".join(p.info["cmdline"]):
+                found.append(p)
+        return found
+
+    _, alive = psutil.wait_procs(bridges(), timeout=60)  # the lifeline: SIGTERM, then SIGKILL after 5 s
+    assert not alive and not bridges(), [p.info["cmdline"] for p in alive]
+
+
+@pytest.mark.slow
 def test_two_grpo_steps_on_an_unmodified_verifiers_environment(
     vf_python: str, tiny_model_dir: str, tmp_path: Path, running_server: RunningServer
 ) -> None:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from tandemrl.utils import stats_tracker
+from tandemrl.utils.lifeline import lifeline_command
 from tandemrl.workflows.agent import EpisodeFailed
 
 if TYPE_CHECKING:
@@ -70,7 +71,9 @@ class VerifiersEnv:
         env["PYTHONPATH"] = os.pathsep.join(spec["paths"])
         with open(log_file, "ab") as log:
             self.proc = subprocess.Popen(
-                [python, "-P", str(BRIDGE), json.dumps(spec)],  # -P: not the bridge's directory on sys.path
+                # -P: not the bridge's directory on sys.path; the lifeline stops the process group (the harness
+                # programs and tool servers verifiers starts) if this process dies without close()
+                lifeline_command([python, "-P", str(BRIDGE), json.dumps(spec)], grace=5.0),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,
@@ -108,7 +111,10 @@ class VerifiersEnv:
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            reply = json.loads(line)
+            try:
+                reply = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # not the protocol's (the bridge sends nothing else there)
             with self._lock:
                 waiter = self._pending.pop(str(reply.get("id")), None)
             if waiter is not None:
@@ -132,9 +138,14 @@ class VerifiersEnv:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[dict[str, Any]] = loop.create_future()
         with self._lock:
+            if not self._reader.is_alive():  # the process is gone: nothing would ever answer
+                return {"error": f"the environment process exited ({self.proc.poll()}): {self._log_tail()}"}
             self._pending[rid] = (loop, fut)
         try:
             self._send({"id": rid, "task": task, "base_url": base_url, "api_key": api_key})
+        except OSError as err:  # it died between the check and the write; the reader fails the future too
+            return {"error": f"the environment process is gone ({err})"}
+        try:
             return await fut
         except asyncio.CancelledError:
             with self._lock:
