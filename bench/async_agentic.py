@@ -10,11 +10,14 @@ samples/s, the ratio to the best synchronous run, the trainer's and the servers'
   sample, answered by :class:`agentic_env.ToolService` (a real HTTP service in this process) after a latency
   drawn from ``--latency`` (lognormal, median 0.5 s, p99 5 s by default), then the model's answer.
 * ``long-tail``: ``bench/longtail_grpo.py``: each request's ``max_new_tokens`` drawn from Pareto(``--tail``).
+* ``openenv``: ``examples/openenv_grpo.py`` on :mod:`openenv_slow_env` (an OpenEnv server the launcher starts,
+  with the python of ``--openenv-python``): retry_arithmetic, two replies per episode at most, every environment
+  step answered after a latency drawn from ``--latency`` (the same distribution as the tool's).
 
 It ends with one line per workload, ``agentic: async/sync 2.13 (best async ..., best sync ...)``.
 A benchmark: it prints figures and asserts nothing.
 
-    python bench/async_agentic.py [--steps 10] [--workloads agentic,long-tail] [--data ../shared/data/gsm8k]
+    python bench/async_agentic.py [--steps 10] [--workloads agentic,long-tail,openenv] [--data ../shared/data/gsm8k]
 """
 
 from __future__ import annotations
@@ -63,11 +66,22 @@ def workload_args(name: str, args: argparse.Namespace) -> tuple[str, list[str]]:
             "examples/gsm8k_agent.yaml",
             "agent.agent=agentic_env:tool_agent",
             f"gconfig.max_new_tokens={args.agent_tokens}",
+            f"train_dataset.path={args.data}",
+        ]
+    if name == "openenv":
+        return "examples/openenv_grpo.py", [
+            "--config",
+            "examples/openenv_grpo.yaml",
+            "openenv.app=openenv_slow_env:app",
+            f"openenv.paths=[{REPO / 'bench'},{REPO / 'examples' / 'openenv_envs'}]",
+            f"openenv.python={args.openenv_python}",
+            "gconfig.max_new_tokens=16",
         ]
     return "bench/longtail_grpo.py", [
         "--config",
         "examples/gsm8k_grpo.yaml",
         f"gconfig.max_new_tokens={args.tail_cap}",
+        f"train_dataset.path={args.data}",
     ]
 
 
@@ -103,6 +117,8 @@ def bench_workload(name: str, args: argparse.Namespace, common: list[str], env: 
     results: dict[str, Result] = {}
     print(f"{name}: {script} {' '.join(overrides + common)}", flush=True)
     for variant, extra in VARIANTS.items():
+        if args.variants and variant not in args.variants.split(","):
+            continue
         trial = f"{name}-{variant}".replace(" ", "_").replace("=", "")
         results[variant] = run(script, overrides + common + extra, root, trial, env)
         show(variant, results[variant], None)
@@ -132,11 +148,12 @@ def main() -> None:
     p.add_argument("--agent-tokens", type=int, default=128, help="gconfig.max_new_tokens of the agentic runs.")
     p.add_argument("--tail", default="16,1.2", help="Long tail: Pareto minimum tokens and tail index alpha.")
     p.add_argument("--tail-cap", type=int, default=512, help="gconfig.max_new_tokens (the cap of the draws).")
+    p.add_argument("--openenv-python", default=".venv-openenv/bin/python", help="openenv.python of the openenv runs.")
+    p.add_argument("--variants", default="", help=f"Comma-separated subset of: {', '.join(VARIANTS)} (default all).")
     args, extra = p.parse_known_args()
     kind, *values = args.latency.split(",")
     latency = Latency(kind, *(float(v) for v in values), seed=args.seed)  # type: ignore[arg-type]
     common = [
-        f"train_dataset.path={args.data}",
         f"train_dataset.batch_size={args.batch_size}",
         f"total_train_steps={args.steps}",
         "evaluator.freq_steps=100000",
@@ -146,6 +163,7 @@ def main() -> None:
     ]
     pythonpath = os.pathsep.join(filter(None, [str(REPO / "bench"), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "WANDB_SILENT": "true", "PYTHONPATH": pythonpath, "TANDEMRL_BENCH_TAIL": args.tail}
+    env.update(TANDEMRL_BENCH_ENV_LATENCY=args.latency, TANDEMRL_BENCH_ENV_SEED=str(args.seed))
     lines = []
     with tempfile.TemporaryDirectory() as root, ToolService(latency) as tools:
         env[TOOL_URL_ENV] = tools.url

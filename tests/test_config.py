@@ -23,6 +23,7 @@ from tandemrl.configs import (
 )
 from tandemrl.configs.agent import AgentGRPOConfig
 from tandemrl.configs.loader import list_presets
+from tandemrl.configs.openenv import OpenEnvGRPOConfig
 from tandemrl.configs.tinker import TinkerServeConfig
 from tandemrl.configs.verifiers import VerifiersGRPOConfig
 from tandemrl.trainers.entry import load_config, load_config_or_exit
@@ -317,6 +318,7 @@ YAML_SCHEMAS = {
     EXAMPLES / "gsm8k_ppo.yaml": PPOConfig,
     EXAMPLES / "gsm8k_agent.yaml": AgentGRPOConfig,
     EXAMPLES / "verifiers_grpo.yaml": VerifiersGRPOConfig,
+    EXAMPLES / "openenv_grpo.yaml": OpenEnvGRPOConfig,
     EXAMPLES / "gsm8k_distill.yaml": DistillConfig,
     EXAMPLES / "tinker_serve.yaml": TinkerServeConfig,
     PRESETS / "grpo_gsm8k.yaml": GRPOConfig,

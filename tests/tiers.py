@@ -122,4 +122,5 @@ TIERS: dict[str, str] = {
     "test_sft_example.py": "e2e",
     "test_slurm_launcher.py": "e2e",
     "test_verifiers_env.py": "e2e",  # the real verifiers in its side venv; one launched run
+    "test_openenv_env.py": "e2e",  # the real openenv in its side venv; one launched run
 }

@@ -5,7 +5,8 @@ servers named in ``allocation_mode`` (every inference component but the generati
 ``vllm[judge]:d1`` in ``vllm[gen]:d1+vllm[judge]:d1+fsdp[actor]:d1``) exports their addresses in
 ``TANDEMRL_AUX_SERVER_ADDRS`` as one JSON object, name -> list of ``host:port`` (one entry per
 data-parallel replica). Trainer code reads them with :func:`aux_server_addresses`. The servers
-require the run's token like the generation servers (``TANDEMRL_SERVER_TOKEN``).
+require the run's token like the generation servers (``TANDEMRL_SERVER_TOKEN``). A launcher that starts
+an OpenEnv environment server (``openenv.app``) exports its base URL in ``TANDEMRL_OPENENV_URL``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 AUX_SERVERS_ENV = "TANDEMRL_AUX_SERVER_ADDRS"
+OPENENV_URL_ENV = "TANDEMRL_OPENENV_URL"
 
 
 def format_aux_addresses(addrs: Mapping[str, Sequence[str]]) -> str:

@@ -66,6 +66,7 @@ class LaunchSpec:
     server_stall_warn: float = 60.0  # launcher.server_stall_warn: a live server silent this long is reported
     server_stall_limit: float = 900.0  # launcher.server_stall_limit: ... and this long stops the run
     server_addrs: list[str] = field(default_factory=list)  # rollout.server_addrs: running servers, none started
+    env_server: Any = None  # the openenv section (an OpenEnvConfig) when it names a server app to start
 
     @property
     def run_dir(self) -> str:
@@ -123,7 +124,7 @@ def read_launch_spec(config_path: str | None, overrides: list[str]) -> LaunchSpe
         if path:
             model_key, model_path = key, path
             break
-    cfg = _load(config_path, [o for o in overrides if o.lstrip("+~").startswith(f"{LAUNCHER_SECTION}.")])
+    cfg = _load(config_path, [o for o in overrides if o.lstrip("+~").startswith((f"{LAUNCHER_SECTION}.", "openenv."))])
     server_extra = _server_extra(cfg, view, alloc)
     if view.rollout.server_addrs and server_extra:
         raise ValueError(
@@ -144,8 +145,26 @@ def read_launch_spec(config_path: str | None, overrides: list[str]) -> LaunchSpe
         server_extra=server_extra,
         aux_servers=_aux_servers(view, alloc),
         server_addrs=list(view.rollout.server_addrs),
+        env_server=_env_server(cfg),
         **_stall_bounds(cfg),
     )
+
+
+def _env_server(cfg: Any) -> Any:
+    """The ``openenv`` section when it names a server app (the launcher starts it), checked; else None."""
+    if _get(cfg, "openenv") is None:
+        return None
+    from omegaconf import OmegaConf
+
+    from tandemrl.configs.openenv import OpenEnvConfig
+    from tandemrl.workflows.openenv import check_config
+
+    try:
+        section: Any = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(OpenEnvConfig), cfg.openenv))
+    except Exception as err:  # omegaconf's messages span lines
+        raise ValueError(f"config key 'openenv': {str(err).splitlines()[0]}") from None
+    check_config(section)
+    return section if section.app and not section.url else None
 
 
 def _stall_bounds(cfg: Any) -> dict[str, float]:

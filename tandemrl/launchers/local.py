@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from tandemrl.api.allocation import AllocationComponent, AllocationMode
-from tandemrl.api.aux_servers import AUX_SERVERS_ENV, format_aux_addresses
+from tandemrl.api.aux_servers import AUX_SERVERS_ENV, OPENENV_URL_ENV, format_aux_addresses
 from tandemrl.inference.remote import SERVER_ADDRS_ENV
 from tandemrl.inference.server_auth import TOKEN_ENV, new_token
 from tandemrl.launchers import common, dry_run
@@ -56,6 +56,7 @@ class _Children:
     servers: list = field(default_factory=list)
     aux: list[tuple[str, Any]] = field(default_factory=list)  # (name, server) of the auxiliary servers
     trainer: subprocess.Popen | None = None
+    env_server: Any = None  # an OpenEnv environment server (tandemrl.workflows.openenv.EnvServer)
 
     def stop(self) -> None:
         if self.trainer is not None and self.trainer.poll() is None:
@@ -64,6 +65,9 @@ class _Children:
             server.stop()
         self.servers.clear()
         self.aux.clear()
+        if self.env_server is not None:
+            self.env_server.stop()
+            self.env_server = None
 
 
 def start_servers(
@@ -126,6 +130,20 @@ def _launch(
     ]
 
 
+def start_env_server(spec: LaunchSpec, run_dir: Path, children: _Children, env: dict[str, str]) -> None:
+    """Start the run's OpenEnv environment server (``openenv.app``) if it has one and wait for its health; its URL
+    goes in the trainer's ``env`` (``TANDEMRL_OPENENV_URL``, unset without a server)."""
+    from tandemrl.workflows.openenv import EnvServer
+
+    env.pop(OPENENV_URL_ENV, None)
+    if spec.env_server is None:
+        return
+    children.env_server = EnvServer(spec.env_server, log_file=str(run_dir / "openenv-server.log"))
+    children.env_server.wait_healthy(spec.env_server.start_timeout)
+    print(f"[launcher] openenv server healthy: {children.env_server.url} ({spec.env_server.app})", flush=True)
+    env[OPENENV_URL_ENV] = str(children.env_server.url)
+
+
 def run_trial(script: str, config_path: str | None, overrides: list[str], spec: LaunchSpec) -> TrialResult:
     """Start servers, run the trainer, stop everything; never leaves a process behind."""
     alloc = spec.allocation
@@ -140,8 +158,9 @@ def run_trial(script: str, config_path: str | None, overrides: list[str], spec: 
         crowded = oversubscription(alloc, visible_gpus(), visible_cpus())
         if crowded:
             print(f"[launcher] warning: {crowded}", flush=True)
-        addrs = start_servers(spec, alloc, run_dir, children, token, placement)
         env = dict(os.environ)
+        start_env_server(spec, run_dir, children, env)  # first: an environment that fails costs no server start
+        addrs = start_servers(spec, alloc, run_dir, children, token, placement)
         for key, value in placement.trainer_env.items():
             if key == "OMP_NUM_THREADS":
                 env.setdefault(key, value)  # a user's thread count wins

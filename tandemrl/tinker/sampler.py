@@ -3,7 +3,8 @@
 Requests are built by tandemrl's ``VLLMBackend`` (it never opens a socket) and sent by the
 shared ``HttpClient``; a saved adapter is loaded under its own name (vLLM multi-LoRA), and a
 sample names it as the request's ``model``. Every save of a name loads it again, under a vLLM
-name of its own (``<name>@<load>``): vLLM keys an adapter's cached prefix KV by its name and
+name of its own (``<name>@<sampler tag>.<load>``, the tag random per sampler so that two tinker-serve processes
+can share one vLLM server): vLLM keys an adapter's cached prefix KV by its name and
 path, so a reload under the old name would keep serving KV of the old weights, and an in-place
 load (``load_inplace``) stays on the adapter's request and makes vLLM reload it from disk at every
 step. A replaced load is unloaded from vLLM once no sample uses it. A failed vLLM call is
@@ -74,6 +75,8 @@ class VLLMSampler:
 
     def __init__(self, addr: str, request_timeout: float = 600.0, base_dir: str = "") -> None:
         self.addr = addr
+        # distinct per sampler, so two tinker-serve processes on one vLLM server never load the same adapter name
+        self.tag = uuid.uuid4().hex[:8]
         # full-weight mode: (HF directory, save version) of the weights the server holds
         self.weights: tuple[str, int] = (base_dir, 0)
         self._readers = 0
@@ -107,7 +110,7 @@ class VLLMSampler:
         if name in self.current and not reload:
             return
         load = self.loads[name] = self.loads.get(name, 0) + 1
-        served = f"{name}@{load}"
+        served = f"{name}@{self.tag}.{load}"
         body = {"lora_name": served, "lora_path": path}
         await self._send(HttpRequest("POST", "/v1/load_lora_adapter", body, 300.0), retries=0)
         old = self.current.get(name)

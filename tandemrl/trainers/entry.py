@@ -105,8 +105,9 @@ def check_inputs(config: Any) -> None:
 
 
 def _write_environment_tasks(config: Any) -> None:
-    """A verifiers environment's tasks are the run's rows: written to ``train_dataset.path`` once, here, so a
-    missing environment or package is one line before any process starts."""
+    """A verifiers environment's tasks, or an OpenEnv environment's reset seeds, are the run's rows: written to
+    ``train_dataset.path`` once, here, so a missing environment or package is one line before any process starts."""
+    from tandemrl.configs.openenv import OpenEnvConfig
     from tandemrl.configs.verifiers import VerifiersConfig
 
     env = getattr(config, "verifiers", None)
@@ -114,6 +115,12 @@ def _write_environment_tasks(config: Any) -> None:
         from tandemrl.workflows.verifiers import ensure_task_rows
 
         ensure_task_rows(env, config.train_dataset.path)
+    openenv = getattr(config, "openenv", None)
+    if isinstance(openenv, OpenEnvConfig):
+        from tandemrl.workflows.openenv import check_config, ensure_seed_rows
+
+        check_config(openenv)
+        ensure_seed_rows(openenv, config.train_dataset.path)
 
 
 def _check_run_tokenizer(config: Any) -> None:

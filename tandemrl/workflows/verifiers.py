@@ -33,6 +33,7 @@ from typing import IO, TYPE_CHECKING, Any
 from tandemrl.utils import stats_tracker
 from tandemrl.utils.lifeline import lifeline_command
 from tandemrl.workflows.agent import EpisodeFailed
+from tandemrl.workflows.env_files import build_venv, write_rows
 
 if TYPE_CHECKING:
     from tandemrl.configs.verifiers import VerifiersConfig
@@ -215,25 +216,14 @@ def ensure_task_rows(config: VerifiersConfig, path: str) -> bool:
         return False
     with VerifiersEnv(config) as env:
         tasks = env.tasks
-    Path(path).mkdir(parents=True, exist_ok=True)
-    for split, rows in task_rows(tasks, config.test_size, config.seed).items():
-        tmp = Path(path) / f".{split}.jsonl.{os.getpid()}"
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-        os.replace(tmp, Path(path) / f"{split}.jsonl")
-    tmp = Path(path) / f".{SPEC_FILE}.{os.getpid()}"
-    tmp.write_text(json.dumps({"spec": spec, "tasks": len(tasks)}), encoding="utf-8")
-    os.replace(tmp, spec_file)  # last: a half-written directory is written again
+    write_rows(path, task_rows(tasks, config.test_size, config.seed), SPEC_FILE, {"spec": spec, "tasks": len(tasks)})
     return True
 
 
 def setup(root: str, packages: list[str]) -> str:
     """Build the virtualenv ``root`` with verifiers, uv (verifiers runs harness programs with it) and
     ``packages`` (the environments); returns its python."""
-    python = os.path.join(root, "bin", "python")
-    subprocess.run([sys.executable, "-m", "venv", root], check=True)
-    reqs = [f"verifiers=={VERIFIERS_VERSION}", "uv", *packages]
-    subprocess.run([python, "-m", "pip", "install", "--disable-pip-version-check", "-q", *reqs], check=True)
-    return python
+    return build_venv(root, [f"verifiers=={VERIFIERS_VERSION}", "uv", *packages])
 
 
 if __name__ == "__main__":
