@@ -96,6 +96,29 @@ def vllm_server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
         server.proc.stop()
 
 
+@pytest.fixture(scope="session")
+def lora_vllm(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """ONE real vLLM server on the tiny model with LoRA on (``LORA_MAX_ADAPTERS`` adapters, rank <= 8), shared by
+    the tinker-serve modules (each tinker-serve names its adapters with a tag of its own). Yields a
+    ``vllm_server.Vllm``; a fixture that starts a tinker-serve on it first loads the model's own weights
+    (``Vllm.restore_base``): a merged or full-weight tinker-serve leaves others as the base."""
+    from vllm_server import LORA_MAX_ADAPTERS, TOKEN_ENV, Vllm, launch_test_server
+
+    from tandemrl.inference.server_auth import new_token
+
+    tmp = tmp_path_factory.mktemp("lora-vllm")
+    os.environ.setdefault(TOKEN_ENV, new_token())  # keep the session server's token if it set one
+    vllm = launch_test_server(
+        tiny_model_dir, str(tmp / "vllm.log"), token=os.environ[TOKEN_ENV],
+        enable_lora=True, max_lora_rank=8, max_loras=LORA_MAX_ADAPTERS,
+    )  # fmt: skip
+    try:
+        vllm.wait_healthy(900.0)
+        yield Vllm(vllm.address, vllm.base_url, tiny_model_dir)
+    finally:
+        vllm.stop()
+
+
 @pytest.fixture
 def running_server(vllm_server) -> Iterator[Any]:
     """The session's vLLM server for one launched run, instead of a server the launcher starts (~25 s of start-up).

@@ -2,48 +2,59 @@
 
 The run is the GRPO example with a dense reward (``tests/workers/grpo_dense_reward.py``), so the
 weights move. One launch sweeps ``async_training=false,true`` x two trial names: four trials, each with its own
-vLLM server and trainer, run one after the other. Each pair (same mode, same seed and config)
+trainer, run one after the other on one vLLM server that this test starts with whole prefills (as the launcher
+would for a deterministic run) and names in ``rollout.server_addrs``; each trial first pushes its initial
+weights there (and every update drops the prefix cache), so no trial sees another's state. Each pair (same mode, same seed and config)
 must log the same scalars (losses, rewards, lengths, ...; timings excluded) and save the same
 final weights, bit for bit; sync and async must differ (the comparison can fail).
 """
 
 from __future__ import annotations
 
-import hashlib
+import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from test_launcher import _grpo_args, _run, _scalars
+from utils import REPO_ROOT
+from vllm_server import TOKEN_ENV, RunningServer, launch_test_server
+
+from tandemrl.inference.server_auth import new_token
+from tandemrl.inference.vllm import DETERMINISTIC_SERVER_FLAGS
+
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+from determinism_digest import TIMING, weights_digest  # noqa: E402 - scripts/ is no package
 
 STEPS = 3
-# Scalars that measure time (or bytes per second) differ between identical runs by nature.
-_TIMING = (
-    "timeperf/",
-    "weight_sync/seconds",
-    "weight_sync/gb_per_s",
-    "server_busy",
-    "pipeline/trainer_idle",
-    "pipeline/server_idle",
-    "pipeline/weight_sync",
-    "env_wait",
-)
 
 
 def _deterministic_scalars(tb_dir: Path) -> dict[str, list[float]]:
-    return {k: v for k, v in _scalars(tb_dir).items() if not any(t in k for t in _TIMING)}
+    return {k: v for k, v in _scalars(tb_dir).items() if not any(t in k for t in TIMING)}
 
 
-def _weights_digest(ckpt: Path) -> str:
-    files = sorted(ckpt.glob("*.safetensors"))
-    assert files, f"no safetensors in {ckpt}"
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f.read_bytes())
-    return h.hexdigest()
+@pytest.fixture
+def whole_prefill_server(tiny_model_dir: str, tmp_path: Path) -> Iterator[RunningServer]:
+    """A vLLM server on the tiny model started with ``DETERMINISTIC_SERVER_FLAGS`` (the session server splits
+    prefills), for the launches' ``rollout.server_addrs``."""
+    token = os.environ.setdefault(TOKEN_ENV, new_token())  # keep the session server's token if it set one
+    requests = tmp_path / "vllm.requests.jsonl"
+    requests.touch()
+    proc = launch_test_server(
+        tiny_model_dir, str(tmp_path / "vllm.log"), token, str(requests), **DETERMINISTIC_SERVER_FLAGS
+    )
+    try:
+        proc.wait_healthy(900.0)
+        yield RunningServer([f"rollout.server_addrs=[{proc.address}]"], {TOKEN_ENV: token}, requests, 0)
+    finally:
+        proc.stop()
 
 
 @pytest.mark.slow
-def test_grpo_deterministic_runs_are_bitwise_identical(tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path) -> None:
+def test_grpo_deterministic_runs_are_bitwise_identical(
+    tiny_model_dir: str, gsm8k_dir: str, tmp_path: Path, whole_prefill_server: RunningServer
+) -> None:
     args = _grpo_args(
         "tests/workers/grpo_dense_reward.py", tiny_model_dir, gsm8k_dir, tmp_path, steps=STEPS, new_tokens=16
     )
@@ -51,8 +62,9 @@ def test_grpo_deterministic_runs_are_bitwise_identical(tiny_model_dir: str, gsm8
     # The example's own batch (8 prompts x 4 samples: 32 seeded requests at once, whose prefills vLLM would
     # otherwise chunk on CPU and crash rewinding their generators; deterministic runs start it with whole prefills).
     extra = ["deterministic=true"]
-    proc = _run([*args, *extra, *sweep], timeout=1800)
+    proc = _run([*args, *extra, *sweep], timeout=1800, server=whole_prefill_server)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "/inference/v1/generate" in whole_prefill_server.requests()  # the trials generated on that server
     runs: dict[tuple[str, str], tuple[dict[str, list[float]], str]] = {}
     for mode in ("false", "true"):
         for name in ("a", "b"):
@@ -68,8 +80,8 @@ def test_grpo_deterministic_runs_are_bitwise_identical(tiny_model_dir: str, gsm8
             if mode == "true":
                 assert stats["rollout/staleness/max"] == [0.0, 1.0, 1.0] == stats["rollout/staleness/min"], trial
             ckpt = tmp_path / "checkpoints" / "gsm8k-grpo" / trial / f"epoch0epochstep{STEPS - 1}globalstep{STEPS - 1}"
-            runs[(mode, name)] = (stats, _weights_digest(ckpt))
-            assert runs[(mode, name)][1] != _weights_digest(Path(tiny_model_dir)), f"{trial}: training left the weights"
+            runs[(mode, name)] = (stats, weights_digest(ckpt))
+            assert runs[(mode, name)][1] != weights_digest(Path(tiny_model_dir)), f"{trial}: training left the weights"
     for mode in ("false", "true"):
         (stats_a, weights_a), (stats_b, weights_b) = runs[(mode, "a")], runs[(mode, "b")]
         assert sorted(stats_a) == sorted(stats_b), mode

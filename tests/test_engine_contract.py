@@ -66,6 +66,7 @@ def test_the_backend_adds_lifecycle_and_weight_export() -> None:
     assert issubclass(TrainBackend, TrainEngine) and issubclass(BaseTrainEngine, TrainBackend)
     assert _members(TrainBackend) == {
         "moe_hybrid",  # with parallel_dims (a bare annotation): the allocation_mode shapes it declares
+        "features",  # what it can do beyond this interface (api.allocation.TRAINING_FEATURES)
         "create_process_group",
         "initialize",
         "destroy",

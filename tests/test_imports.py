@@ -19,3 +19,22 @@ def test_import_leaves_heavy_backends_out() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_configs_import_without_torch() -> None:
+    """A config tool or a launcher node reads configs without torch: with torch made unimportable,
+    `tandemrl.configs` (every config class and the loader) and the allocation parser still import."""
+    code = (
+        "import importlib.abc, sys\n"
+        "class NoTorch(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[0] == 'torch':\n"
+        "            raise ImportError(f'blocked: {name}')\n"
+        "sys.meta_path.insert(0, NoTorch())\n"
+        "import tandemrl.configs, tandemrl.api.allocation\n"
+        "from tandemrl.configs import GRPOConfig, read_config\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]", proc.stdout

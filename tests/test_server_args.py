@@ -28,11 +28,14 @@ def test_server_args_merge_with_the_lora_flags_and_never_contradict_them() -> No
 
 def test_deterministic_runs_get_whole_prefills_on_vllm() -> None:
     """Seeded requests in a split prefill crash vLLM's CPU worker (generator rewind): deterministic runs
-    start their vLLM servers with --no-enable-chunked-prefill, unless server_args decide otherwise."""
+    start their vLLM servers with --no-enable-chunked-prefill, unless server_args decide otherwise; running servers
+    (rollout.server_addrs) get no flags from the launcher, so a deterministic run may name them."""
     assert read_launch_spec(GRPO, ["deterministic=true"]).server_extra == {"no_enable_chunked_prefill": True}
     mine = read_launch_spec(GRPO, ["deterministic=true", "+launcher.server_args.enable_chunked_prefill=true"])
     assert mine.server_extra == {"enable_chunked_prefill": True}
     assert read_launch_spec(GRPO, ["deterministic=false"]).server_extra == {}
+    running = read_launch_spec(GRPO, ["deterministic=true", "rollout.server_addrs=[127.0.0.1:9]"])
+    assert running.server_extra == {} and running.server_addrs == ["127.0.0.1:9"]
 
 
 def test_server_stall_bounds_are_read_and_checked() -> None:

@@ -52,7 +52,7 @@ def test_capacity_formula(args: tuple[int, ...], expected: int) -> None:
 
 
 def test_capacity_grows_with_version_only_through_staleness() -> None:
-    mgr = StalenessManager(max_concurrent_rollouts=100, consumer_batch_size=3, max_staleness=1)
+    mgr = StalenessManager(max_concurrent_rollouts=100, consumer_batch_size=3, max_head_offpolicyness=1)
     caps = [mgr.get_capacity(v) for v in range(4)]
     assert caps == [6, 9, 12, 15]
 
@@ -60,9 +60,15 @@ def test_capacity_grows_with_version_only_through_staleness() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        ({"max_concurrent_rollouts": 0, "consumer_batch_size": 1, "max_staleness": 0}, "max_concurrent_rollouts"),
-        ({"max_concurrent_rollouts": 1, "consumer_batch_size": 0, "max_staleness": 0}, "consumer_batch_size"),
-        ({"max_concurrent_rollouts": 1, "consumer_batch_size": 1, "max_staleness": -1}, "max_head_offpolicyness"),
+        (
+            {"max_concurrent_rollouts": 0, "consumer_batch_size": 1, "max_head_offpolicyness": 0},
+            "max_concurrent_rollouts",
+        ),
+        ({"max_concurrent_rollouts": 1, "consumer_batch_size": 0, "max_head_offpolicyness": 0}, "consumer_batch_size"),
+        (
+            {"max_concurrent_rollouts": 1, "consumer_batch_size": 1, "max_head_offpolicyness": -1},
+            "max_head_offpolicyness",
+        ),
     ],
 )
 def test_invalid_arguments_name_the_field(kwargs: dict[str, int], field: str) -> None:

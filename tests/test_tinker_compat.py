@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import requests
 from side_venv import side_venv
-from test_tinker_serve import Tinker, Vllm, _tinker_serve, lora_vllm  # noqa: F401 - lora_vllm: the vLLM fixture
+from test_tinker_serve import Tinker, _tinker_serve
 from utils import REPO_ROOT
+from vllm_server import Vllm
 
 from tandemrl.tinker.sdk_range import NEWEST, OLDEST
 
@@ -32,10 +33,11 @@ PROGRAM = REPO_ROOT / "tests" / "tinker_sdk_program.py"
 @pytest.fixture(scope="module")
 def served(
     tiny_model_dir: str,
-    lora_vllm: Vllm,  # noqa: F811 - the imported fixture, by name
+    lora_vllm: Vllm,  # the session's LoRA vLLM server (conftest)
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Tinker]:
     tmp = tmp_path_factory.mktemp("tinker-compat")
+    lora_vllm.restore_base()
     with _tinker_serve(tiny_model_dir, lora_vllm, tmp, "--max-adapters", "3") as t:
         yield t
 

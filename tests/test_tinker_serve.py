@@ -25,13 +25,13 @@ import tinker
 import torch
 from tinker import types
 from utils import REPO_ROOT, free_port
-from vllm_server import launch_test_server
+from vllm_server import LORA_MAX_ADAPTERS as MAX_ADAPTERS
+from vllm_server import Vllm
 
-from tandemrl.inference.server_auth import TOKEN_ENV, auth_headers, new_token
+from tandemrl.inference.server_auth import auth_headers
 from tandemrl.inference.vllm import VLLMBackend
 
 pytestmark = pytest.mark.slow
-MAX_ADAPTERS = 3
 BF16_TOL = 0.1
 # vLLM runs the tiny model in bf16 (the fixture's dtype), tinker-serve's trainer in fp32. The same adapter's logprobs
 # from the two differed by at most 0.008 in four runs (36- and 300-token prompts, prompt and sampled logprobs; bf16
@@ -56,27 +56,6 @@ class Tinker:
         """A new SDK client; its session is finished before the server stops (else its heartbeat warns)."""
         self.clients.append(tinker.ServiceClient(base_url=self.url, api_key=self.key))
         return self.clients[-1]
-
-
-@dataclass
-class Vllm:
-    address: str
-    base_url: str
-
-
-@pytest.fixture(scope="module")
-def lora_vllm(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vllm]:
-    tmp = tmp_path_factory.mktemp("tinker-vllm")
-    os.environ.setdefault(TOKEN_ENV, new_token())  # keep the session server's token if it set one
-    vllm = launch_test_server(
-        tiny_model_dir, str(tmp / "vllm.log"), token=os.environ[TOKEN_ENV],
-        enable_lora=True, max_lora_rank=8, max_loras=MAX_ADAPTERS,
-    )  # fmt: skip
-    try:
-        vllm.wait_healthy(900.0)
-        yield Vllm(vllm.address, vllm.base_url)
-    finally:
-        vllm.stop()
 
 
 @contextmanager
@@ -125,6 +104,7 @@ def _tinker_serve(model: str, vllm: Vllm | None, tmp: Path, *extra: str, name: s
 def served(tiny_model_dir: str, lora_vllm: Vllm, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tinker]:
     tmp = tmp_path_factory.mktemp("tinker")
     extra = ("--max-adapters", str(MAX_ADAPTERS), "--session-timeout", str(SESSION_TIMEOUT_S), "--serve", "adapter")
+    lora_vllm.restore_base()
     with _tinker_serve(tiny_model_dir, lora_vllm, tmp, *extra, name=SERVED_NAME) as t:
         yield t
 

@@ -164,6 +164,9 @@ class _FakeBackend:
     def server_env(self) -> dict[str, str]:
         return {}
 
+    def cpu_launch(self, flags: dict[str, Any], child_env: dict[str, str], env: dict[str, str], world: int) -> None:
+        pass
+
     def build_health(self) -> HttpRequest:
         return HttpRequest("GET", "/health", None, 5.0)
 

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from utils import REPO_ROOT
 
-from tandemrl.api.renamed import REMOVED_IN, RENAMED, RENAMED_IN
+from tandemrl.api.renamed import REMOVED_IN, RENAMED, RENAMED_IN, RENAMED_MODULES
 from tandemrl.configs import GRPOConfig, PPOActorConfig
 from tandemrl.configs.loader import ConfigError
 from tandemrl.trainers.entry import load_config
@@ -156,3 +156,28 @@ def retired_uses(root: Path = REPO_ROOT) -> list[str]:
 def test_no_retired_name_is_written_anywhere() -> None:
     hits = retired_uses()
     assert not hits, "retired names (tandemrl/api/renamed.py has their new ones):\n" + "\n".join(hits)
+
+
+@pytest.mark.parametrize(("old", "new"), sorted(RENAMED_MODULES.items()))
+def test_a_renamed_module_fails_with_the_line_naming_the_new_one(old: str, new: str) -> None:
+    with pytest.raises(ModuleNotFoundError) as info:
+        importlib.import_module(old)
+    assert str(info.value) == f"module {old} was renamed to {new} in tandemrl {RENAMED_IN}"
+    assert importlib.import_module(new).__name__ == new
+    where = [
+        str(p.relative_to(REPO_ROOT)) for top in ("tandemrl", "docs", "tests") for p in (REPO_ROOT / top).rglob("*")
+    ]
+    assert f"{old.replace('.', '/')}.py" not in where
+
+
+def test_no_renamed_module_is_named_anywhere_but_the_tables() -> None:
+    pattern = re.compile("|".join(re.escape(old) + r"\b" for old in RENAMED_MODULES))
+    hits = [
+        f"{p.relative_to(REPO_ROOT)}:{n}"
+        for top in ("tandemrl", "docs", "examples", "bench", "scripts", "tests")
+        for p in (REPO_ROOT / top).rglob("*")
+        if p.suffix in (".py", ".md", ".yaml", ".sh") and p.resolve() not in (TABLE.resolve(), Path(__file__).resolve())
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert hits and {h.split(":")[0] for h in hits} == {"docs/architecture.md"}, hits  # the rename notice's prose

@@ -18,6 +18,7 @@ TIERS: dict[str, str] = {
     "test_architecture_doc.py": "unit",
     "test_arith_data.py": "unit",
     "test_reasoning_gym.py": "unit",
+    "test_backend_features.py": "unit",
     "test_backend_registry.py": "unit",
     "test_bench_vs_trl.py": "unit",
     "test_cli.py": "unit",

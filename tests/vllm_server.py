@@ -36,6 +36,36 @@ TESTS_DIR = Path(__file__).resolve().parent
 START_TIMEOUT_S = 900.0
 
 
+# The session's LoRA server (the ``lora_vllm`` fixture) holds this many adapters at once.
+LORA_MAX_ADAPTERS = 3
+
+
+@dataclass
+class Vllm:
+    """A running vLLM server's address (host:port) and base URL, started on ``model_dir``."""
+
+    address: str
+    base_url: str
+    model_dir: str
+
+    def restore_base(self) -> None:
+        """The model's own weights again, unpaused: a merged or full-weight tinker-serve loads others as the base."""
+        from tandemrl.api.inference import WeightUpdateMeta
+
+        backend = VLLMBackend()
+        steps = backend.build_update_from_disk(WeightUpdateMeta(type="disk", path=self.model_dir))
+        for req in [*steps, backend.build_resume()]:
+            r = requests.request(
+                req.method,
+                self.base_url + req.path,
+                json=req.json,
+                timeout=req.timeout or 120.0,
+                headers=auth_headers(),
+            )
+            if not r.ok:
+                raise RuntimeError(f"{req.method} {req.path} -> HTTP {r.status_code}: {r.text[:300]}")
+
+
 @dataclass
 class RunningServer:
     """A running server for a launched run (the ``running_server`` fixture): the launch's extra ``overrides``

@@ -11,25 +11,54 @@
 - ``allocation``: ``AllocationMode``, the parsed ``allocation_mode`` string.
 """
 
-from typing import TYPE_CHECKING
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
-from tandemrl.api.allocation import AllocationMode
-from tandemrl.api.backend import InferenceBackend
-from tandemrl.api.engine import LossFn, LossWeightFn, PostHook, TrainBackend, TrainEngine
-from tandemrl.api.generation import GenerationHyperparameters
-from tandemrl.api.inference import (
-    GenerateChunk,
-    HttpRequest,
-    ModelRequest,
-    ModelResponse,
-    ParamSpec,
-    StopReason,
-    VersionSpan,
-    WeightUpdateMeta,
-)
 from tandemrl.api.renamed import retired_names
-from tandemrl.api.types import FinetuneSpec, ParallelStrategy, RolloutBatch, SaveLoadMeta, TensorDict
-from tandemrl.api.workflow import GenerationClient, RolloutWorkflow
+
+if TYPE_CHECKING:
+    from tandemrl.api.allocation import AllocationMode
+    from tandemrl.api.backend import InferenceBackend
+    from tandemrl.api.engine import LossFn, LossWeightFn, PostHook, TrainBackend, TrainEngine
+    from tandemrl.api.generation import GenerationHyperparameters
+    from tandemrl.api.inference import (
+        GenerateChunk,
+        HttpRequest,
+        ModelRequest,
+        ModelResponse,
+        ParamSpec,
+        StopReason,
+        VersionSpan,
+        WeightUpdateMeta,
+    )
+    from tandemrl.api.parallel import ParallelStrategy
+    from tandemrl.api.types import FinetuneSpec, RolloutBatch, SaveLoadMeta, TensorDict
+    from tandemrl.api.workflow import GenerationClient, RolloutWorkflow
+
+# Each name's module, imported on first use: ``import tandemrl.api.X`` (and so ``tandemrl.configs``) needs
+# no torch unless X does.
+_HOME = {
+    "AllocationMode": "allocation",
+    "InferenceBackend": "backend",
+    **dict.fromkeys(("LossFn", "LossWeightFn", "PostHook", "TrainBackend", "TrainEngine"), "engine"),
+    "GenerationHyperparameters": "generation",
+    **dict.fromkeys(
+        (
+            "GenerateChunk",
+            "HttpRequest",
+            "ModelRequest",
+            "ModelResponse",
+            "ParamSpec",
+            "StopReason",
+            "VersionSpan",
+            "WeightUpdateMeta",
+        ),
+        "inference",
+    ),
+    "ParallelStrategy": "parallel",
+    **dict.fromkeys(("FinetuneSpec", "RolloutBatch", "SaveLoadMeta", "TensorDict"), "types"),
+    **dict.fromkeys(("GenerationClient", "RolloutWorkflow"), "workflow"),
+}
 
 __all__ = [
     "AllocationMode",
@@ -57,5 +86,12 @@ __all__ = [
     "WeightUpdateMeta",
 ]
 
-if not TYPE_CHECKING:  # old names fail with the line naming the new one (tandemrl.api.renamed)
-    __getattr__ = retired_names(__name__)
+_retired = retired_names(__name__)  # old names fail with the line naming the new one (tandemrl.api.renamed)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOME:
+        value = getattr(import_module(f"{__name__}.{_HOME[name]}"), name)
+        globals()[name] = value
+        return value
+    return _retired(name)

@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tandemrl.api.types import ParallelStrategy
+from tandemrl.api.parallel import ParallelStrategy
 
 # Dimension letter -> ParallelStrategy field, in canonical print order.
 DIM_LETTERS: dict[str, str] = {"d": "dp", "t": "tp", "p": "pp", "c": "cp", "e": "ep"}
@@ -61,12 +61,29 @@ class BackendShape:
     """What the parser needs to know of one backend, as its class declares it.
 
     ``kind``: "training" or "inference". ``dims``: the letters (of d, t, p, c, e) it may set
-    above 1. ``moe_hybrid``: whether it takes the ``(attn:...|ffn:...)`` body.
+    above 1. ``moe_hybrid``: whether it takes the ``(attn:...|ffn:...)`` body. ``features``: what
+    it can do beyond its protocol (the class's ``features``: ``TRAINING_FEATURES`` or ``SERVER_FEATURES``),
+    carried on each parsed component so callers ask the component, never the backend's name.
     """
 
     kind: Literal["training", "inference"]
     dims: str
     moe_hybrid: bool = False
+    features: frozenset[str] = frozenset()
+
+
+# What a training backend class may list in ``features``.
+TRAINING_FEATURES = {
+    "lora": "trains LoRA adapters (engine.lora.rank > 0)",
+    "router_replay": "replays the behaviour policy's MoE routing (megatron.router_replay)",
+}
+# What an inference backend class may list in ``features``.
+SERVER_FEATURES = {
+    "token": "its servers require the run's token on every request (the launchers make one per run)",
+    "middleware": "its server command takes ASGI middleware (token checks, request logs)",
+    "lora_adapters": "its servers load LoRA adapters at run time (``lora_flags`` start them so)",
+    "judge": "serves a reward judge's constrained chat completions (reward_service.judge)",
+}
 
 
 class LazyShapes(Mapping[str, BackendShape]):
@@ -80,7 +97,8 @@ class LazyShapes(Mapping[str, BackendShape]):
         if name not in self._rows:
             raise KeyError(name)
         cls = self._load(name)
-        return BackendShape(self._kind, str(cls.parallel_dims), bool(getattr(cls, "moe_hybrid", False)))
+        features = frozenset(getattr(cls, "features", ()))
+        return BackendShape(self._kind, str(cls.parallel_dims), bool(getattr(cls, "moe_hybrid", False)), features)
 
     def __contains__(self, name: object) -> bool:
         return name in self._rows
@@ -107,6 +125,7 @@ class AllocationComponent:
     kind: str  # "inference" or "training"
     strategy: ParallelStrategy
     group: int = 0
+    features: frozenset[str] = field(default=frozenset(), compare=False)  # the backend's (BackendShape.features)
 
     @property
     def world_size(self) -> int:
@@ -387,7 +406,9 @@ def _build(
             f"expert parallel 'e{strategy.ep}' does not divide the ffn world of {per_stage} devices per "
             f"pipeline stage in {token!r}"
         )
-    return AllocationComponent(name=name, backend=backend, kind=shape.kind, strategy=strategy, group=group)
+    return AllocationComponent(
+        name=name, backend=backend, kind=shape.kind, strategy=strategy, group=group, features=shape.features
+    )
 
 
 def _check_allowed(owner: str, dims: dict[str, int], allowed: str, token: str) -> None:

@@ -24,6 +24,11 @@ class InferenceBackend(Protocol):
     # (the server receives them all inside that call). False: the server API takes one
     # bucket per request, so the client sends one request per bucket, in order.
     multi_bucket_collective: bool
+    # What it can do beyond this protocol: names of ``tandemrl.api.allocation.SERVER_FEATURES``.
+    features: frozenset[str]
+    # Server flags of a deterministic run (``deterministic=true``): what its servers need to sample a seeded
+    # request the same way every time; {} if nothing.
+    deterministic_flags: dict[str, Any]
 
     def build_generate(self, req: ModelRequest, output_so_far: list[int], remaining: int, version: int) -> HttpRequest:
         """Continue ``req.input_ids + output_so_far`` for at most ``remaining`` new tokens."""
@@ -123,4 +128,14 @@ class InferenceBackend(Protocol):
 
     def server_env(self) -> dict[str, str]:
         """Environment variables the server process needs on top of the caller's."""
+        ...
+
+    def lora_flags(self, rank: int) -> dict[str, Any]:
+        """Server flags that let a server load one LoRA adapter of ``rank`` at run time (feature
+        ``lora_adapters``); a one-line ValueError if it cannot."""
+        ...
+
+    def cpu_launch(self, flags: dict[str, Any], child_env: dict[str, str], env: dict[str, str], world: int) -> None:
+        """Adjust a server launch (its ``flags`` and ``child_env``, in place) for a machine without CUDA; ``env``
+        is what the caller asked for, ``world`` the server's device count."""
         ...

@@ -106,6 +106,8 @@ class TrainBackend(TrainEngine):
     parallel_dims: ClassVar[str]
     # Whether it takes the MoE hybrid body, ``backend:(attn:<dims>|ffn:<dims>)``.
     moe_hybrid: ClassVar[bool] = False
+    # What it can do beyond this interface: names of ``tandemrl.api.allocation.TRAINING_FEATURES``.
+    features: ClassVar[frozenset[str]] = frozenset()
 
     @abstractmethod
     def create_process_group(self, parallel_strategy: ParallelStrategy | None = None) -> None:

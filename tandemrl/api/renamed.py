@@ -10,6 +10,8 @@ after that an old name is an ordinary unknown one.
 
 from __future__ import annotations
 
+import importlib.abc
+import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -26,6 +28,34 @@ RENAMED: dict[str, dict[str, tuple[str, str]]] = {
     "tandemrl.workflows": {"GenerationEngine": ("GenerationClient", "tandemrl.workflows")},
     "tandemrl.algorithms.lm": {"LMEngine": ("SFTActor", "tandemrl.algorithms.sft")},
 }
+
+
+# old module -> its new name: importing the old one fails with moved_module_line (ModuleNotices, installed
+# by ``import tandemrl``).
+RENAMED_MODULES: dict[str, str] = {
+    "tandemrl.inference.servers": "tandemrl.inference.server_pool",
+    "tandemrl.tinker.server": "tandemrl.tinker.routes",
+}
+
+
+def moved_module_line(old: str, new: str) -> str:
+    """The one line an import of a renamed module fails with."""
+    return f"module {old} was renamed to {new} in tandemrl {RENAMED_IN}"
+
+
+class ModuleNotices(importlib.abc.MetaPathFinder):
+    """A finder consulted for the renamed modules alone: their import raises :func:`moved_module_line`."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if name in RENAMED_MODULES:
+            raise ModuleNotFoundError(moved_module_line(name, RENAMED_MODULES[name]), name=name)
+        return None
+
+
+def install_module_notices() -> None:
+    """Put one :class:`ModuleNotices` first in ``sys.meta_path`` (again: a no-op)."""
+    if not any(isinstance(f, ModuleNotices) for f in sys.meta_path):
+        sys.meta_path.insert(0, ModuleNotices())
 
 
 def renamed_line(old: str, new: str, where: str) -> str:
@@ -66,4 +96,15 @@ class RenamedAttribute:
         raise AttributeError(renamed_line(f"{self.owner}.{self.old}", f"{self.owner}.{self.new}", self.module))
 
 
-__all__ = ["REMOVED_IN", "RENAMED", "RENAMED_IN", "RenamedAttribute", "renamed_line", "retired_names"]
+__all__ = [
+    "REMOVED_IN",
+    "RENAMED",
+    "RENAMED_IN",
+    "RENAMED_MODULES",
+    "ModuleNotices",
+    "RenamedAttribute",
+    "install_module_notices",
+    "moved_module_line",
+    "renamed_line",
+    "retired_names",
+]

@@ -7,6 +7,8 @@ from typing import Final, TypedDict
 
 import torch
 
+from tandemrl.api.parallel import ParallelStrategy as ParallelStrategy  # re-exported: its home before api/parallel.py
+
 # A batch: named tensors. Padded batches are [B, L] with an `attention_mask`;
 # packed micro-batches are 1-D over tokens with `cu_seqlens` (see tandemrl/engines/packing.py).
 TensorDict = dict[str, torch.Tensor]
@@ -38,22 +40,6 @@ class RolloutBatch(_RolloutOptional):
     logprobs: torch.Tensor  # [B, L] behaviour-policy logprob of each generated token, 0 elsewhere
     versions: torch.Tensor  # [B, L] weight version that generated each token, -1 on prompt/padding
     rewards: torch.Tensor  # [B] per-sequence reward (some workflows: [B, L] per token)
-
-
-@dataclass(frozen=True)
-class ParallelStrategy:
-    """Sizes of each parallel dimension of one component (training or inference)."""
-
-    dp: int = 1  # data parallel (FSDP/ZeRO shards over it)
-    tp: int = 1  # tensor parallel
-    pp: int = 1  # pipeline parallel
-    cp: int = 1  # context parallel
-    ep: int = 1  # expert parallel (MoE); shares devices with dp*cp*tp
-    etp: int = 1  # expert tensor parallel (MoE)
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
 
 
 @dataclass

@@ -279,9 +279,10 @@ def _engine_configs(config: Any) -> list[tuple[str, Any]]:
 
 def _router_replay_fits(config: Any) -> Problem | None:
     """MoE routing replay is implemented on the Megatron engine only (docs/moe.md)."""
-    backend = _allocation(config).train_backend
+    train = _allocation(config).train
+    backend = train.backend if train else None
     for key, cfg in _engine_configs(config):
-        if cfg.megatron.router_replay and backend != "megatron":
+        if cfg.megatron.router_replay and (train is None or "router_replay" not in train.features):
             return (
                 f"{key}.megatron.router_replay",
                 f"is true: MoE routing replay is Megatron-only, but allocation_mode '{config.allocation_mode}' "
@@ -292,13 +293,14 @@ def _router_replay_fits(config: Any) -> Problem | None:
 
 def _lora_fits(config: Any) -> Problem | None:
     """LoRA is implemented on the FSDP2 engine only, and a critic's value head is no adapter target."""
-    backend = _allocation(config).train_backend
+    train = _allocation(config).train
+    backend = train.backend if train else None
     for key, cfg in _engine_configs(config):
         if cfg.lora.rank <= 0:
             continue
         if cfg.is_critic:
             return f"{key}.lora.rank", f"is {cfg.lora.rank}: LoRA trains actors and SFT models, not a critic"
-        if backend != "fsdp":
+        if train is None or "lora" not in train.features:
             return (
                 f"{key}.lora.rank",
                 f"is {cfg.lora.rank}: LoRA is FSDP2-only for now, but allocation_mode "

@@ -99,7 +99,7 @@ def service_problem(
                 f"is {judge!r}, which is no auxiliary server of allocation_mode '{allocation_mode}' "
                 f"(add 'vllm[{judge}]:d1' and aux_servers.{judge}.path)",
             )
-        if judge_server.backend != "vllm":
+        if "judge" not in judge_server.features:
             return "reward_service.judge", f"is {judge!r}, a {judge_server.backend} server; the judge needs vllm"
     if url:
         problem = url_problem(url)

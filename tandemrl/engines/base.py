@@ -120,7 +120,7 @@ class BaseTrainEngine(TrainBackend):
     supports_prefix_sharing: ClassVar[bool] = True  # its _forward_logits runs the shared layout (hf_model)
 
     def __init__(self, config: TrainEngineConfig):
-        if config.megatron.router_replay and self.backend != "megatron":
+        if config.megatron.router_replay and "router_replay" not in self.features:
             raise ValueError(
                 f"megatron.router_replay: MoE routing replay is Megatron-only, this is the {self.backend} engine"
             )

@@ -11,7 +11,7 @@ on the new weights; the client's call simply lasts longer). Requests are built a
 ``InferenceBackend`` and sent by the shared client in ``tandemrl.inference.http``.
 
 Its weight-update calls are ``WeightCalls`` (``tandemrl.inference.weight_calls``); the server list
-(``ServerPool``, ``parse_server_addrs``, ``ServerUnavailableError``) is ``tandemrl.inference.servers``,
+(``ServerPool``, ``parse_server_addrs``, ``ServerUnavailableError``) is ``tandemrl.inference.server_pool``,
 re-exported here.
 
 The client owns no rollout machinery: ``tandemrl.rollout`` (the executor and the
@@ -50,7 +50,7 @@ from tandemrl.configs.rollout import InferenceClientConfig
 from tandemrl.inference.busy import BusyClock
 from tandemrl.inference.http import HttpClient, InferenceServerError, shared_client
 from tandemrl.inference.registry import backend_class
-from tandemrl.inference.servers import SERVER_ADDRS_ENV, ServerPool, ServerUnavailableError, parse_server_addrs
+from tandemrl.inference.server_pool import SERVER_ADDRS_ENV, ServerPool, ServerUnavailableError, parse_server_addrs
 from tandemrl.inference.weight_calls import WeightCalls
 
 logger = logging.getLogger(__name__)

@@ -29,7 +29,6 @@ from tandemrl.api.types import ParallelStrategy
 from tandemrl.inference.request_log import REQUEST_LOG_ENV, RequestLogMiddleware
 from tandemrl.inference.server_auth import TOKEN_ENV, TokenMiddleware
 from tandemrl.utils.lifeline import lifeline_command
-from tandemrl.utils.machine import usable_cores
 
 if TYPE_CHECKING:
     from tandemrl.api.backend import InferenceBackend
@@ -208,22 +207,15 @@ def launch_server(
     child_env = dict(os.environ)
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, child_env.get("PYTHONPATH")) if p)
     child_env.update(backend.server_env())
-    if backend.name == "vllm" and not _cuda_available():
-        # CPU: the compiled graph buys little for small models but costs a minute at startup.
-        if not any(_norm(k) == "enforce_eager" for k in flags):
-            flags["enforce_eager"] = True
-        child_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default grabs a share of host RAM
-        bind = (env or {}).get(_OMP_BIND, child_env.get(_OMP_BIND, "auto"))
-        chosen = any(_norm(k) == "distributed_executor_backend" for k in flags)
-        if strategy.world_size == 1 and bind in ("", "auto") and not chosen:
-            _one_process_cpu_engine(flags, child_env, env or {})
+    if not _cuda_available():
+        backend.cpu_launch(flags, child_env, env or {}, strategy.world_size)
     child_env.update(env or {})
     middleware: list[str] = []
     if token:
-        middleware.append(_middleware(backend.name, TokenMiddleware, "token authentication"))
+        middleware.append(_middleware(backend, TokenMiddleware, "token authentication"))
         child_env[TOKEN_ENV] = token
     if request_log:
-        middleware.append(_middleware(backend.name, RequestLogMiddleware, "request logs"))
+        middleware.append(_middleware(backend, RequestLogMiddleware, "request logs"))
         child_env[REQUEST_LOG_ENV] = str(Path(request_log).resolve())
     cmd = backend.server_command(model_path, host, port, strategy, flags)
     for path in middleware:  # vLLM takes one --middleware per class
@@ -247,32 +239,11 @@ def launch_server(
     return ServerProcess(backend, proc, host, port, log_file)
 
 
-def _middleware(backend: str, cls: type, what: str) -> str:
+def _middleware(backend: InferenceBackend, cls: type, what: str) -> str:
     """Import path of an ASGI middleware class for the server's ``--middleware`` flag."""
-    if backend != "vllm":
-        raise ValueError(f"launch_server: {what} is not implemented for {backend} servers")
+    if "middleware" not in backend.features:
+        raise ValueError(f"launch_server: {what} is not implemented for {backend.name} servers")
     return f"{cls.__module__}.{cls.__qualname__}"
-
-
-_OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM CPU: the cores a server's threads are pinned to
-
-
-def _one_process_cpu_engine(flags: dict[str, Any], child_env: dict[str, str], env: dict[str, str]) -> None:
-    """Run a one-device CPU vLLM's model in its engine process (``uni`` executor) instead of a third process.
-
-    vLLM on CPU otherwise spawns a worker process that imports vLLM again: ~6 s more per server start on 2 cores.
-    Only for servers without a core list (``VLLM_CPU_OMP_THREADS_BIND`` unset or ``auto``): a list is pinned by the
-    multiprocess executor alone. Its automatic binding takes every usable core but one, so that many OpenMP threads
-    are set here before the server starts (unless ``env`` sets ``OMP_NUM_THREADS``); they are not pinned.
-    """
-    flags["distributed_executor_backend"] = "uni"
-    child_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # vLLM 0.32 turns ``uni`` back into ``mp`` without this
-    if "OMP_NUM_THREADS" not in env:
-        child_env["OMP_NUM_THREADS"] = str(max(1, usable_cores() - 1))
-
-
-def _norm(key: str) -> str:
-    return key.lstrip("-").replace("-", "_")
 
 
 def _cuda_available() -> bool:

@@ -54,6 +54,8 @@ class SGLangBackend(TimeoutsMixin):
     parallel_dims = "dtp"  # allocation_mode dims it serves with: data, tensor, pipeline
     # /update_weights_from_distributed describes one bucket per request.
     multi_bucket_collective = False
+    features: frozenset[str] = frozenset()  # no token checks, middleware, run-time adapters or judge here
+    deterministic_flags: dict[str, Any] = {}  # seeded sampling needs no server flag (nothing measured: CUDA-only)
 
     # ---- generation ----------------------------------------------------------------------
 
@@ -255,6 +257,12 @@ class SGLangBackend(TimeoutsMixin):
 
     def server_env(self) -> dict[str, str]:
         return {}
+
+    def lora_flags(self, rank: int) -> dict[str, Any]:
+        raise ValueError(f"lora.rank={rank}: {self.name} servers load no LoRA adapters at run time here")
+
+    def cpu_launch(self, flags: dict[str, Any], child_env: dict[str, str], env: dict[str, str], world: int) -> None:
+        """Nothing to adjust: SGLang servers need CUDA (they fail at start-up without it)."""
 
 
 def _split_triples(

@@ -51,6 +51,7 @@ from tandemrl.inference.backend import (
     require_list,
     server_error,
 )
+from tandemrl.utils.machine import usable_cores
 from tandemrl.weights.wire import buckets_to_json
 
 if TYPE_CHECKING:
@@ -100,6 +101,8 @@ class VLLMBackend(TimeoutsMixin):
     parallel_dims = "dtp"  # allocation_mode dims it serves with: data, tensor, pipeline
     # tandemrl_recv_weights takes every bucket's metadata in one call.
     multi_bucket_collective = True
+    features = frozenset({"token", "middleware", "lora_adapters", "judge"})
+    deterministic_flags = DETERMINISTIC_SERVER_FLAGS
     # Set once a LoRA adapter is loaded (``adapter_loaded``): generation then names it as the model.
     adapter: str | None = None
 
@@ -320,6 +323,44 @@ class VLLMBackend(TimeoutsMixin):
     def server_env(self) -> dict[str, str]:
         """Dev mode (RL routes) and runtime LoRA loading (used only by servers started with --enable-lora)."""
         return {"VLLM_SERVER_DEV_MODE": "1", RUNTIME_LORA_ENV: "True"}
+
+    # ---- launching -------------------------------------------------------------------------
+
+    def lora_flags(self, rank: int) -> dict[str, Any]:
+        return lora_server_flags(rank)
+
+    def cpu_launch(self, flags: dict[str, Any], child_env: dict[str, str], env: dict[str, str], world: int) -> None:
+        """vLLM's CPU build: eager mode (the compiled graph buys little for small models but costs a minute at
+        start-up), a 1 GiB KV cache (the default takes a share of host RAM), and a one-device server without a
+        core list runs its model in the engine process (:func:`one_process_cpu_engine`)."""
+        if not any(_norm(k) == "enforce_eager" for k in flags):
+            flags["enforce_eager"] = True
+        child_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+        bind = env.get(OMP_BIND, child_env.get(OMP_BIND, "auto"))
+        chosen = any(_norm(k) == "distributed_executor_backend" for k in flags)
+        if world == 1 and bind in ("", "auto") and not chosen:
+            one_process_cpu_engine(flags, child_env, env)
+
+
+OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM CPU: the cores a server's threads are pinned to
+
+
+def one_process_cpu_engine(flags: dict[str, Any], child_env: dict[str, str], env: dict[str, str]) -> None:
+    """Run a one-device CPU vLLM's model in its engine process (``uni`` executor) instead of a third process.
+
+    vLLM on CPU otherwise spawns a worker process that imports vLLM again: ~6 s more per server start on 2 cores.
+    Only for servers without a core list (``VLLM_CPU_OMP_THREADS_BIND`` unset or ``auto``): a list is pinned by the
+    multiprocess executor alone. Its automatic binding takes every usable core but one, so that many OpenMP threads
+    are set here before the server starts (unless ``env`` sets ``OMP_NUM_THREADS``); they are not pinned.
+    """
+    flags["distributed_executor_backend"] = "uni"
+    child_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # vLLM 0.32 turns ``uni`` back into ``mp`` without this
+    if "OMP_NUM_THREADS" not in env:
+        child_env["OMP_NUM_THREADS"] = str(max(1, usable_cores() - 1))
+
+
+def _norm(key: str) -> str:
+    return key.lstrip("-").replace("-", "_")
 
 
 def cache_salt(version: int) -> str:

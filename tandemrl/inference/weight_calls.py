@@ -21,7 +21,7 @@ from tandemrl.api.backend import InferenceBackend
 from tandemrl.api.inference import HttpRequest, ParamSpec, WeightUpdateMeta
 from tandemrl.configs.rollout import InferenceClientConfig
 from tandemrl.inference.http import HttpClient, InferenceServerError
-from tandemrl.inference.servers import ServerPool, ServerUnavailableError
+from tandemrl.inference.server_pool import ServerPool, ServerUnavailableError
 
 logger = logging.getLogger(__name__)
 

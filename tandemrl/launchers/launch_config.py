@@ -228,26 +228,36 @@ def _server_extra(cfg: Any, view: LaunchView, alloc: AllocationMode) -> dict[str
 
 
 def _deterministic_server_extra(view: LaunchView, alloc: AllocationMode, args: dict[str, Any]) -> dict[str, Any]:
-    """``deterministic=true`` on vLLM: whole prefills (``DETERMINISTIC_SERVER_FLAGS``), unless the user's
-    server_args say anything about chunked prefill."""
-    if not view.deterministic or alloc.gen_backend != "vllm" or any("chunked_prefill" in k for k in args):
+    """``deterministic=true``: the generation backend's ``deterministic_flags`` (vLLM: whole prefills), unless the
+    user's server_args say anything about those flags, or the servers are running ones (``rollout.server_addrs``:
+    their flags are whoever started them, docs/determinism.md)."""
+    if not view.deterministic or alloc.gen is None or view.rollout.server_addrs:
         return {}
-    from tandemrl.inference.vllm import DETERMINISTIC_SERVER_FLAGS
+    from tandemrl.inference.registry import backend_class
 
-    return dict(DETERMINISTIC_SERVER_FLAGS)
+    flags: dict[str, Any] = backend_class(alloc.gen.backend).deterministic_flags
+    if any(_flag_key(k) == _flag_key(f) for k in args for f in flags):
+        return {}
+    return dict(flags)
+
+
+def _flag_key(flag: str) -> str:
+    """A flag name without its negation (``no_enable_chunked_prefill`` and ``enable_chunked_prefill`` match)."""
+    return flag.lstrip("-").replace("-", "_").removeprefix("no_")
 
 
 def _lora_server_extra(view: LaunchView, alloc: AllocationMode) -> dict[str, Any]:
     """vLLM servers load the actor's LoRA adapter at run time when disk updates will send it alone:
     ``lora.serve: adapter``, or ``auto`` on a machine with GPUs (a CPU run pushes merged weights, docs/lora.md)."""
     lora = view.actor.engine.lora
-    if lora.rank <= 0 or view.weight_update_mode != "disk" or alloc.gen_backend != "vllm":
+    gen = alloc.gen
+    if lora.rank <= 0 or view.weight_update_mode != "disk" or gen is None or "lora_adapters" not in gen.features:
         return {}
     if not serves_adapter(lora.serve, on_gpu=bool(visible_gpus())):
         return {}
-    from tandemrl.inference.vllm import lora_server_flags
+    from tandemrl.inference.registry import get_backend
 
-    return lora_server_flags(lora.rank)
+    return get_backend(gen.backend).lora_flags(lora.rank)
 
 
 LAUNCHER_SECTION = "launcher"  # settings of the launchers themselves (launcher.slurm.*), unknown to scripts

@@ -151,7 +151,7 @@ def run_trial(script: str, config_path: str | None, overrides: list[str], spec: 
 
     def body(run_dir: Path) -> tuple[int, str]:
         # fresh per run, never printed; running servers (rollout.server_addrs) keep the caller's
-        token = new_token() if any(c.backend == "vllm" for c in [alloc.gen, *alloc.aux] if c) else None
+        token = new_token() if any("token" in c.features for c in [alloc.gen, *alloc.aux] if c) else None
         if spec.server_addrs and os.environ.get(TOKEN_ENV):
             token = os.environ[TOKEN_ENV]
         placement = plan_placement(alloc, visible_gpus(), visible_cpus())

@@ -593,7 +593,8 @@ def run_trial(script: str, config_path: str | None, overrides: list[str], spec: 
         gpus = _has_gpus()
         env = forwarded_env()  # OMP_NUM_THREADS only if the user set it: ranks get theirs in _start_ranks
         env.pop(TOKEN_ENV, None)
-        if spec.allocation.gen_backend == "vllm":  # servers listen on node IPs: a fresh token per run
+        gen = spec.allocation.gen
+        if gen is not None and "token" in gen.features:  # servers listen on node IPs: a fresh token per run
             env[TOKEN_ENV] = new_token()
         _place_ranks(spec, run_dir, trial, env, gpus)
         plan = _colocated_plan(spec, trial)

@@ -311,10 +311,11 @@ def _server_lines(spec: LaunchSpec, settings: SlurmSettings, layout: Layout) -> 
     serve += ["--extra", json.dumps(extra, sort_keys=True)] if extra else []
     lines = []
     request_log = ""
-    if gen.backend == "vllm":  # servers listen on node names: a fresh token per job, never in a file
+    if "token" in gen.features:  # servers listen on node names: a fresh token per job, never in a file
         lines.append(
             f'export {TOKEN_ENV}="$({_q(sys.executable)} -c "import secrets; print(secrets.token_urlsafe(32))")"'
         )
+    if "middleware" in gen.features:
         request_log = f' --request-log "$RUN_DIR/{gen.backend}-server-$i-requests.jsonl"'
     if layout.colocated:  # on the trainer nodes, sharing their ranks' devices (all the node's devices in the step)
         lines += [

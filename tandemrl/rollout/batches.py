@@ -55,17 +55,20 @@ def split_batch(accepted: list[Accepted], count: int, deterministic: bool) -> tu
     return ready[:count], ready[count:]
 
 
-def must_wait_for_older(rest: list[Accepted], running: list[int], count: int, version: int, k: int) -> bool:
+def must_wait_for_older(
+    rest: list[Accepted], running: list[int], count: int, version: int, max_head_offpolicyness: int
+) -> bool:
     """Would handing out this batch leave an older rollout unable to be consumed in time?
 
     ``rest``: the accepted trajectories left after the batch; ``running``: the start versions of the
-    untagged rollouts still running; ``k``: ``max_head_offpolicyness``.
+    untagged rollouts still running; ``k`` below: ``max_head_offpolicyness``.
     A rollout started at version v must be consumed by trainer version v + k. After this
     batch, the trainer (at ``version``) consumes ``count`` per step, so for every deadline
     d the leftovers due by d must fit in ``(d - version) * count`` slots. Only deadlines
     before version + k are at risk (later ones are covered by the capacity formula), and
     waiting only helps if a rollout due in that window is still running.
     """
+    k = max_head_offpolicyness
     horizon = version + max(k, 1) - 1
     running_due = [v + k for v in running]
     if not any(d <= horizon for d in running_due):

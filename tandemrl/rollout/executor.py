@@ -450,7 +450,7 @@ class WorkflowExecutor:
                 return None
         else:
             running = [r.version for r in self._running.values() if r.tag is None]
-            if must_wait_for_older(rest, running, count, version, self.staleness.max_staleness):
+            if must_wait_for_older(rest, running, count, version, self.staleness.max_head_offpolicyness):
                 return None
         self._accepted = rest
         for d in picked:
@@ -472,11 +472,11 @@ class WorkflowExecutor:
         """Refuse batch sizes the staleness bound can never supply (a sure deadlock)."""
         if count < 1:
             raise ValueError(f"{what}: needs at least 1 trajectory, got {count}")
-        k, bsz = self.staleness.max_staleness, self.consumer_batch_size
-        if count > (k + 1) * bsz:
+        bound, bsz = self.staleness.max_head_offpolicyness, self.consumer_batch_size
+        if count > (bound + 1) * bsz:
             raise ValueError(
                 f"{what}: needs {count} trajectories but consumer_batch_size={bsz} with "
-                f"max_head_offpolicyness={k} lets at most {(k + 1) * bsz} start per weight version; set "
+                f"max_head_offpolicyness={bound} lets at most {(bound + 1) * bsz} start per weight version; set "
                 "consumer_batch_size to the per-step batch size (or a huge max_head_offpolicyness for evaluation)"
             )
 
@@ -580,7 +580,7 @@ class WorkflowExecutor:
         queued, or in deterministic mode while it has taken fewer than v + k + 1 batches at version v."""
         if self.deterministic:
             version = self.get_version() - self.staleness.base_version
-            return self._pulls < version + self.staleness.max_staleness + 1
+            return self._pulls < version + self.staleness.max_head_offpolicyness + 1
         return len(self._input) < batch_size and self.queue_size - len(self._input) >= batch_size
 
     def drain(self, timeout: float | None = None) -> None:

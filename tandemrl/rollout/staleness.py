@@ -27,17 +27,17 @@ class RolloutStat:
 class StalenessManager:
     """Thread-safe bookkeeping of rollout counts and the capacity formula."""
 
-    def __init__(self, max_concurrent_rollouts: int, consumer_batch_size: int, max_staleness: int) -> None:
+    def __init__(self, max_concurrent_rollouts: int, consumer_batch_size: int, max_head_offpolicyness: int) -> None:
         for name, value, low in (
             ("max_concurrent_rollouts", max_concurrent_rollouts, 1),
             ("consumer_batch_size", consumer_batch_size, 1),
-            ("max_head_offpolicyness", max_staleness, 0),
+            ("max_head_offpolicyness", max_head_offpolicyness, 0),
         ):
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"StalenessManager: {name} must be an integer >= {low}, got {value!r}")
         self.max_concurrent_rollouts = max_concurrent_rollouts
         self.consumer_batch_size = consumer_batch_size
-        self.max_staleness = max_staleness
+        self.max_head_offpolicyness = max_head_offpolicyness
         self._lock = threading.Lock()
         self._stat = RolloutStat()
         self._base_version = 0  # version the counts start from (a resumed run starts above 0)
@@ -50,7 +50,7 @@ class StalenessManager:
         with self._lock:
             s = self._stat
             concurrency = self.max_concurrent_rollouts - s.running
-            versions = self.max_staleness + current_version - self._base_version + 1
+            versions = self.max_head_offpolicyness + current_version - self._base_version + 1
             staleness = versions * self.consumer_batch_size - (s.accepted + s.running)
             return min(concurrency, staleness)
 

@@ -27,7 +27,7 @@ def serve_argv(config: TinkerServeConfig, addrs: str) -> list[str]:
         raise ValueError(f"allocation_mode: tinker-serve samples through one inference server, got {alloc.spec!r}")
     if alloc.train is None or alloc.train.strategy.dp != alloc.train_world_size:
         raise ValueError(f"allocation_mode: tinker-serve trains data parallel only (e.g. fsdp:d2), got {alloc.spec!r}")
-    if not config.tinker.full_weight and alloc.train.backend != "fsdp":
+    if not config.tinker.full_weight and "lora" not in alloc.train.features:
         raise ValueError(
             f"allocation_mode: LoRA clients train on fsdp, got {alloc.train.backend!r} (tinker.full_weight: true "
             "trains every weight on it)"

@@ -26,8 +26,11 @@ from tandemrl.api.generation import GenerationHyperparameters
 from tandemrl.api.inference import HttpRequest, ModelRequest, WeightUpdateMeta
 from tandemrl.inference.backend import require, require_list
 from tandemrl.inference.http import HttpClient, InferenceServerError, base_url
-from tandemrl.inference.vllm import VLLMBackend
+from tandemrl.inference.registry import get_backend
 from tandemrl.tinker.wire import UserError
+
+# The inference backend tinker-serve samples through (its run-time adapter routes, /v1/load_lora_adapter, are vLLM's).
+SAMPLER_BACKEND = "vllm"
 
 logger = logging.getLogger(__name__)
 TopK = list[list[tuple[int, float]] | None]  # per prompt position: (token id, logprob) by rank, None for the first
@@ -81,7 +84,9 @@ class VLLMSampler:
         self.weights: tuple[str, int] = (base_dir, 0)
         self._readers = 0
         self._swap = asyncio.Condition()
-        self.backend = VLLMBackend(request_timeout=request_timeout, control_timeout=60.0, update_timeout=300.0)
+        self.backend = get_backend(
+            SAMPLER_BACKEND, request_timeout=request_timeout, control_timeout=60.0, update_timeout=300.0
+        )
         self.http = HttpClient("tandemrl-tinker-sampler")
         self.loads: dict[str, int] = {}  # adapter name -> how many times it was loaded
         self.current: dict[str, tuple[int, str]] = {}  # adapter name -> (load, vLLM name) of its newest load

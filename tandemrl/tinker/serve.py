@@ -31,8 +31,8 @@ from tandemrl.api.inference import serves_adapter
 from tandemrl.api.net import free_port
 from tandemrl.models.resolve import resolve_model_path
 from tandemrl.tinker.ranks import follow
+from tandemrl.tinker.routes import TinkerServer, new_api_key
 from tandemrl.tinker.sampler import VLLMError
-from tandemrl.tinker.server import TinkerServer, new_api_key
 from tandemrl.tinker.service import TinkerService
 from tandemrl.tinker.trainer import EngineTrainer, check_backend
 from tandemrl.utils.cli import first_line
@@ -101,13 +101,15 @@ def serves_merged(serve: str, full_weight: str) -> bool:
 def _start_vllm(model_dir: str, max_rank: int, max_adapters: int, log: str, lora: bool) -> ServerProcess:
     import torch
 
+    from tandemrl.inference.registry import get_backend
     from tandemrl.inference.server import launch_server
-    from tandemrl.inference.vllm import DETERMINISTIC_SERVER_FLAGS, VLLMBackend, lora_server_flags
+    from tandemrl.tinker.sampler import SAMPLER_BACKEND
 
-    extra = {**lora_server_flags(max_rank), "max_loras": max_adapters} if lora else {}
+    backend = get_backend(SAMPLER_BACKEND)
+    extra = {**backend.lora_flags(max_rank), "max_loras": max_adapters} if lora else {}
     if not torch.cuda.is_available():  # clients may seed samples: a seeded split prefill kills vLLM's CPU worker
-        extra.update(DETERMINISTIC_SERVER_FLAGS)
-    proc = launch_server(VLLMBackend(), model_dir, extra=extra, log_file=log or None)
+        extra.update(backend.deterministic_flags)
+    proc = launch_server(backend, model_dir, extra=extra, log_file=log or None)
     proc.wait_healthy(900.0)
     return proc
 

@@ -1,4 +1,4 @@
-"""What ``tandemrl tinker-serve`` does for each Tinker call, apart from HTTP (``server.py``).
+"""What ``tandemrl tinker-serve`` does for each Tinker call, apart from HTTP (``routes.py``).
 
 Asynchronous calls return a request id at once; the work runs later and its result is fetched
 with ``retrieve_future``. Training calls (create_model, forward_backward, optim_step, the saves

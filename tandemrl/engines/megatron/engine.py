@@ -72,6 +72,7 @@ class MegatronEngine(BaseTrainEngine):
 
     parallel_dims = "dtpce"  # allocation_mode dims it trains with: data, tensor, pipeline, context, expert
     moe_hybrid = True  # takes megatron:(attn:...|ffn:...): separate attention and expert layouts
+    features = frozenset({"router_replay"})
 
     backend = "megatron"
     supports_prefix_sharing = False  # the GPTModel forward takes no per-block attention layout
