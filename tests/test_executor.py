@@ -457,3 +457,19 @@ def test_submit_beyond_queue_size_is_a_clear_error() -> None:
             ex.submit({"id": 3}, ToyWorkflow())
     finally:
         ex.destroy()
+
+
+def test_async_batches_that_reject_everything_give_up_in_one_line() -> None:
+    """prepare_batch with max_rounds: when every group is rejected, the call fails once more than max_rounds
+    batches' worth were rejected, in one line naming them and dynamic_sampling_rounds (it used to wait forever)."""
+    ex, _ = make_executor(k=1)
+    try:
+        loader = make_loader()
+        with pytest.raises(RuntimeError) as err:
+            ex.prepare_batch(loader, ToyWorkflow(), should_accept_fn=lambda traj: False, timeout=60, max_rounds=2)
+        msg = str(err.value)
+        assert "\n" not in msg and "no batch of 4 filled; gave up after 2 rounds of rejections" in msg, msg
+        rejected = int(msg.split("prepare_batch: ")[1].split()[0])
+        assert rejected > 8 and ex.get_stats().accepted == 0 and "actor.dynamic_sampling_rounds" in msg, msg
+    finally:
+        ex.destroy()

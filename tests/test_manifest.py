@@ -61,7 +61,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(
     )
     (previous / LOOP_STATE_FILE).write_text("{}")  # both damaged: one line, no resume
     with pytest.raises(CorruptCheckpointError) as err:
-        handler.load({}, None, None, None, None)
+        handler.load()
     assert str(err.value) == (
         f"recover: checkpoint {previous} is corrupt: {previous / LOOP_STATE_FILE}: 2 bytes, 18 were written"
     )

@@ -26,6 +26,7 @@ from test_executor import RandomDelayEngine, ToyWorkflow
 from utils import REPO_ROOT, is_torchrun
 from vllm_server import RunningServer
 
+from tandemrl.api.types import SaveLoadMeta
 from tandemrl.configs.data import DatasetConfig
 from tandemrl.configs.rollout import InferenceClientConfig
 from tandemrl.configs.utils import RecoverConfig
@@ -33,8 +34,15 @@ from tandemrl.data.gsm8k import get_gsm8k_rl_dataset
 from tandemrl.data.loader import collate_as_list, create_dataloader, cycle_batches, dataset_from_config
 from tandemrl.rollout.executor import WorkflowExecutor
 from tandemrl.rollout.staleness import StalenessManager
+from tandemrl.trainers.manifest import check_manifest
 from tandemrl.trainers.prompt_log import read_prompt_log
-from tandemrl.trainers.recover import LOOP_STATE_FILE, CorruptCheckpointError, RecoverHandler, weights_fingerprint
+from tandemrl.trainers.recover import (
+    LOOP_STATE_FILE,
+    CorruptCheckpointError,
+    RecoverHandler,
+    RecoverStates,
+    weights_fingerprint,
+)
 
 LAUNCH = [sys.executable, "-m", "tandemrl.launchers.local"]
 ENV = {**os.environ, "WANDB_SILENT": "true", "TANDEMRL_DIST_TIMEOUT": "300", "PYTHONPATH": str(REPO_ROOT)}
@@ -248,18 +256,18 @@ def _grpo_loader_order(tiny_model_dir: str, gsm8k_dir: str, n: int) -> list[int]
 # ------------------------------------------------------------------------------ fast checks
 
 
-def _handler(tmp_path: Path, mode: str) -> RecoverHandler:
+def _handler(tmp_path: Path, mode: str, states: RecoverStates | None = None) -> RecoverHandler:
     cfg = RecoverConfig(mode=mode, freq_steps=1, experiment_name="e", trial_name="t", fileroot=str(tmp_path))
-    return RecoverHandler(cfg, None)
+    return RecoverHandler(cfg, None, states or RecoverStates({}, None, None, None, None))
 
 
 def test_recover_modes_and_missing_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="recover.mode must be one of disabled, auto, resume; got 'always'"):
         _handler(tmp_path, "always")
-    assert _handler(tmp_path, "auto").load({}, None, None, None, None) is None  # nothing yet: start fresh
-    assert _handler(tmp_path, "disabled").load({}, None, None, None, None) is None
+    assert _handler(tmp_path, "auto").load() is None  # nothing yet: start fresh
+    assert _handler(tmp_path, "disabled").load() is None
     with pytest.raises(FileNotFoundError) as exc:
-        _handler(tmp_path, "resume").load({}, None, None, None, None)
+        _handler(tmp_path, "resume").load()
     msg = str(exc.value)
     assert "\n" not in msg and "recover.mode=resume: no recoverable checkpoint at" in msg
     assert str(tmp_path / "checkpoints" / "e" / "t" / "recover") in msg
@@ -275,7 +283,7 @@ def test_corrupt_checkpoint_is_a_one_line_error(tmp_path: Path, content: str | N
     if content is not None:
         Path(handler.path, LOOP_STATE_FILE).write_text(content)
     with pytest.raises(CorruptCheckpointError) as exc:  # a ValueError: run_main prints it as one line
-        handler.load({}, None, None, None, None)
+        handler.load()
     msg = str(exc.value)
     assert "\n" not in msg and f"recover: checkpoint {handler.path} is corrupt" in msg and needle in msg, msg
 
@@ -435,22 +443,72 @@ def test_corrupt_pending_rows_or_ledger_are_a_one_line_error(
 ) -> None:
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    handler = _handler(tmp_path, "auto")
+    loader = StatefulDataLoader(list(range(4)), batch_size=2)
+    ex, _ = _executor(k=0)
+    handler = _handler(tmp_path, "auto", RecoverStates({}, None, loader, None, None, rollout=ex))
     os.makedirs(handler.path)
     state = {"global_step": 1, "version": 2, "world_size": 1, "weights_fingerprint": "x"}
     Path(handler.path, LOOP_STATE_FILE).write_text(json.dumps(state))
-    loader = StatefulDataLoader(list(range(4)), batch_size=2)
     torch.save(loader.state_dict(), Path(handler.path, "dataloader_rank0.pt"))
     if file.endswith(".json"):  # the ledger is read after the pending rows
         torch.save([], Path(handler.path, "pending_rows_rank0.pt"))
         Path(handler.path, file).write_text(json.dumps(content))
     elif content is not None:
         torch.save(content, Path(handler.path, file))
-    ex, _ = _executor(k=0)
     try:
         with pytest.raises(CorruptCheckpointError) as exc:
-            handler.load({}, None, loader, None, None, rollout=ex)
+            handler.load()
     finally:
         ex.destroy()
     msg = str(exc.value)
     assert "\n" not in msg and file in msg and needle in msg, msg
+
+
+class _FileEngine:
+    """A recoverable engine whose whole state is one tensor, saved as a file (no process group)."""
+
+    has_optimizer = True
+
+    def __init__(self, value: float) -> None:
+        self.weight, self.version, self.loaded_from = torch.tensor([value]), 0, ""
+
+    def save(self, meta: SaveLoadMeta) -> None:
+        os.makedirs(meta.path, exist_ok=True)
+        torch.save((self.weight, self.version), os.path.join(meta.path, "state.pt"))
+
+    def load(self, meta: SaveLoadMeta) -> None:
+        self.weight, self.version = torch.load(os.path.join(meta.path, "state.pt"))
+        self.loaded_from = meta.path
+
+    def get_version(self) -> int:
+        return self.version
+
+    def iter_hf_params(self) -> Any:
+        yield "w", self.weight
+
+
+class _NoState:
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def test_a_checkpoint_found_corrupt_never_becomes_the_previous_one(tmp_path: Path) -> None:
+    """A run resumed from recover.prev because the newest checkpoint was corrupt: its next save replaces the
+    corrupt one and keeps the good previous one as recover.prev (it used to move the corrupt one there and
+    delete the good one)."""
+    engine = _FileEngine(1.0)
+    first = _handler(tmp_path, "auto", RecoverStates({"model": engine}, engine, None, _NoState(), _NoState()))
+    assert first.dump(0, 0) and first.dump(1, 1)
+    (Path(first.path) / "engines" / "model" / "state.pt").write_bytes(b"cut short")  # step 2's shard damaged
+    again = _FileEngine(0.0)
+    resumed = _handler(tmp_path, "auto", RecoverStates({"model": again}, again, None, _NoState(), _NoState()))
+    state = resumed.load()
+    assert state is not None and state.global_step == 0 and again.loaded_from.startswith(first.path + ".prev")
+    assert resumed.dump(1, 1)
+    check_manifest(first.path)
+    check_manifest(first.path + ".prev")  # the good one, still there
+    prev = json.loads(Path(first.path + ".prev", LOOP_STATE_FILE).read_text())
+    assert prev["global_step"] == 0

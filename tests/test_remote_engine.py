@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 from aiohttp import web
+from test_executor import wait_until
 from utils import free_port
 
 from tandemrl.api.inference import HttpRequest, ModelRequest, ModelResponse, ParamSpec, WeightUpdateMeta
@@ -572,8 +573,8 @@ def test_pause_generation_holds_requests_until_continue(servers, engines) -> Non
         task = asyncio.ensure_future(engine.agenerate(make_req(30, rid="p")))
         await asyncio.to_thread(srv.wait_held, 1)
         await asyncio.to_thread(engine.pause_generation)
-        # Longer than an aborted call waits before it resubmits: one that ignored the pause would be here.
-        await asyncio.sleep(engine.abort_retry_delay + 4 * engine.pause_poll_interval)
+        # The aborted call reaches its resubmission and waits there (a call that ignored the pause never would).
+        await asyncio.to_thread(wait_until, lambda: engine.held_calls == 1, "the aborted call to wait on the pause")
         assert not task.done() and len(srv.generate_bodies) == 1  # aborted, waiting to resubmit
         await asyncio.to_thread(engine.continue_generation)
         return await task

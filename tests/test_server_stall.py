@@ -24,6 +24,7 @@ from tandemrl.inference.registry import get_backend
 from tandemrl.inference.server import ServerProcess
 from tandemrl.launchers import serve, slurm_job
 from tandemrl.launchers.ray import ServerHost
+from tandemrl.launchers.server_watch import StallBounds, StallClock
 
 HEALTH_SERVER = """
 import http.server, sys
@@ -113,3 +114,16 @@ def test_ray_server_actor_reports_a_warning_then_the_stop(stopped_server: Server
     assert [what for what, _ in seen] == ["warn", "stop"]
     assert seen[0][1] > WARN and seen[1][1] > LIMIT
     assert host.take_stall() is None
+
+
+def test_a_silence_is_reported_before_it_stops_the_run() -> None:
+    """Whatever the spacing of the probes: a first silent probe already past the limit warns, the next one
+    stops; an answer starts a new silence, which warns again."""
+    clock = StallClock(StallBounds(warn=1.0, limit=3.0), now=0.0)
+    assert clock.observe(False, now=0.5) is None
+    assert clock.observe(False, now=10.0) == ("warn", 10.0)
+    assert clock.observe(False, now=10.5) == ("stop", 10.5)
+    assert clock.observe(True, now=11.0) is None
+    assert clock.observe(False, now=12.5) == ("warn", 1.5)
+    assert clock.observe(False, now=13.0) is None
+    assert clock.observe(False, now=14.5) == ("stop", 3.5)

@@ -95,8 +95,9 @@ class PPOActorConfig:
     dynamic_sampling_rounds: int = field(
         default=8,
         metadata={
-            "help": "Synchronous steps with dynamic sampling: how many batches' worth of new prompts a step may "
-            "draw to replace dropped groups before it fails with a line saying so.",
+            "help": "Dynamic sampling: how many batches' worth of new prompts a step may draw (sync) or take "
+            "from the dataloader while no batch fills (async) to replace dropped groups before it fails with a "
+            "line saying so.",
             "min": 1,
         },
     )

@@ -95,6 +95,7 @@ class RemoteInferenceClient(WeightCalls):
         self._state_lock = threading.Lock()
         self._user_paused = False  # pause_generation() without continue_generation()
         self._updates_running = 0  # weight updates holding the servers paused
+        self.held_calls = 0  # generate calls (or resubmissions) that found generation paused and waited
         self._sleep_level: int | None = None  # set between sleep() and wake_up()
         self._busy = BusyClock()  # time with a generate request of this client in flight
         self._resubmit_lock = threading.Lock()
@@ -204,6 +205,10 @@ class RemoteInferenceClient(WeightCalls):
         return n
 
     async def _wait_until_generating(self) -> None:
+        if not self.generation_paused():
+            return
+        with self._state_lock:
+            self.held_calls += 1
         while self.generation_paused():
             await asyncio.sleep(self.pause_poll_interval)
 

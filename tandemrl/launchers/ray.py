@@ -126,7 +126,9 @@ class ServerHost:
         os.environ.update(env)
         self._server: Any = None
         self._offset = 0
-        self._stall: tuple[str, float] | None = None  # the watch's latest finding, until taken
+        self._stalls: collections.deque[tuple[str, float]] = (
+            collections.deque()
+        )  # the watch's findings, until taken (oldest first)
 
     def start(
         self,
@@ -168,7 +170,7 @@ class ServerHost:
             while self._server is not None and self._server.is_running():
                 event = clock.observe(self._server.is_answering(timeout=min(5.0, bounds.every)))
                 if event is not None:
-                    self._stall = event
+                    self._stalls.append(event)
                     if event[0] == "stop":
                         return
                 time.sleep(bounds.every)
@@ -176,9 +178,8 @@ class ServerHost:
         threading.Thread(target=run, daemon=True, name="stall-watch").start()
 
     def take_stall(self) -> tuple[str, float] | None:
-        """("warn" | "stop", silent seconds) found since the last call, or None."""
-        event, self._stall = self._stall, None
-        return event
+        """The oldest finding not handed out yet, ("warn" | "stop", silent seconds), or None: each once, in order."""
+        return self._stalls.popleft() if self._stalls else None
 
     def node(self) -> dict[str, Any]:
         """Where this server landed (``where``) and its server process's pid."""

@@ -58,17 +58,18 @@ class StallClock:
         self.warned = False
 
     def observe(self, answering: bool, now: float | None = None) -> tuple[str, float] | None:
-        """("warn", silent seconds) once per silence past ``warn``; ("stop", silent seconds) past ``limit``."""
+        """("warn", silent seconds) once per silence past ``warn``; ("stop", silent seconds) past ``limit``, never
+        before that silence's warning (a first probe already past the limit warns; the next one stops)."""
         now = time.monotonic() if now is None else now
         if answering:
             self.last_ok, self.warned = now, False
             return None
         silent = now - self.last_ok
-        if silent > self.bounds.limit:
-            return "stop", silent
         if silent > self.bounds.warn and not self.warned:
             self.warned = True
             return "warn", silent
+        if silent > self.bounds.limit:
+            return "stop", silent
         return None
 
 

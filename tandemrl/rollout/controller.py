@@ -145,12 +145,16 @@ class RolloutController:
         should_accept_fn: ShouldAcceptFn | None = None,
         granularity: int = 1,
         timeout: float | None = None,
+        max_rounds: int | None = None,
     ) -> TensorDict:
         """Asynchronous rollout (bounded staleness), then DP redistribution (groups kept whole; episodes of
-        another size than ``granularity`` drop their group, as in :meth:`rollout_batch`)."""
+        another size than ``granularity`` drop their group, as in :meth:`rollout_batch`); ``max_rounds`` bounds
+        the rejections as there."""
         ex, workflow = self._executor, self._whole(workflow, granularity)
         return self._collect(
-            "prepare_batch", lambda: ex.prepare_batch(dataloader, workflow, should_accept_fn, timeout), granularity
+            "prepare_batch",
+            lambda: ex.prepare_batch(dataloader, workflow, should_accept_fn, timeout, max_rounds),
+            granularity,
         )
 
     def eval_batch(

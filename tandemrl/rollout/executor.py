@@ -533,12 +533,15 @@ class WorkflowExecutor:
         workflow: RolloutWorkflow,
         should_accept_fn: ShouldAcceptFn | None = None,
         timeout: float | None = None,
+        max_rounds: int | None = None,
     ) -> TensorDict:
         """The next ``dataloader.batch_size`` accepted trajectories (asynchronous RL).
 
         Keeps at least one dataloader batch queued ahead of the running episodes, so
         rollouts for the next steps run while the trainer trains. Rejected rows are replaced
-        by new rows from the (endlessly re-iterated) dataloader, so the size is constant.
+        by new rows from the (endlessly re-iterated) dataloader, so the size is constant. With
+        ``max_rounds``, a call that has seen more than ``max_rounds`` batches' worth of rollouts rejected
+        and still has no batch gives up with a one-line error, as :meth:`rollout_batch` does.
         """
         batch_size = getattr(dataloader, "batch_size", None)
         if not isinstance(batch_size, int) or batch_size < 1:
@@ -552,7 +555,7 @@ class WorkflowExecutor:
         if self._data_iter is None or self._data_source is not dataloader:
             self._data_iter, self._data_source = cycle_batches(dataloader), dataloader
         deadline = None if timeout is None else time.monotonic() + timeout
-        refill = False
+        refill, rejected_before = False, self.get_stats().rejected
         while True:
             with self._cond:
                 refill = refill or self._refill_due_locked(batch_size)
@@ -568,6 +571,13 @@ class WorkflowExecutor:
                 picked = self._try_pick_locked(batch_size)
                 if picked is not None:
                     break
+                rejected = self.staleness.get_stats().rejected - rejected_before
+                if max_rounds is not None and rejected > batch_size * max_rounds:
+                    raise RuntimeError(
+                        f"prepare_batch: {rejected} rollouts were rejected and no batch of {batch_size} filled; gave "
+                        f"up after {max_rounds} rounds of rejections (loosen should_accept_fn or raise max_rounds, in "
+                        "a trainer actor.dynamic_sampling_rounds)"
+                    )
                 refill = self._refill_due_locked(batch_size)
                 if self.deterministic:  # one more batch once everything submitted finished short of a batch
                     refill = refill or not self._outstanding_locked()

@@ -10,6 +10,7 @@ trainer is a context manager: leaving the ``with`` block normally closes it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar
 
@@ -27,9 +28,10 @@ from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.models.hf import load_hf_tokenizer, model_context_length
 from tandemrl.models.resolve import resolve_model_path
 from tandemrl.trainers.evaluator import Evaluator
-from tandemrl.trainers.recover import RecoverHandler
+from tandemrl.trainers.recover import RecoverHandler, RecoverStates
 from tandemrl.trainers.saver import Saver
 from tandemrl.trainers.stats_logger import StatsLogger
+from tandemrl.utils import stats_tracker
 
 if TYPE_CHECKING:
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -80,12 +82,32 @@ class TrainerBase(Generic[C]):
         return engine
 
     def _build_bookkeeping(self) -> None:
-        """``saver`` (HF exports), ``evaluator``, ``recover`` (recoverable checkpoints) and ``logger``."""
+        """``saver`` (HF exports), ``evaluator``, ``recover`` (recoverable checkpoints of
+        :meth:`_recover_states`) and ``logger``; called once the engines (and an RL trainer's rollout) exist."""
         config = self.config
         self.saver = Saver(config.saver, self.ft_spec)
         self.evaluator = Evaluator(config.evaluator, self.ft_spec)
-        self.recover = RecoverHandler(config.recover, self.ft_spec)
+        self.recover = RecoverHandler(config.recover, self.ft_spec, self._recover_states())
         self.logger = StatsLogger(config.stats_logger, self.ft_spec)
+
+    def _recover_states(self) -> RecoverStates:
+        """What a recoverable checkpoint holds: the trained engine, the dataloader position, the save and
+        evaluation schedules (an RL trainer adds its critic and its rollout)."""
+        engine = self._main_engine
+        return RecoverStates({"model": engine}, engine, self.train_dl, self.saver, self.evaluator)
+
+    def _end_step(
+        self, epoch: int, step: int, global_step: int, last: bool, evaluate: Callable[[], Any] | None
+    ) -> None:
+        """The end of every step (RL: after its weight push): HF save, evaluation (``evaluate``, when there is a
+        validation set), recoverable checkpoint; each when due, or on the ``last`` step."""
+        with stats_tracker.record_timing("save"):
+            self.saver.save(self._main_engine, epoch, step, global_step, tokenizer=self.tokenizer, last=last)
+        if evaluate is not None and self.valid_dl is not None:
+            with stats_tracker.record_timing("eval"):
+                self.evaluator.evaluate(evaluate, epoch, step, global_step)
+        with stats_tracker.record_timing("recover"):
+            self.recover.dump(step, global_step, last=last)
 
     def _save_config(self) -> None:
         """Rank 0 writes the run's resolved config next to its logs."""

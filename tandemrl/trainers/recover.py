@@ -75,6 +75,9 @@ class RecoverableEngine(Protocol):
 
     def get_version(self) -> int: ...
 
+    @property
+    def has_optimizer(self) -> bool: ...
+
 
 class StatefulLoader(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
@@ -157,15 +160,29 @@ def _rank0_value(value: Any) -> Any:
     return box[0]
 
 
-class RecoverHandler:
-    """Decides when to write a recoverable checkpoint, writes it, and loads it on restart."""
+@dataclass
+class RecoverStates:
+    """Everything a recoverable checkpoint holds, given to the handler once (the trainer's parts)."""
 
-    def __init__(self, config: RecoverConfig, ft_spec: FinetuneSpec | None) -> None:
+    engines: Mapping[str, RecoverableEngine]  # the trainer's engines (live); those with an optimizer are saved
+    pushed: Any  # the engine whose weights the servers get: its weights are fingerprinted, its version kept
+    dataloader: StatefulLoader | None
+    saver: Any  # its state_dict: which HF saves are due
+    evaluator: Any  # likewise for evaluations
+    rollout: RowSource | None = None  # pending rows to generate again and the sample ledger (RL)
+
+
+class RecoverHandler:
+    """Decides when to write a recoverable checkpoint of ``states``, writes it, and loads it on restart."""
+
+    def __init__(self, config: RecoverConfig, ft_spec: FinetuneSpec | None, states: RecoverStates) -> None:
         if config.mode not in RECOVER_MODES:
             raise ValueError(f"recover.mode must be one of {', '.join(RECOVER_MODES)}; got {config.mode!r}")
         self.config = config
         self.ft_spec = ft_spec
+        self.states = states
         self.freq_ctl = FreqControl.from_config(config)
+        self._corrupt: set[str] = set()  # checkpoints find() skipped as corrupt: never kept as recover.prev
 
     @property
     def enabled(self) -> bool:
@@ -177,26 +194,9 @@ class RecoverHandler:
         return os.path.join(root, "recover")
 
     # ------------------------------------------------------------------ save
-    def dump(
-        self,
-        engines: Mapping[str, RecoverableEngine],
-        pushed: Any,
-        dataloader: StatefulLoader,
-        step: int,
-        global_step: int,
-        saver: Any,
-        evaluator: Any,
-        rollout: RowSource | None = None,
-        last: bool = False,
-    ) -> bool:
-        """Collective: write a checkpoint after ``global_step`` if due; returns whether one was written.
-
-        ``last`` marks the run's final step: with ``save_final`` on, the checkpoint is written whatever the frequency.
-
-        ``pushed`` is the engine whose weights the servers get (its ``iter_hf_params`` is fingerprinted);
-        ``rollout`` holds the pending rows the resumed run must generate again and the sample ledger (the
-        rollout controller).
-        """
+    def dump(self, step: int, global_step: int, last: bool = False) -> bool:
+        """Collective: write a checkpoint of the states after ``global_step`` if due; returns whether one was
+        written. ``last`` marks the run's final step: with ``save_final`` on, it is written whatever the frequency."""
         if not self.enabled:
             return False
         due = self.freq_ctl.check(epochs=epochs_finished(step, self.ft_spec), steps=1)
@@ -210,26 +210,10 @@ class RecoverHandler:
                 shutil.rmtree(tmp, ignore_errors=True)
                 os.makedirs(tmp)
             _barrier()
-            for name, engine in engines.items():
-                engine.save(SaveLoadMeta(path=os.path.join(tmp, "engines", name), weight_format="dcp", with_optim=True))
-            torch.save(dataloader.state_dict(), os.path.join(tmp, f"dataloader_rank{_rank()}.pt"))
-            rows, ledger = rollout.recover_state() if rollout is not None else ([], None)
-            torch.save(rows, pending_rows_file(tmp))
-            if ledger is not None:
-                with open(ledger_file(tmp), "w") as f:
-                    json.dump(ledger, f)
-            fingerprint = self._fingerprint(pushed)
+            fingerprint = self._write_parts(tmp)
             _barrier()
             if _rank() == 0:
-                state = LoopState(
-                    global_step=global_step,
-                    version=int(pushed.get_version()),
-                    world_size=_world(),
-                    weights_fingerprint=fingerprint,
-                    saver=saver.state_dict(),
-                    evaluator=evaluator.state_dict(),
-                    recover={"freq_ctl": self.freq_ctl.state_dict()},
-                )
+                state = self._loop_state(global_step, fingerprint)
                 with open(os.path.join(tmp, LOOP_STATE_FILE), "w") as f:
                     json.dump(asdict(state), f, indent=1)
                 write_manifest(tmp)
@@ -242,13 +226,48 @@ class RecoverHandler:
         _barrier()
         return True
 
+    def _write_parts(self, tmp: str) -> str:
+        """Every rank: engines, dataloader position, pending rows and ledger into ``tmp``; the weights' fingerprint."""
+        s = self.states
+        for name, engine in self._trained():
+            engine.save(SaveLoadMeta(path=os.path.join(tmp, "engines", name), weight_format="dcp", with_optim=True))
+        if s.dataloader is not None:
+            torch.save(s.dataloader.state_dict(), os.path.join(tmp, f"dataloader_rank{_rank()}.pt"))
+        rows, ledger = s.rollout.recover_state() if s.rollout is not None else ([], None)
+        torch.save(rows, pending_rows_file(tmp))
+        if ledger is not None:
+            with open(ledger_file(tmp), "w") as f:
+                json.dump(ledger, f)
+        return self._fingerprint(s.pushed)
+
+    def _trained(self) -> list[tuple[str, RecoverableEngine]]:
+        """The engines with training state, in the trainer's order (a frozen one is rebuilt from its path)."""
+        return [(name, e) for name, e in self.states.engines.items() if e.has_optimizer]
+
+    def _loop_state(self, global_step: int, fingerprint: str) -> LoopState:
+        s = self.states
+        return LoopState(
+            global_step=global_step,
+            version=int(s.pushed.get_version()),
+            world_size=_world(),
+            weights_fingerprint=fingerprint,
+            saver=s.saver.state_dict(),
+            evaluator=s.evaluator.state_dict(),
+            recover={"freq_ctl": self.freq_ctl.state_dict()},
+        )
+
     def _rotate(self, tmp: str, final: str) -> None:
         """The complete ``tmp`` becomes the checkpoint; the one it replaces stays as ``<path>.prev`` (the
-        fallback when the newest turns out corrupt) unless ``recover.keep_previous`` is off."""
+        fallback when the newest turns out corrupt) unless ``recover.keep_previous`` is off. A replaced
+        checkpoint that this run found corrupt is deleted instead, and the previous one stays."""
         prev = final + PREVIOUS_SUFFIX
-        shutil.rmtree(prev, ignore_errors=True)
-        if os.path.exists(final):
-            os.rename(final, prev)
+        if os.path.exists(final) and final in self._corrupt:
+            shutil.rmtree(final)
+            self._corrupt.discard(final)
+        else:
+            shutil.rmtree(prev, ignore_errors=True)
+            if os.path.exists(final):
+                os.rename(final, prev)
         os.rename(tmp, final)
         if not self.config.keep_previous:
             shutil.rmtree(prev, ignore_errors=True)
@@ -278,6 +297,7 @@ class RecoverHandler:
             try:
                 check_manifest(path)
             except ManifestMismatch as e:
+                self._corrupt.add(path)
                 if i + 1 == len(found):
                     raise CorruptCheckpointError(f"recover: checkpoint {path} is corrupt: {e}") from None
                 print(
@@ -295,18 +315,9 @@ class RecoverHandler:
         except CorruptCheckpointError as e:
             return None, str(e)
 
-    def load(
-        self,
-        engines: Mapping[str, RecoverableEngine],
-        pushed: Any,
-        dataloader: StatefulLoader,
-        saver: Any,
-        evaluator: Any,
-        rollout: RowSource | None = None,
-    ) -> LoopState | None:
-        """Collective: restore everything from the checkpoint (None: nothing to resume in mode auto/disabled).
-
-        ``rollout`` gets the checkpoint's pending rows to generate before new dataloader rows, and its ledger.
+    def load(self) -> LoopState | None:
+        """Collective: restore every state from the checkpoint (None: nothing to resume in mode auto/disabled);
+        the rollout gets the checkpoint's pending rows to generate before new dataloader rows, and its ledger.
 
         Raises a one-line error when mode is ``resume`` and there is no checkpoint, or when the
         checkpoint is corrupt or was written by a different number of trainer ranks.
@@ -328,7 +339,21 @@ class RecoverHandler:
             raise CorruptCheckpointError(
                 f"recover: checkpoint {path} was written by {state.world_size} trainer ranks, this run has {_world()}"
             )
-        for name, engine in engines.items():
+        self._load_parts(path)
+        fingerprint = self._check_weights(path, state)
+        s = self.states
+        s.saver.load_state_dict(state.saver)
+        s.evaluator.load_state_dict(state.evaluator)
+        if state.recover:
+            self.freq_ctl.load_state_dict(state.recover["freq_ctl"])
+        if _rank() == 0:
+            self._print_resumed(path, state, fingerprint)
+        return state
+
+    def _load_parts(self, path: str) -> None:
+        """Every rank: engines, dataloader position, pending rows and ledger from ``path``."""
+        s = self.states
+        for name, engine in self._trained():
             engine_dir = os.path.join(path, "engines", name)
             try:
                 engine.load(SaveLoadMeta(path=engine_dir, weight_format="dcp", with_optim=True))
@@ -340,12 +365,17 @@ class RecoverHandler:
                 ) from None
         loader_file = os.path.join(path, f"dataloader_rank{_rank()}.pt")
         try:
-            dataloader.load_state_dict(torch.load(loader_file, weights_only=False))
+            if s.dataloader is not None:
+                s.dataloader.load_state_dict(torch.load(loader_file, weights_only=False))
         except Exception as e:
             raise CorruptCheckpointError(f"recover: checkpoint {path} is corrupt: {loader_file}: {_reason(e)}") from e
-        if rollout is not None:
-            rollout.replay_first(self._pending_rows(path))
-            self._restore_ledger(path, rollout)
+        if s.rollout is not None:
+            s.rollout.replay_first(self._pending_rows(path))
+            self._restore_ledger(path, s.rollout)
+
+    def _check_weights(self, path: str, state: LoopState) -> str:
+        """The restored weights' fingerprint and version must be the saved ones; the fingerprint."""
+        pushed = self.states.pushed
         fingerprint = self._fingerprint(pushed)
         if fingerprint != state.weights_fingerprint:
             raise CorruptCheckpointError(
@@ -356,24 +386,21 @@ class RecoverHandler:
             raise CorruptCheckpointError(
                 f"recover: checkpoint {path} is corrupt: engine version {pushed.get_version()} != {state.version}"
             )
-        saver.load_state_dict(state.saver)
-        evaluator.load_state_dict(state.evaluator)
-        if state.recover:
-            self.freq_ctl.load_state_dict(state.recover["freq_ctl"])
-        if _rank() == 0:
+        return fingerprint
+
+    def _print_resumed(self, path: str, state: LoopState, fingerprint: str) -> None:
+        print(
+            f"recover: resumed from {path} after global step {state.global_step + 1} "
+            f"(version {state.version}, weights {fingerprint})",
+            flush=True,
+        )
+        total = self.ft_spec.total_train_steps if self.ft_spec is not None else None
+        if total is not None and state.global_step + 1 >= total:
             print(
-                f"recover: resumed from {path} after global step {state.global_step + 1} "
-                f"(version {state.version}, weights {fingerprint})",
+                f"recover: this run already finished ({state.global_step + 1} of {total} steps in {path}): "
+                "nothing left to train; launch with another trial_name, or recover.mode=disabled to start over",
                 flush=True,
             )
-            total = self.ft_spec.total_train_steps if self.ft_spec is not None else None
-            if total is not None and state.global_step + 1 >= total:
-                print(
-                    f"recover: this run already finished ({state.global_step + 1} of {total} steps in {path}): "
-                    "nothing left to train; launch with another trial_name, or recover.mode=disabled to start over",
-                    flush=True,
-                )
-        return state
 
     @staticmethod
     def _pending_rows(path: str) -> list[dict[str, Any]]:

@@ -64,6 +64,7 @@ from tandemrl.trainers.entry import allocation_of
 from tandemrl.trainers.heldout import HeldoutEval
 from tandemrl.trainers.pipeline_metrics import pipeline_shares, record_staleness
 from tandemrl.trainers.prompt_log import log_prompt_ids
+from tandemrl.trainers.recover import RecoverStates
 from tandemrl.trainers.saver import final_outputs_line
 from tandemrl.trainers.signal import SignalWatch
 from tandemrl.trainers.time_split import add_step_timings, format_time_split
@@ -193,8 +194,8 @@ class RLTrainer(TrainerBase[GRPOConfig]):
         stop = sorted({*config.gconfig.stop_token_ids, self.tokenizer.eos_token_id})
         self.gconfig = config.gconfig.new(stop_token_ids=stop)
 
+        self._named_engines: dict[str, TrainBackend] = {"actor": self.actor_engine}  # add_engine adds more
         self._build_bookkeeping()
-        self._named_engines: dict[str, TrainBackend] = {"actor": self.actor_engine}
         self.heldout = HeldoutEval(config.heldout_eval, self.tokenizer)
         # Colocated ('|'): the servers sleep during each train_step (turns.py); async is refused at load.
         self.turns = TurnTaker(self.client, alloc.colocated(alloc.gen, alloc.train), self.logger.log_dir)
@@ -279,20 +280,15 @@ class RLTrainer(TrainerBase[GRPOConfig]):
         return accuracy
 
     # ------------------------------------------------------------------ recovery
-    def _recoverable_engines(self) -> dict[str, TrainBackend]:
-        """Engines with training state (actor, critic); a frozen reference is rebuilt from its path."""
-        return {n: e for n, e in self._named_engines.items() if e.has_optimizer}
+    def _recover_states(self) -> RecoverStates:
+        """Every engine, as ``add_engine`` adds them (those that train: actor, critic; a frozen reference is
+        rebuilt from its path), the actor's weights as pushed, and the rollout's pending rows and ledger."""
+        engines, actor = self._named_engines, self.actor_engine
+        return RecoverStates(engines, actor, self.train_dl, self.saver, self.evaluator, rollout=self.rollout)
 
     def _maybe_resume(self) -> int:
         """Restore a recoverable checkpoint if ``recover.mode`` asks for it; the first step to run."""
-        state = self.recover.load(
-            self._recoverable_engines(),
-            self.actor_engine,
-            self.train_dl,
-            self.saver,
-            self.evaluator,
-            rollout=self.rollout,
-        )
+        state = self.recover.load()
         if state is None:
             if self.config.rollout.server_addrs:
                 # Running servers (rollout.server_addrs) may hold any weights: install ours as version 0
@@ -341,7 +337,11 @@ class RLTrainer(TrainerBase[GRPOConfig]):
             with stats_tracker.record_timing("rollout_wait"):
                 if async_enabled(config):
                     batch = rollout.prepare_batch(
-                        self.train_dl, workflow, should_accept_fn=should_accept_fn, granularity=group
+                        self.train_dl,
+                        workflow,
+                        should_accept_fn=should_accept_fn,
+                        granularity=group,
+                        max_rounds=getattr(config.actor, "dynamic_sampling_rounds", 8),
                     )
                 else:
                     batch = rollout.rollout_batch(
@@ -363,7 +363,8 @@ class RLTrainer(TrainerBase[GRPOConfig]):
                 train_step(batch, global_step)
             with stats_tracker.record_timing("update_weights"):
                 rollout.push_weights(global_step + 1)
-            self._save_eval_recover(eval_workflow, epoch, step, global_step, last)
+            evaluate = functools.partial(self.evaluate, eval_workflow, global_step + 1) if eval_workflow else None
+            self._end_step(epoch, step, global_step, last, evaluate)
             stats_tracker.scalar(**{"timeperf/step": time.perf_counter() - step_start})
             self._commit(epoch, step, global_step)
             if config.stats_logger.prompt_ids:
@@ -381,30 +382,6 @@ class RLTrainer(TrainerBase[GRPOConfig]):
         summary.ledger = self._ledger()
         self._print_summary()
         return summary
-
-    def _save_eval_recover(
-        self, eval_workflow: RolloutWorkflow | None, epoch: int, step: int, global_step: int, last: bool
-    ) -> None:
-        """After a step's weight push: HF save, evaluation and recoverable checkpoint, each when due (or last)."""
-        with stats_tracker.record_timing("save"):
-            self.saver.save(self.actor_engine, epoch, step, global_step, tokenizer=self.tokenizer, last=last)
-        if eval_workflow is not None and self.valid_dl is not None:
-            with stats_tracker.record_timing("eval"):
-                self.evaluator.evaluate(
-                    functools.partial(self.evaluate, eval_workflow, global_step + 1), epoch, step, global_step
-                )
-        with stats_tracker.record_timing("recover"):
-            self.recover.dump(
-                self._recoverable_engines(),
-                self.actor_engine,
-                self.train_dl,
-                step,
-                global_step,
-                self.saver,
-                self.evaluator,
-                rollout=self.rollout,
-                last=last,
-            )
 
     def _count_untrained(self, batch: TensorDict, train_step: TrainStep) -> None:
         """Ledger: the rows of this rank's batch that the update leaves out of the loss become ``too_long``.

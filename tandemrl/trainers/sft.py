@@ -61,12 +61,11 @@ class SFTTrainer(TrainerBase[SFTConfig]):
 
     def _resume(self) -> int:
         """Restore a recoverable checkpoint if ``recover.mode`` asks for it; the first step to run."""
-        engines = {"model": self.actor_engine}
-        state = self.recover.load(engines, self.actor_engine, self.train_dl, self.saver, self.evaluator)
+        state = self.recover.load()
         return 0 if state is None else state.global_step + 1
 
     def train(self) -> None:
-        """``total_train_steps`` steps of update -> save -> evaluate -> log -> recoverable checkpoint, then the
+        """``total_train_steps`` steps of update -> save -> evaluate -> recoverable checkpoint -> log, then the
         closing lines (rank 0)."""
         engine, spec = self.actor_engine, self.ft_spec
         first_step = self._resume()
@@ -79,14 +78,8 @@ class SFTTrainer(TrainerBase[SFTConfig]):
             batch = pad_sequences_to_tensors(next(batches), self.pad_id)
             with stats_tracker.record_timing("train_step"):
                 stats = self.actor.train_lm(batch)
-            with stats_tracker.record_timing("save"):
-                self.saver.save(engine, epoch, step, global_step, tokenizer=self.tokenizer, last=last)
-            if self.valid_dl is not None:
-                with stats_tracker.record_timing("eval"):
-                    self.evaluator.evaluate(self.evaluate, epoch, step, global_step)
+            self._end_step(epoch, step, global_step, last, self.evaluate)
             self.logger.commit(epoch, step, global_step, engine.export_stats())
-            models = {"model": engine}
-            self.recover.dump(models, engine, self.train_dl, step, global_step, self.saver, self.evaluator, last=last)
             bar.update(1)
             bar.set_postfix(loss=f"{stats['loss']:.4f}")
         bar.close()
