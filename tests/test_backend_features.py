@@ -82,6 +82,24 @@ def test_declared_features_are_known_and_reach_the_parsed_components(table: str)
     assert AllocationMode.from_str("sglang:d1+megatron:d1", *BACKEND_TABLES).gen.features == frozenset()
 
 
+@pytest.mark.parametrize("table", ["training", "inference"])
+def test_the_registries_copies_match_what_the_classes_declare(table: str) -> None:
+    """The registries answer built-in rows from their own copy (no import); each copy equals its class."""
+    shapes = BACKEND_TABLES[0] if table == "training" else BACKEND_TABLES[1]
+    for name in shapes:
+        assert shapes[name] == shapes.declared(name), name
+
+
+def test_registering_a_name_again_reads_the_new_class() -> None:
+    old = _ENGINES["fsdp"]
+    try:
+        register_engine("fsdp", _PlainFSDP)
+        assert BACKEND_TABLES[0]["fsdp"].features == frozenset()
+    finally:
+        register_engine("fsdp", old)
+    assert BACKEND_TABLES[0]["fsdp"].features == {"lora"}  # read from FSDPEngine now
+
+
 class _PlainFSDP(FSDPEngine):
     """The FSDP engine under another name, declaring no features."""
 

@@ -21,9 +21,10 @@ def test_import_leaves_heavy_backends_out() -> None:
     assert out.strip() == "[]", out
 
 
-def test_configs_import_without_torch() -> None:
+def test_configs_and_launchers_import_without_torch() -> None:
     """A config tool or a launcher node reads configs without torch: with torch made unimportable,
-    `tandemrl.configs` (every config class and the loader) and the allocation parser still import."""
+    `tandemrl.configs` (every config class and the loader), the launchers and the allocation parser
+    import, and an allocation naming every built-in backend parses."""
     code = (
         "import importlib.abc, sys\n"
         "class NoTorch(importlib.abc.MetaPathFinder):\n"
@@ -32,7 +33,12 @@ def test_configs_import_without_torch() -> None:
         "            raise ImportError(f'blocked: {name}')\n"
         "sys.meta_path.insert(0, NoTorch())\n"
         "import tandemrl.configs, tandemrl.api.allocation\n"
+        "import tandemrl.launchers.local, tandemrl.launchers.ray, tandemrl.launchers.slurm\n"
         "from tandemrl.configs import GRPOConfig, read_config\n"
+        "from tandemrl.launchers.launch_config import BACKEND_TABLES\n"
+        "from tandemrl.api.allocation import AllocationMode\n"
+        "for a in ('vllm:d1+fsdp:d2', 'sglang:d1+deepspeed:d1', 'vllm:d1+megatron:(attn:d1|ffn:e1)'):\n"
+        "    AllocationMode.from_str(a, *BACKEND_TABLES)\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -87,15 +87,33 @@ SERVER_FEATURES = {
 
 
 class LazyShapes(Mapping[str, BackendShape]):
-    """A registry's rows (name -> ``"module:Class"`` or a class) seen as shapes: a row's class is
-    imported, and its declared ``parallel_dims`` / ``moe_hybrid`` read, only when that name is looked up."""
+    """A registry's rows (name -> ``"module:Class"`` or a class) seen as shapes.
 
-    def __init__(self, kind: Literal["training", "inference"], rows: Mapping[str, object], load: Callable[[str], Any]):
+    A row in ``known`` (the registry's copy of what its built-in classes declare) is answered
+    without importing anything, so parsing ``allocation_mode`` imports no engine or torch; any
+    other row's class is imported, and its ``parallel_dims`` / ``moe_hybrid`` / ``features`` read,
+    when that name is looked up (:meth:`declared` always reads the class).
+    """
+
+    def __init__(
+        self,
+        kind: Literal["training", "inference"],
+        rows: Mapping[str, object],
+        load: Callable[[str], Any],
+        known: Mapping[str, BackendShape] | None = None,
+    ):
         self._kind, self._rows, self._load = kind, rows, load
+        self._known = known if known is not None else {}
 
     def __getitem__(self, name: str) -> BackendShape:
         if name not in self._rows:
             raise KeyError(name)
+        if name in self._known:
+            return self._known[name]
+        return self.declared(name)
+
+    def declared(self, name: str) -> BackendShape:
+        """The shape ``name``'s class declares, read from the imported class."""
         cls = self._load(name)
         features = frozenset(getattr(cls, "features", ()))
         return BackendShape(self._kind, str(cls.parallel_dims), bool(getattr(cls, "moe_hybrid", False)), features)

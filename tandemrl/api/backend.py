@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 from tandemrl.api.inference import GenerateChunk, HttpRequest, ModelRequest, ParamSpec, PauseMode, WeightUpdateMeta
-from tandemrl.api.types import ParallelStrategy
+from tandemrl.api.parallel import ParallelStrategy
 
 
 @runtime_checkable

@@ -12,11 +12,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from tandemrl.api.allocation import LazyShapes
-from tandemrl.api.engine import TrainBackend
-from tandemrl.configs.engine import TrainEngineConfig
+from tandemrl.api.allocation import BackendShape, LazyShapes
 
 if TYPE_CHECKING:
+    from tandemrl.api.engine import TrainBackend
+    from tandemrl.configs.engine import TrainEngineConfig
     from tandemrl.engines.base import BaseTrainEngine
 
 _ENGINES: dict[str, str | type[BaseTrainEngine]] = {
@@ -24,11 +24,20 @@ _ENGINES: dict[str, str | type[BaseTrainEngine]] = {
     "deepspeed": "tandemrl.engines.deepspeed:DeepSpeedEngine",
     "megatron": "tandemrl.engines.megatron.engine:MegatronEngine",
 }
+# What the built-in rows' classes declare, so that parsing allocation_mode imports no engine (nor
+# torch: a launcher stays light). tests/test_backend_features checks each against its class;
+# registering a name again drops its row here.
+_KNOWN: dict[str, BackendShape] = {
+    "fsdp": BackendShape("training", "dtc", features=frozenset({"lora"})),
+    "deepspeed": BackendShape("training", "dtc"),
+    "megatron": BackendShape("training", "dtpce", moe_hybrid=True, features=frozenset({"router_replay"})),
+}
 
 
 def register_engine(backend: str, target: str | type[BaseTrainEngine]) -> None:
     """Register ``module:Class`` (or the class) as the engine of ``backend`` (e.g. an out-of-tree backend)."""
     _ENGINES[backend] = target
+    _KNOWN.pop(backend, None)
 
 
 def engine_class(backend: str) -> type[BaseTrainEngine]:
@@ -45,8 +54,8 @@ def engine_class(backend: str) -> type[BaseTrainEngine]:
     return getattr(importlib.import_module(module), name)
 
 
-# The rows as allocation_mode shapes: each class's declared parallel_dims, read on lookup.
-SHAPES = LazyShapes("training", _ENGINES, engine_class)
+# The rows as allocation_mode shapes: each class's declared parallel_dims (and features).
+SHAPES = LazyShapes("training", _ENGINES, engine_class, _KNOWN)
 
 
 def make_engine(backend: str, config: TrainEngineConfig) -> TrainBackend:

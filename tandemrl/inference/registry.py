@@ -8,21 +8,30 @@ launchers (:func:`get_backend`) and the client (:func:`make_client`) all read th
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tandemrl.api.allocation import LazyShapes
-from tandemrl.api.backend import InferenceBackend
+from tandemrl.api.allocation import BackendShape, LazyShapes
+
+if TYPE_CHECKING:
+    from tandemrl.api.backend import InferenceBackend
 
 # allocation_mode name -> "module:Class" (or the class) of its request builder/parser.
 BACKENDS: dict[str, str | type] = {
     "vllm": "tandemrl.inference.vllm:VLLMBackend",
     "sglang": "tandemrl.inference.sglang:SGLangBackend",
 }
+# What the built-in rows' classes declare, so that parsing allocation_mode imports no backend
+# module. tests/test_backend_features checks each against its class; registering a name again drops its row here.
+_KNOWN: dict[str, BackendShape] = {
+    "vllm": BackendShape("inference", "dtp", features=frozenset({"token", "middleware", "lora_adapters", "judge"})),
+    "sglang": BackendShape("inference", "dtp"),
+}
 
 
 def register_backend(name: str, target: str | type) -> None:
     """Add (or replace) the row of ``name``: ``"module:Class"`` or the class itself (an out-of-tree backend)."""
     BACKENDS[name] = target
+    _KNOWN.pop(name, None)
 
 
 def backend_class(name: str) -> type[Any]:
@@ -37,8 +46,8 @@ def backend_class(name: str) -> type[Any]:
     return getattr(importlib.import_module(module), cls)
 
 
-# The rows as allocation_mode shapes: each class's declared parallel_dims, read on lookup.
-SHAPES = LazyShapes("inference", BACKENDS, backend_class)
+# The rows as allocation_mode shapes: each class's declared parallel_dims (and features).
+SHAPES = LazyShapes("inference", BACKENDS, backend_class, _KNOWN)
 
 
 def get_backend(name: str, **kwargs: Any) -> InferenceBackend:
