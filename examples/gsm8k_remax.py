@@ -14,7 +14,7 @@ The loop is the shared one (tandemrl/trainers/rl_loop.py).
 
 from __future__ import annotations
 
-from tandemrl.algorithms.reinforce import ReinforceActor
+from tandemrl.algorithms.reinforce import ReinforceActor, config_problem
 from tandemrl.configs import GRPOConfig
 from tandemrl.rewards.gsm8k import gsm8k_reward_fn
 from tandemrl.trainers.entry import load_config_or_exit
@@ -24,7 +24,8 @@ from tandemrl.workflows.remax import ReMaxRLVRWorkflow
 
 
 def main(argv: list[str]) -> None:
-    config, _ = load_config_or_exit(argv, GRPOConfig)
+    # config_problem: offpolicy_correction none with async training is refused at load (the launchers' pre-flight).
+    config, _ = load_config_or_exit(argv, GRPOConfig, checks=[config_problem])
     trainer = RLTrainer(config, name="remax")
     workflow, eval_workflow = trainer.rlvr_workflows(gsm8k_reward_fn, workflow_cls=ReMaxRLVRWorkflow)
     trainer.run(workflow, reinforce_train_step(ReinforceActor(config.actor, trainer.actor_engine)), eval_workflow)

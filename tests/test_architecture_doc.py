@@ -48,7 +48,12 @@ def allowed_imports(pyproject: Path = REPO_ROOT / "pyproject.toml") -> dict[str,
     """package -> the packages the import-linter contracts let it import: every lower layer, minus
     what a `forbidden` contract names for it."""
     contracts = tomllib.loads(pyproject.read_text(encoding="utf-8"))["tool"]["importlinter"]["contracts"]
-    (layers_contract,) = [c for c in contracts if c["type"] == "layers"]
+    # The packages' layers (a layers contract inside one package, e.g. rollout's rooms, names modules: a.b.c).
+    (layers_contract,) = [
+        c
+        for c in contracts
+        if c["type"] == "layers" and all(p.strip().count(".") == 1 for layer in c["layers"] for p in layer.split("|"))
+    ]
     layers = [[p.strip().removeprefix("tandemrl.") for p in layer.split("|")] for layer in layers_contract["layers"]]
     forbidden: dict[str, set[str]] = {}
     for c in contracts:

@@ -140,3 +140,21 @@ def test_truncated_sampling_with_the_replay_loads() -> None:
     # On without truncated sampling: accepted, and nothing to replay (the full-vocabulary path).
     plain, _ = load_config(["--config", GRPO_YAML, "actor.truncation_replay=true"], GRPOConfig)
     assert replay_of(plain.actor) is None
+
+
+def test_a_reinforce_script_refuses_no_correction_on_async_samples_at_load() -> None:
+    """What only the algorithm knows is checked at load through the script's ``checks`` (so in the launchers'
+    pre-flight): REINFORCE (ReMax) has no behaviour-policy term without a correction, so ``none`` with async
+    training is refused naming the key; PPO loads the same values (test above), and so does sync REINFORCE."""
+    from tandemrl.algorithms.reinforce import config_problem
+
+    remax = str(REPO_ROOT / "examples" / "gsm8k_remax.yaml")
+    argv = ["--config", remax, "actor.offpolicy_correction=none"]
+    cfg, _ = load_config(argv, GRPOConfig, checks=[config_problem])  # the example is synchronous
+    assert not async_enabled(cfg)
+    with pytest.raises(ConfigError) as err:
+        load_config([*argv, "async_training=true", "rollout.max_head_offpolicyness=1"], GRPOConfig, [config_problem])
+    message = str(err.value)
+    assert message.startswith("Config key 'actor.offpolicy_correction' on the command line") and "\n" not in message
+    assert "training is asynchronous (rollout.max_head_offpolicyness=1)" in message
+    load_config([*argv[:2], "async_training=true", "rollout.max_head_offpolicyness=1"], GRPOConfig, [config_problem])

@@ -97,7 +97,8 @@ def test_remax_example_two_steps(
     # The greedy baseline was generated and scored every step (a 0/1 GSM8K reward).
     greedy = stats["rollout/greedy_reward"]
     assert len(greedy) == 2 and all(0.0 <= g <= 1.0 for g in greedy), greedy
-    # Launched again, the finished run says so in one line and trains nothing.
+    # Launched again, the finished run says so in one line, naming its model, and starts nothing (the launcher
+    # reads the checkpoint's loop state before any process starts).
     args = ["examples/gsm8k_remax.py", "--config", "examples/gsm8k_remax.yaml", f"cluster.fileroot={tmp_path}"]
     again = subprocess.run(
         LAUNCH + args + CHEAP + overrides + running_server.overrides,
@@ -107,10 +108,10 @@ def test_remax_example_two_steps(
         text=True,
         timeout=1200,
     )
-    recover = tmp_path / "checkpoints" / "gsm8k-remax" / "trial0" / "recover"
-    line = f"recover: this run already finished (2 of 2 steps in {recover}): nothing left to train"
+    (final,) = (tmp_path / "checkpoints" / "gsm8k-remax" / "trial0").glob("epoch*")  # the HF model of the last step
+    line = f"[launcher] trial trial0 already finished (2 steps): nothing to start; final model: {final};"
     assert again.returncode == 0 and line in again.stdout, again.stdout[-3000:] + again.stderr[-2000:]
-    assert " done: 0 steps in " in again.stdout, again.stdout[-2000:]
+    assert "[launcher] trainer:" not in again.stdout and "[trainer]" not in again.stdout, again.stdout[-2000:]
 
 
 @pytest.mark.slow

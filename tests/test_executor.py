@@ -114,7 +114,7 @@ def caught_up(ex: WorkflowExecutor) -> None:
     """Block until the executor's loop has run every callback scheduled before this call
     (``submit``'s launch attempt included): the loop runs ``call_soon`` callbacks in order."""
     ran = threading.Event()
-    runner = ex._runner
+    runner = ex._episodes.runner
     assert runner is not None
     runner.call_soon(ran.set)
     assert ran.wait(30)
@@ -273,14 +273,16 @@ class RecordingWorkflow(ToyWorkflow):
 
 def test_an_episodes_scalars_are_recorded_when_the_trainer_takes_it() -> None:
     """The scalars a workflow records are exported with the step that consumes its episode (so every step of
-    an async run has rollout/reward, describing its own batch); a rejected episode's are exported at once."""
+    an async run has rollout/reward, describing its own batch); a filtered-out episode's are exported at once,
+    under rollout/filtered/, so rollout/* describes only the samples trained on."""
     ex, _ = make_executor(k=2, bsz=1, max_conc=8)
     try:
         for pid in (1, 2, 3):  # odd ids have mixed rewards and are accepted; 2 is rejected
             ex.submit({"id": pid}, RecordingWorkflow(), should_accept_fn=mixed_rewards)
         wait_until(lambda: ex.get_stats().accepted == 2 and ex.get_stats().rejected == 1, "3 episodes done")
         early = ex.export_stats()
-        assert (early["rollout/episode_id"], early["rollout/episode_id__count"]) == (2.0, 1.0), early
+        assert (early["rollout/filtered/episode_id"], early["rollout/filtered/episode_id__count"]) == (2.0, 1.0)
+        assert "rollout/episode_id" not in early, early
         for _ in range(2):
             pid = int(ex.wait(1, timeout=10)["prompt_id"][0])
             step = ex.export_stats()
@@ -420,7 +422,7 @@ def test_destroy_stops_the_thread_with_episodes_running() -> None:
     engine.gates[1] = threading.Event()  # never released
     ex.submit({"id": 1}, ToyWorkflow())
     wait_until(lambda: engine.started == [1, 1], "both samples of row 1 wait at the gate")
-    runner = ex._runner
+    runner = ex._episodes.runner
     assert runner is not None
     ex.destroy()  # returns although the gate is never released: it cancels the episode
     assert not runner.is_alive()
@@ -471,5 +473,24 @@ def test_async_batches_that_reject_everything_give_up_in_one_line() -> None:
         assert "\n" not in msg and "no batch of 4 filled; gave up after 2 rounds of rejections" in msg, msg
         rejected = int(msg.split("prepare_batch: ")[1].split()[0])
         assert rejected > 8 and ex.get_stats().accepted == 0 and "actor.dynamic_sampling_rounds" in msg, msg
+    finally:
+        ex.destroy()
+
+
+def test_a_give_up_names_the_groups_dropped_not_only_the_filter() -> None:
+    """Episodes of the wrong size (actor.group_size != the samples per prompt) drop their groups; when a
+    synchronous batch gives up before the failure budget is spent, its line names that cause (it blamed only
+    should_accept_fn and dynamic_sampling_rounds)."""
+    from tandemrl.rollout.whole_groups import WholeGroups
+
+    ex, _ = make_executor(k=0, max_consecutive_drops=100, max_dropped_share=1.0)
+    try:
+        with pytest.raises(RuntimeError) as err:
+            ex.rollout_batch(
+                [{"id": i} for i in range(4)], WholeGroups(ToyWorkflow(), rows=4), timeout=60, max_rounds=1
+            )
+        msg = str(err.value)
+        assert "\n" not in msg and msg.startswith("rollout_batch: ") and "gave up after 1 extra rounds" in msg, msg
+        assert f"ToyWorkflow returned {N_SAMPLES} rows for one prompt; the trainer's groups need 4" in msg, msg
     finally:
         ex.destroy()

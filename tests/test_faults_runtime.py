@@ -349,7 +349,7 @@ def test_a_sigstopped_server_is_reported_then_stops_the_run(
     """The GRPO run's vLLM server is SIGSTOPped once training started: the launcher reports it once after
     launcher.server_stall_warn, stops the run after launcher.server_stall_limit naming it, and leaves no process."""
     args = _endless_grpo(
-        tiny_model_dir, gsm8k_dir, tmp_path, "+launcher.server_stall_warn=3", "+launcher.server_stall_limit=12"
+        tiny_model_dir, gsm8k_dir, tmp_path, "launcher.server_stall_warn=3", "launcher.server_stall_limit=12"
     )
     proc = subprocess.Popen(
         LAUNCH + args, cwd=REPO_ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

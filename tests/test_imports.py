@@ -44,3 +44,25 @@ def test_configs_and_launchers_import_without_torch() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "[]", proc.stdout
+
+
+def test_no_launcher_module_imports_omegaconf() -> None:
+    """The launchers read their config through the typed loader (``configs.loader``, ``configs.launcher``): no
+    module under tandemrl/launchers/ imports omegaconf itself (the raw YAML reader it once had is gone)."""
+    import ast
+    from pathlib import Path
+
+    def imported(path: Path) -> set[str]:
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module.split(".")[0])
+        return names
+
+    launchers = Path(__file__).resolve().parents[1] / "tandemrl" / "launchers"
+    found = sorted(p.name for p in launchers.glob("*.py") if "omegaconf" in imported(p))
+    assert found == [], found
+    configs = Path(__file__).resolve().parents[1] / "tandemrl" / "configs" / "loader.py"
+    assert "omegaconf" in imported(configs)  # the check sees imports where they are

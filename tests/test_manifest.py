@@ -81,3 +81,25 @@ def test_a_checkpoint_exception_is_one_line_naming_the_path_and_its_cause(tmp_pa
     assert str(err.value) == f"recover: writing checkpoint {tmp_path} failed: OSError: [Errno 5] Input/output error"
     with pytest.raises(KeyboardInterrupt), writing_checkpoint(str(tmp_path), "recover"):
         raise KeyboardInterrupt  # never turned into a checkpoint error
+
+
+def test_a_finished_run_is_found_only_under_the_same_length(tmp_path) -> None:
+    """configs.utils.finished_run, what a launcher reads before starting anything: the recoverable checkpoint's
+    loop state marked finished, under the same total_train_steps/_epochs; anything else is left to the trainer."""
+    import json
+
+    from tandemrl.configs.utils import finished_run, save_root
+
+    length = {"total_train_steps": 2, "total_train_epochs": 1}
+    recover = tmp_path / "checkpoints" / "exp" / "t0" / "recover"
+    assert save_root(str(tmp_path), "exp", "t0") == str(recover.parent)
+    assert finished_run(str(tmp_path), "exp", "t0", length) is None  # no checkpoint
+    recover.mkdir(parents=True)
+    state = {"global_step": 1, "finished": True, "final_model": "/m", "length": length}
+    (recover / LOOP_STATE_FILE).write_text(json.dumps(state))
+    assert finished_run(str(tmp_path), "exp", "t0", length) == state
+    assert finished_run(str(tmp_path), "exp", "t0", {**length, "total_train_steps": 4}) is None  # made longer
+    (recover / LOOP_STATE_FILE).write_text(json.dumps({**state, "finished": False}))
+    assert finished_run(str(tmp_path), "exp", "t0", length) is None
+    (recover / LOOP_STATE_FILE).write_text("{not json")
+    assert finished_run(str(tmp_path), "exp", "t0", length) is None

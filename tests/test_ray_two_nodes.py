@@ -304,7 +304,7 @@ def _settings(alloc: str, *overrides: str):
     from tandemrl.launchers.ray_nodes import read_settings
 
     args = [f"allocation_mode={alloc}", *overrides]
-    return read_settings(None, args, read_launch_spec(None, args))
+    return read_settings(read_launch_spec(None, args))
 
 
 def test_node_resource_settings_are_checked_in_one_line() -> None:
@@ -314,7 +314,10 @@ def test_node_resource_settings_are_checked_in_one_line() -> None:
     bad = {
         "launcher.ray.trainer_resources.x=0": "config key 'launcher.ray.trainer_resources.x' must be a positive",
         "launcher.ray.server_resources.GPU=1": "'GPU' is requested by the launcher itself",
-        "launcher.ray.server_resources=3": "must map Ray resource names to amounts",
+        "launcher.ray.server_resources=3": "Config key 'launcher.ray.server_resources' on the command line "
+        "('launcher.ray.server_resources=3') expects a mapping, got 3",
+        "launcher.ray.trainer_resources.x=some": "'some' of type 'str' could not be converted to Float",
+        "launcher.ray.nodes=2": "Unknown config key 'launcher.ray.nodes' on the command line",
     }
     for override, message in bad.items():
         with pytest.raises(ValueError) as err:

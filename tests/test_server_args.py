@@ -39,20 +39,28 @@ def test_deterministic_runs_get_whole_prefills_on_vllm() -> None:
 
 
 def test_server_stall_bounds_are_read_and_checked() -> None:
-    spec = read_launch_spec(GRPO, ["+launcher.server_stall_warn=5", "+launcher.server_stall_limit=30"])
+    spec = read_launch_spec(GRPO, ["launcher.server_stall_warn=5", "launcher.server_stall_limit=30"])
     assert (spec.server_stall_warn, spec.server_stall_limit) == (5.0, 30.0)
     assert (read_launch_spec(GRPO, []).server_stall_warn, read_launch_spec(GRPO, []).server_stall_limit) == (
         60.0,
         900.0,
     )
-    with pytest.raises(ValueError, match=r"'launcher\.server_stall_limit' \(4\) need 0 < warn < limit"):
-        read_launch_spec(GRPO, ["+launcher.server_stall_warn=5", "+launcher.server_stall_limit=4"])
+    with pytest.raises(
+        ValueError, match=r"'launcher\.server_stall_warn' \(5\) must be below launcher\.server_stall_limit"
+    ):
+        read_launch_spec(GRPO, ["launcher.server_stall_warn=5", "launcher.server_stall_limit=4"])
+    with pytest.raises(ValueError, match=r"'launcher\.server_stall_warn' on the command line .* must be > 0\.0, got 0"):
+        read_launch_spec(GRPO, ["launcher.server_stall_warn=0"])
 
 
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        ("launcher.server_args=5", r"config key 'launcher\.server_args' must map server option names to values"),
+        (
+            "launcher.server_args=5",
+            r"Config key 'launcher\.server_args' on the command line .* expects a mapping, got 5",
+        ),
+        ("launcher.no_such_key=1", r"Unknown config key 'launcher\.no_such_key' on the command line"),
         ("launcher.server_args.kv={a: 1}", r"config key 'launcher\.server_args\.kv' must be a value or a list"),
         ("launcher.server_args.port=9", r"config key 'launcher\.server_args': vllm server flags \['port'\] are set by"),
         ("+launcher.server_args.tensor-parallel-size=2", r"flags \['tensor_parallel_size'\] are set by tandemrl"),
@@ -67,3 +75,12 @@ def test_bad_server_args_fail_in_one_line_naming_the_key(override: str, expected
 def test_the_training_script_never_sees_server_args(tmp_path) -> None:
     _config, kept = script_config(None, ["launcher.server_args.max_num_seqs=64", "seed=3"], str(tmp_path / "c.yaml"))
     assert kept == ["seed=3"]
+
+
+def test_an_unknown_key_in_the_files_launcher_section_is_named_with_the_file(tmp_path) -> None:
+    """Scripts never see the section, so the launcher refuses what it does not know (a typo would be ignored)."""
+    config = tmp_path / "c.yaml"
+    config.write_text(open(GRPO).read() + "launcher:\n  server_stall_warm: 5\n")
+    with pytest.raises(ValueError, match=rf"Unknown config key 'launcher\.server_stall_warm' in {config}") as err:
+        read_launch_spec(str(config), [])
+    assert "\n" not in str(err.value)

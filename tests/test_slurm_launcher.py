@@ -180,7 +180,9 @@ def test_one_node_and_cpu_core_scripts(tiny_model_dir: str, tmp_path: Path) -> N
     )
     assert (
         proc.returncode == 2
-        and proc.stderr.strip() == "error: launcher.slurm.device must be one of gpu, cpu, got 'tpu'"
+        and proc.stderr.strip()
+        == "error: Config key 'launcher.slurm.device' on the command line "
+        "('launcher.slurm.device=tpu') expects one of gpu, cpu, got 'tpu'"
     )
 
 
@@ -233,7 +235,7 @@ def test_shapes_that_do_not_fit_fail_before_writing(tiny_model_dir: str, tmp_pat
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: train world size 12 is not a multiple of gpus_per_node 8"
     proc = _slurm(["examples/gsm8k_sft.py", "--config", str(config), "--dry-run", "--gpus-per-node", "x"])
-    assert proc.returncode == 2 and proc.stderr.strip() == "error: gpus_per_node must be an integer, got 'x'"
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: --gpus-per-node must be an integer, got 'x'"
     colocated = _config(tmp_path, {"allocation_mode": "vllm:d3t2|fsdp:d4", "model": {"path": tiny_model_dir}})
     proc = _slurm(["examples/gsm8k_sft.py", "--config", str(colocated), "--dry-run", "--gpus-per-node", "8"])
     assert proc.returncode == 2

@@ -1,7 +1,7 @@
 """The type checker's escape hatches are counted: each ``# type: ignore[code]`` comment in tandemrl/.
 
 mypy runs in scripts/test.sh with pyproject.toml's [tool.mypy]: mypy --strict's flags on ``api``,
-``algorithms``, ``rollout`` and ``weights``, its defaults elsewhere; it refuses an ignore without an error code
+``algorithms``, ``rollout``, ``weights``, ``configs`` and ``launchers``, its defaults elsewhere; it refuses an ignore without an error code
 or one that no longer silences anything. What is ignored today is listed in ALLOWED, per file, with its count;
 the list may only shrink: the test also fails when a file has fewer ignores than listed (lower the number) or
 none (remove the row), like the size guard of tests/test_code_shape.py.
@@ -17,7 +17,14 @@ import tomllib
 from utils import REPO_ROOT
 
 PACKAGE = REPO_ROOT / "tandemrl"
-STRICT_PACKAGES = ["tandemrl.api.*", "tandemrl.algorithms.*", "tandemrl.rollout.*", "tandemrl.weights.*"]
+STRICT_PACKAGES = [
+    "tandemrl.api.*",
+    "tandemrl.algorithms.*",
+    "tandemrl.rollout.*",
+    "tandemrl.weights.*",
+    "tandemrl.configs.*",
+    "tandemrl.launchers.*",
+]
 # mypy --strict's per-module flags (the global ones, warn_unused_ignores and warn_redundant_casts, are on for all).
 STRICT_FLAGS = {
     "disallow_any_generics",
@@ -73,7 +80,8 @@ def test_type_ignores_only_shrink() -> None:
 
 
 def test_mypy_is_strict_on_the_contract_packages() -> None:
-    """pyproject.toml gives api, algorithms, rollout and weights every --strict flag, and mypy runs in the tests."""
+    """pyproject.toml gives api, algorithms, rollout, weights, configs and launchers every --strict flag, and mypy
+    runs in the tests."""
     config = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["mypy"]
     assert config["files"] == ["tandemrl"]
     assert config["warn_unused_ignores"] and "ignore-without-code" in config["enable_error_code"]

@@ -5,7 +5,8 @@
 and ``offpolicy_correction``. Each token's loss is ``-w * A * log p`` with ``w`` the detached
 correction weight on ``rho = exp(log p - behaviour log p)`` (the update is one optimizer step,
 so its own forward is the proximal policy); ``w = 1`` with ``none``, which is refused on a batch
-whose tokens came from older weights than the trainer's (it would train them as on-policy).
+whose tokens came from older weights than the trainer's (it would train them as on-policy), and
+before that when the config loads, by :func:`config_problem` (a script passes it as ``checks``).
 """
 
 from __future__ import annotations
@@ -22,9 +23,25 @@ from tandemrl.algorithms.truncation import Truncation, policy_logprobs, replay_o
 from tandemrl.api.engine import TrainEngine
 from tandemrl.api.renamed import RENAMED_IN
 from tandemrl.api.types import ROUTED_EXPERTS, RolloutBatch, TensorDict
+from tandemrl.configs.experiment import GRPOConfig, async_enabled
 from tandemrl.configs.ppo import PPOActorConfig
 from tandemrl.models.functional import next_token_labels
 from tandemrl.utils import stats_tracker
+
+
+def config_problem(config: GRPOConfig) -> tuple[str, str] | None:
+    """The check a REINFORCE script passes to ``load_config`` (``checks=``), so the launchers' pre-flight refuses
+    what :meth:`ReinforceActor.train_reinforce` would refuse at the first stale batch: ``offpolicy_correction``
+    ``none`` with asynchronous training (samples from older weights than the trainer's)."""
+    rollout = config.rollout
+    if config.actor.offpolicy_correction != "none" or not async_enabled(config):
+        return None
+    return (
+        "actor.offpolicy_correction",
+        f"is 'none' but training is asynchronous (rollout.max_head_offpolicyness={rollout.max_head_offpolicyness}): "
+        "ReinforceActor would train samples from older weights as on-policy; choose a correction (auto: tis) or "
+        "async_training=false",
+    )
 
 
 def reinforce_corrected_loss(

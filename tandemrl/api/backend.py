@@ -29,6 +29,8 @@ class InferenceBackend(Protocol):
     # Server flags of a deterministic run (``deterministic=true``): what its servers need to sample a seeded
     # request the same way every time; {} if nothing.
     deterministic_flags: dict[str, Any]
+    # The values its servers take for --dtype (checked before a server starts).
+    dtypes: tuple[str, ...]
 
     def build_generate(self, req: ModelRequest, output_so_far: list[int], remaining: int, version: int) -> HttpRequest:
         """Continue ``req.input_ids + output_so_far`` for at most ``remaining`` new tokens."""

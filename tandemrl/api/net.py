@@ -51,3 +51,14 @@ def _bindable(family: socket.AddressFamily, host: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def port_problem(port: int, host: str = "") -> str | None:
+    """Why a server cannot listen on ``port`` at ``host`` (0 = a free one, always fine), else None: out of range,
+    or taken now. Checked before a server starts, so a bad port is one line instead of a crash seconds later."""
+    if not 0 <= port <= 65535:
+        return f"must be 0 (a free one) or a port in 1-65535, got {port}"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    if port and not _bindable(family, host, port):
+        return f"{port} is in use on {host or 'every interface'} (or may not be bound here); pick another or 0"
+    return None

@@ -416,6 +416,18 @@ def read_yaml(path: Path, shown: str) -> dict[Any, Any]:
     return data
 
 
+def copy_without_section(config_arg: str, section: str, out: str) -> bool:
+    """Write the config file ``config_arg`` (a path or ``preset:NAME``) to ``out`` without its top-level
+    ``section``, interpolations kept as written; False (nothing written) when it has no such section."""
+    path, shown = _resolve_config_arg(config_arg)
+    data = read_yaml(path, shown)
+    if section not in data:
+        return False
+    data.pop(section)
+    Path(out).write_text(yaml.safe_dump(data, sort_keys=False, default_flow_style=False), encoding="utf-8")
+    return True
+
+
 def _missing_leaves(data: Any, prefix: str = "") -> list[str]:
     """Keys set to ``???``: OmegaConf's merge would keep the default, but the user asked for 'required'."""
     if isinstance(data, Mapping):
@@ -580,7 +592,16 @@ def register_configs() -> None:
         store.store(group=group, name=name, node=node)
 
 
-def read_config(argv: list[str], schema: type[T], backends: Sequence[Mapping[str, BackendShape]]) -> tuple[T, str]:
+# A script's own check of values that fit its algorithm: (key, message) or None (e.g. reinforce.config_problem).
+ConfigCheck = Callable[[Any], "tuple[str, str] | None"]
+
+
+def read_config(
+    argv: list[str],
+    schema: type[T],
+    backends: Sequence[Mapping[str, BackendShape]],
+    checks: Sequence[ConfigCheck] = (),
+) -> tuple[T, str]:
     """Build a ``schema`` instance from ``argv`` (without the program name).
 
     ``argv`` holds an optional ``--config FILE.yaml`` (or ``--config preset:NAME``) and hydra-style
@@ -588,7 +609,8 @@ def read_config(argv: list[str], schema: type[T], backends: Sequence[Mapping[str
     ``allocation_mode`` is parsed once, against ``backends`` (the registries' ``SHAPES``), and the value
     kept on the config (``configs.experiment.parsed_allocation``). Scripts call
     ``tandemrl.trainers.entry.load_config``, which passes the registries.
-    Values must also fit together (``tandemrl.configs.checks.first_problem``). With
+    Values must also fit together (``tandemrl.configs.checks.first_problem``, then each of the script's
+    ``checks``: what only its algorithm knows, e.g. ReMax's REINFORCE step). With
     ``TANDEMRL_CHECK_ONLY=1`` (the launchers' pre-flight) it raises ``InputsChecked`` instead of
     returning; scripts load through ``tandemrl.trainers.entry``, which then checks the inputs too.
     """
@@ -596,36 +618,50 @@ def read_config(argv: list[str], schema: type[T], backends: Sequence[Mapping[str
         raise TypeError(f"read_config needs a dataclass schema, got {schema!r}")
     if check_only():
         configs_seen[0] += 1
-    obj, config_path = _build(argv, schema, backends, known_only=False)
+    obj, config_path = _build(argv, schema, backends, known_only=False, checks=tuple(checks))
     if check_only():
         raise InputsChecked(config_path, obj)
     return obj, config_path
 
 
-def read_known_keys(argv: list[str], schema: type[T], backends: Sequence[Mapping[str, BackendShape]]) -> T:
+def read_known_keys(
+    argv: list[str], schema: type[T], backends: Sequence[Mapping[str, BackendShape]], own: Sequence[str] = ()
+) -> T:
     """The part of a script's config that ``schema`` declares, typed and checked as :func:`read_config` does.
 
     For a reader that knows only some of a script's keys (the launchers): keys ``schema`` lacks are
     left out instead of refused, and values are not checked against each other (the script's own
-    pre-flight does both). ``allocation_mode`` is parsed against ``backends`` and kept, as there.
+    pre-flight does both). ``own`` names top-level sections that belong to the reader alone (the
+    launchers' ``launcher``): no script checks them, so their unknown keys are refused as
+    :func:`read_config` refuses them. ``allocation_mode`` is parsed against ``backends`` and kept, as there.
     """
-    return _build(argv, schema, backends, known_only=True)[0]
+    return _build(argv, schema, backends, known_only=True, own=tuple(own))[0]
 
 
-def _known(data: Any, annotation: Any) -> Any:
-    """``data`` without the keys ``annotation`` (a dataclass, or a dict of them) lacks, at any depth."""
+def _known(data: Any, annotation: Any, own: tuple[str, ...] = ()) -> Any:
+    """``data`` without the keys ``annotation`` (a dataclass, or a dict of them) lacks, at any depth; the
+    top-level sections in ``own`` are kept whole."""
     inner, _ = _unwrap_optional(annotation)
     if not isinstance(data, Mapping) or not (isinstance(inner, type) and dataclasses.is_dataclass(inner)):
         return data
     fields = _field_types(inner)
-    return {k: _known(v, fields[k]) for k, v in data.items() if isinstance(k, str) and k in fields}
+    return {
+        k: v if k in own else _known(v, fields[k])
+        for k, v in data.items()
+        if isinstance(k, str) and (k in fields or k in own)
+    }
 
 
 def _build(
-    argv: list[str], schema: type[T], backends: Sequence[Mapping[str, BackendShape]], known_only: bool
+    argv: list[str],
+    schema: type[T],
+    backends: Sequence[Mapping[str, BackendShape]],
+    known_only: bool,
+    own: tuple[str, ...] = (),
+    checks: tuple[ConfigCheck, ...] = (),
 ) -> tuple[T, str]:
-    """Defaults < YAML < overrides, typed and checked; ``known_only`` drops the keys ``schema`` lacks and
-    skips the checks of values against each other."""
+    """Defaults < YAML < overrides, typed and checked; ``known_only`` drops the keys ``schema`` lacks (but
+    those under the sections in ``own``) and skips the checks of values against each other."""
     config_arg, overrides = _split_argv(list(argv))
     origins = _Origins()
     try:
@@ -637,12 +673,13 @@ def _build(
     if config_arg is not None:
         path, shown = _resolve_config_arg(config_arg)
         data = read_yaml(path, shown)
-        cfg = _merge(cfg, _known(data, schema) if known_only else data, schema, f"in {shown}", origins)
+        cfg = _merge(cfg, _known(data, schema, own) if known_only else data, schema, f"in {shown}", origins)
         config_path = str(path)
     if overrides:
         register_configs()
     for token in overrides:
-        if not known_only or _annotation_at(schema, token.lstrip("+~").split("=", 1)[0]) is not None:
+        key = token.lstrip("+~").split("=", 1)[0]
+        if not known_only or key.split(".", 1)[0] in own or _annotation_at(schema, key) is not None:
             cfg = _apply_override(cfg, token, schema, origins)
 
     try:
@@ -651,6 +688,8 @@ def _build(
         raise _translate(err, schema, None, origins) from None
     _check_field_values(obj, "", origins)
     problem = parse_allocation(obj, backends) or (None if known_only else first_problem(obj))
+    for check in checks:
+        problem = problem or check(obj)
     if problem is not None:
         key, message = problem
         raise ConfigError(f"Config key '{key}' {origins.where(key)} {message}")
@@ -679,9 +718,10 @@ def _as_omegaconf(config: Any) -> DictConfig:
     if not dataclasses.is_dataclass(config):
         raise TypeError(f"expected a dataclass config or DictConfig, got {type(config).__name__}")
     try:
-        return OmegaConf.structured(config)
+        structured: DictConfig = OmegaConf.structured(config)
     except OmegaConfBaseException as err:
         raise _translate(err, type(config), "in the given config object", _Origins()) from None
+    return structured
 
 
 def config_to_dict(config: Any, resolve: bool = True) -> dict[str, Any]:

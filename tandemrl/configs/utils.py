@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -160,3 +163,28 @@ class ClusterConfig:
     n_gpus_per_node: int = field(
         default=2, metadata={"help": "Devices (GPUs, or CPU processes here) per node.", "min": 1}
     )
+
+
+# Where a run's checkpoints go, and the recoverable one's loop state (written by tandemrl.trainers.recover).
+RECOVER_DIR = "recover"
+LOOP_STATE_FILE = "loop_state.json"
+
+
+def save_root(fileroot: str, experiment_name: str, trial_name: str) -> str:
+    """``<fileroot>/checkpoints/<experiment>/<trial>``: the run's HF models and its recoverable checkpoint."""
+    return os.path.join(fileroot, "checkpoints", experiment_name, trial_name)
+
+
+def finished_run(fileroot: str, experiment_name: str, trial_name: str, length: dict[str, Any]) -> dict[str, Any] | None:
+    """The loop state of the run's recoverable checkpoint when it marks the run finished (its last step saved)
+    under the same ``length`` (``total_train_steps`` / ``total_train_epochs``: a longer run goes on), else None
+    (no checkpoint, an unfinished or unreadable one: the trainer's own recovery decides then)."""
+    path = os.path.join(save_root(fileroot, experiment_name, trial_name), RECOVER_DIR, LOOP_STATE_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            state = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(state, dict) or state.get("finished") is not True or state.get("length") != length:
+        return None
+    return state

@@ -56,6 +56,7 @@ class SGLangBackend(TimeoutsMixin):
     multi_bucket_collective = False
     features: frozenset[str] = frozenset()  # no token checks, middleware, run-time adapters or judge here
     deterministic_flags: dict[str, Any] = {}  # seeded sampling needs no server flag (nothing measured: CUDA-only)
+    dtypes = ("auto", "half", "float16", "bfloat16", "float", "float32")  # SGLang's --dtype choices
 
     # ---- generation ----------------------------------------------------------------------
 

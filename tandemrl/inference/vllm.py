@@ -103,6 +103,7 @@ class VLLMBackend(TimeoutsMixin):
     multi_bucket_collective = True
     features = frozenset({"token", "middleware", "lora_adapters", "judge"})
     deterministic_flags = DETERMINISTIC_SERVER_FLAGS
+    dtypes = ("auto", "bfloat16", "float", "float16", "float32", "half")  # vLLM 0.32's --dtype choices
     # Set once a LoRA adapter is loaded (``adapter_loaded``): generation then names it as the model.
     adapter: str | None = None
 

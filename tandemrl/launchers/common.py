@@ -21,11 +21,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
+from tandemrl.configs.utils import finished_run
 from tandemrl.launchers import dry_run
 from tandemrl.launchers.check import check_script
-from tandemrl.launchers.launch_config import LaunchError, LaunchSpec, read_launch_spec
+from tandemrl.launchers.launch_config import LaunchError as LaunchError  # re-exported: the launchers raise it
+from tandemrl.launchers.launch_config import LaunchSpec, read_launch_spec
 from tandemrl.launchers.run_lock import run_dir_lock
 from tandemrl.utils.cli import first_line, interrupted_exit_code, signals_interrupt
 from tandemrl.utils.lifeline import exit_status
@@ -119,8 +121,26 @@ def _trial_suffix(combo: list[str], sweep_keys: set[str]) -> str:
     return "_".join(parts).replace("/", "-")
 
 
+def _finished(spec: LaunchSpec) -> bool:
+    """Whether the trial's recoverable checkpoint says it already ran to its end (said in one line): relaunched
+    with recovery on, it would start its servers and trainer to train nothing."""
+    if spec.recover_mode == "disabled":
+        return False
+    state = finished_run(spec.fileroot, spec.experiment_name, spec.trial_name, spec.length)
+    if state is None:
+        return False
+    model = state.get("final_model") or "none saved (saver.save_final=false)"
+    print(
+        f"[launcher] trial {spec.trial_name} already finished ({int(state['global_step']) + 1} steps): nothing to "
+        f"start; final model: {model}; launch with another trial_name, or recover.mode=disabled to start over",
+        flush=True,
+    )
+    return True
+
+
 def plan_trials(args: LaunchArgs) -> list[tuple[list[str], LaunchSpec]]:
-    """Every trial's overrides and spec, validated before any process starts.
+    """Every trial's overrides and spec, validated before any process starts; trials that already finished
+    (their recoverable checkpoint says so) are left out, each named in one line.
 
     A bad allocation, config key or model path fails here, so a sweep never half-runs.
     """
@@ -136,6 +156,7 @@ def plan_trials(args: LaunchArgs) -> list[tuple[list[str], LaunchSpec]]:
             combo = [*combo, f"trial_name={trial}"]
             spec = read_launch_spec(args.config_path, combo)
         specs.append((combo, spec))
+    specs = [(combo, spec) for combo, spec in specs if not _finished(spec)]  # before any process starts
     reports = check_script_inputs(args, specs)  # first: a bad data file is named in data words, not while
     for _, spec in specs:  # a tiny: model's tokenizer is trained on it
         spec.resolve_model()
@@ -280,7 +301,7 @@ def guarded_trial(
     return TrialResult(spec.trial_name, overrides, rc, time.monotonic() - start, str(run_dir), error)
 
 
-def kill_group(proc: subprocess.Popen, grace: float = 15.0) -> None:
+def kill_group(proc: subprocess.Popen[Any], grace: float = 15.0) -> None:
     """SIGTERM the process group (torchrun and its workers), then SIGKILL."""
     try:
         pgid = os.getpgid(proc.pid)

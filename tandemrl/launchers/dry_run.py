@@ -146,7 +146,7 @@ def config_report(config: Any) -> str:
     resolved = config_to_dict(config)
     changed = None if verbose() else _changed(resolved, _defaults(config))
     if changed is None:
-        text = yaml.safe_dump(resolved, sort_keys=False, default_flow_style=False)
+        text: str = yaml.safe_dump(resolved, sort_keys=False, default_flow_style=False)
     else:
         head = f"# the keys that differ from {type(config).__name__}'s defaults (every key: TANDEMRL_VERBOSE=1)\n"
         text = head + yaml.safe_dump(changed, sort_keys=False, default_flow_style=False)

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from tandemrl.api.allocation import AllocationMode
 from tandemrl.api.inference import serves_adapter
 from tandemrl.configs.experiment import GRPOConfig, SFTConfig, parsed_allocation
-from tandemrl.configs.loader import read_known_keys
+from tandemrl.configs.launcher import LauncherConfig, launcher_problem
+from tandemrl.configs.loader import copy_without_section, read_known_keys
+from tandemrl.configs.openenv import OpenEnvConfig
+from tandemrl.configs.utils import RecoverConfig
 from tandemrl.engines.registry import SHAPES as TRAINING_SHAPES
 from tandemrl.inference.registry import SHAPES as INFERENCE_SHAPES
 from tandemrl.launchers.placement import visible_gpus
@@ -31,8 +33,11 @@ MODEL_KEYS = ("actor.engine.path", "model.path")
 
 @dataclass
 class LaunchView(GRPOConfig, SFTConfig):
-    """The keys of the shipped experiment configs (RL and SFT) with their own types and defaults:
-    what the launcher reads of a script's config."""
+    """The keys of the shipped experiment configs (RL and SFT) with their own types and defaults, the
+    launchers' own section and the environment server a run may name: what the launcher reads of a config."""
+
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    openenv: OpenEnvConfig | None = None
 
 
 @dataclass
@@ -63,10 +68,21 @@ class LaunchSpec:
     server_extra: dict[str, Any] = field(default_factory=dict)
     weight_update_mode: str = "collective"  # GRPOConfig's default; "disk" survives a lost server
     aux_servers: list[AuxServer] = field(default_factory=list)  # the allocation's aux components, in order
-    server_stall_warn: float = 60.0  # launcher.server_stall_warn: a live server silent this long is reported
-    server_stall_limit: float = 900.0  # launcher.server_stall_limit: ... and this long stops the run
     server_addrs: list[str] = field(default_factory=list)  # rollout.server_addrs: running servers, none started
-    env_server: Any = None  # the openenv section (an OpenEnvConfig) when it names a server app to start
+    env_server: OpenEnvConfig | None = None  # the openenv section when it names a server app to start
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)  # the launchers' own section
+    recover_mode: str = RecoverConfig.mode  # recover.mode: with "disabled" a finished run starts over
+    length: dict[str, Any] = field(default_factory=dict)  # total_train_steps / _epochs (a finished run's are kept)
+
+    @property
+    def server_stall_warn(self) -> float:
+        """launcher.server_stall_warn: a live server silent this long is reported."""
+        return self.launcher.server_stall_warn
+
+    @property
+    def server_stall_limit(self) -> float:
+        """launcher.server_stall_limit: ... and this long stops the run."""
+        return self.launcher.server_stall_limit
 
     @property
     def run_dir(self) -> str:
@@ -83,38 +99,13 @@ class LaunchSpec:
             aux.model_path = resolve_model_path(aux.model_path, key, corpus_path=self.corpus_path)
 
 
-def _load(config_path: str | None, overrides: list[str]) -> Any:
-    from omegaconf import OmegaConf
-
-    from tandemrl.configs.loader import PRESET_PREFIX, preset_path, read_yaml
-
-    base: Any = OmegaConf.create()  # a DictConfig (a YAML list fails the merge below)
-    if config_path:
-        path = preset_path(config_path[len(PRESET_PREFIX) :]) if config_path.startswith(PRESET_PREFIX) else config_path
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"config file not found: {config_path}")
-        base = OmegaConf.create(read_yaml(Path(path), config_path))  # a syntax error: one line with its line
-    dotlist = [o.lstrip("+") for o in overrides if "=" in o and not o.startswith("~")]
-    try:
-        return OmegaConf.merge(base, OmegaConf.from_dotlist(dotlist))
-    except Exception as err:  # omegaconf's messages span lines
-        raise ValueError(f"cannot read overrides {dotlist}: {str(err).splitlines()[0]}") from None
-
-
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    from omegaconf import OmegaConf
-
-    try:
-        value = OmegaConf.select(cfg, key, default=default, throw_on_missing=False)
-    except Exception as err:
-        raise ValueError(f"config key '{key}': {str(err).splitlines()[0]}") from None
-    return default if value is None or value == "???" else value
-
-
 def read_launch_spec(config_path: str | None, overrides: list[str]) -> LaunchSpec:
     """Parse and check the launch-relevant values; one-line errors name the key."""
     argv = (["--config", config_path] if config_path else []) + list(overrides)
-    view = read_known_keys(argv, LaunchView, BACKEND_TABLES)
+    view = read_known_keys(argv, LaunchView, BACKEND_TABLES, own=(LAUNCHER_SECTION,))
+    problem = launcher_problem(view.launcher)
+    if problem is not None:
+        raise ValueError(f"config key '{problem[0]}' {problem[1]}")
     alloc = parsed_allocation(view)
     assert alloc is not None  # read_known_keys parsed it
     if alloc.train is None:
@@ -124,8 +115,7 @@ def read_launch_spec(config_path: str | None, overrides: list[str]) -> LaunchSpe
         if path:
             model_key, model_path = key, path
             break
-    cfg = _load(config_path, [o for o in overrides if o.lstrip("+~").startswith((f"{LAUNCHER_SECTION}.", "openenv."))])
-    server_extra = _server_extra(cfg, view, alloc)
+    server_extra = _server_extra(view, alloc)
     if view.rollout.server_addrs and server_extra:
         raise ValueError(
             f"rollout.server_addrs names running servers, so the server flags {sorted(server_extra)} "
@@ -145,43 +135,21 @@ def read_launch_spec(config_path: str | None, overrides: list[str]) -> LaunchSpe
         server_extra=server_extra,
         aux_servers=_aux_servers(view, alloc),
         server_addrs=list(view.rollout.server_addrs),
-        env_server=_env_server(cfg),
-        **_stall_bounds(cfg),
+        env_server=_env_server(view.openenv),
+        launcher=view.launcher,
+        recover_mode=view.recover.mode,
+        length={"total_train_steps": view.total_train_steps, "total_train_epochs": view.total_train_epochs},
     )
 
 
-def _env_server(cfg: Any) -> Any:
+def _env_server(section: OpenEnvConfig | None) -> OpenEnvConfig | None:
     """The ``openenv`` section when it names a server app (the launcher starts it), checked; else None."""
-    if _get(cfg, "openenv") is None:
+    if section is None:
         return None
-    from omegaconf import OmegaConf
-
-    from tandemrl.configs.openenv import OpenEnvConfig
     from tandemrl.workflows.openenv import check_config
 
-    try:
-        section: Any = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(OpenEnvConfig), cfg.openenv))
-    except Exception as err:  # omegaconf's messages span lines
-        raise ValueError(f"config key 'openenv': {str(err).splitlines()[0]}") from None
     check_config(section)
     return section if section.app and not section.url else None
-
-
-def _stall_bounds(cfg: Any) -> dict[str, float]:
-    """``launcher.server_stall_warn`` / ``_limit`` (seconds), checked: 0 < warn < limit."""
-    out = {}
-    for name, default in (("server_stall_warn", 60.0), ("server_stall_limit", 900.0)):
-        key = f"{LAUNCHER_SECTION}.{name}"
-        try:
-            out[name] = float(_get(cfg, key, default))
-        except (TypeError, ValueError):
-            raise ValueError(f"config key '{key}' must be a number of seconds, got {_get(cfg, key)!r}") from None
-    if not 0 < out["server_stall_warn"] < out["server_stall_limit"]:
-        raise ValueError(
-            f"config keys '{LAUNCHER_SECTION}.server_stall_warn' ({out['server_stall_warn']:g}) and "
-            f"'{LAUNCHER_SECTION}.server_stall_limit' ({out['server_stall_limit']:g}) need 0 < warn < limit"
-        )
-    return out
 
 
 def _aux_servers(view: LaunchView, alloc: AllocationMode) -> list[AuxServer]:
@@ -198,15 +166,12 @@ def _aux_servers(view: LaunchView, alloc: AllocationMode) -> list[AuxServer]:
     ]
 
 
-def _server_extra(cfg: Any, view: LaunchView, alloc: AllocationMode) -> dict[str, Any]:
+def _server_extra(view: LaunchView, alloc: AllocationMode) -> dict[str, Any]:
     """The generation servers' extra flags: ``launcher.server_args`` (the user's, in the backend's own
     option names, over the placement's flags) plus the LoRA flags the run needs; one line names a bad key."""
-    from omegaconf import OmegaConf
-
     key = f"{LAUNCHER_SECTION}.server_args"
-    section = _get(cfg, key, {})
-    table: Any = OmegaConf.to_container(section, resolve=True) if OmegaConf.is_config(section) else section
-    if not isinstance(table, dict) or not all(isinstance(k, str) and k.strip("-_") for k in table):
+    table = view.launcher.server_args
+    if not all(isinstance(k, str) and k.strip("-_") for k in table):
         raise ValueError(f"config key '{key}' must map server option names to values, e.g. {{max_num_seqs: 64}}")
     args = {k.lstrip("-").replace("-", "_"): v for k, v in table.items()}
     for name, value in args.items():
@@ -271,11 +236,6 @@ def script_config(config_path: str | None, overrides: list[str], out: str) -> tu
     kept = [o for o in overrides if not o.lstrip("+~").startswith(f"{LAUNCHER_SECTION}.")]
     if not config_path:
         return None, kept
-    from omegaconf import OmegaConf
-
-    cfg = _load(config_path, [])
-    if LAUNCHER_SECTION not in cfg:
+    if not copy_without_section(config_path, LAUNCHER_SECTION, out):
         return (os.path.abspath(config_path) if os.path.isfile(config_path) else config_path), kept
-    cfg.pop(LAUNCHER_SECTION)
-    OmegaConf.save(cfg, out, resolve=False)
     return out, kept

@@ -45,7 +45,7 @@ from tandemrl.launchers.common import (
 from tandemrl.launchers.launch_config import LaunchSpec, script_config
 from tandemrl.launchers.placement import Placement, oversubscription, plan_placement, visible_cpus, visible_gpus
 from tandemrl.launchers.server_watch import StallBounds, wait_trainer
-from tandemrl.launchers.torchrun_loopback import TRAINER_LOG_ENV
+from tandemrl.utils.cli import TRAINER_LOG_ENV
 from tandemrl.utils.lifeline import lifeline_command
 
 
@@ -53,9 +53,9 @@ from tandemrl.utils.lifeline import lifeline_command
 class _Children:
     """Processes this launcher owns; stopped together on any exit."""
 
-    servers: list = field(default_factory=list)
+    servers: list[Any] = field(default_factory=list)
     aux: list[tuple[str, Any]] = field(default_factory=list)  # (name, server) of the auxiliary servers
-    trainer: subprocess.Popen | None = None
+    trainer: subprocess.Popen[Any] | None = None
     env_server: Any = None  # an OpenEnv environment server (tandemrl.workflows.openenv.EnvServer)
 
     def stop(self) -> None:
@@ -105,7 +105,7 @@ def _launch(
     run_dir: Path,
     token: str | None,
     name: str,
-) -> list:
+) -> list[Any]:
     """Start (not wait for) the ``dp`` replicas of one inference component on loopback ports."""
     from tandemrl.api.types import ParallelStrategy
     from tandemrl.inference.registry import get_backend
@@ -237,7 +237,7 @@ def _announce_servers(spec: LaunchSpec, addrs: str) -> None:
 def main(argv: list[str]) -> int:
     args = parse_args(argv, "tandemrl.launchers.local", flags=("--multirun", dry_run.FLAG))
     specs = plan_trials(args)
-    if dry_run.FLAG in args.flags:
+    if dry_run.FLAG in args.flags or not specs:
         return 0
     return run_trials(args, specs, run_trial)
 

@@ -156,10 +156,10 @@ class ServerHost:
             token=os.environ.get(TOKEN_ENV),
             request_log=request_log,
         )
-        return self._server.address
+        return str(self._server.address)
 
     def wait_healthy(self, timeout: float) -> float:
-        return self._server.wait_healthy(timeout=timeout)
+        return float(self._server.wait_healthy(timeout=timeout))
 
     def watch(self, warn: float, limit: float) -> None:
         """Probe the server's health route from here on (``server_watch.StallClock``); ``take_stall`` reports."""
@@ -339,7 +339,7 @@ def _unwrap(err: BaseException) -> BaseException:
 def _has_gpus() -> bool:
     import ray
 
-    return ray.cluster_resources().get("GPU", 0) > 0
+    return bool(ray.cluster_resources().get("GPU", 0) > 0)
 
 
 def _drain(members: list[_Member]) -> None:
@@ -587,7 +587,7 @@ def run_trial(script: str, config_path: str | None, overrides: list[str], spec: 
     """Place the ranks, start the servers, then the ranks' scripts; supervise; tear all down whatever happens."""
     import ray
 
-    trial = _Trial(settings=read_settings(config_path, overrides, spec))
+    trial = _Trial(settings=read_settings(spec))
 
     def body(run_dir: Path) -> tuple[int, str]:
         check_offered(trial.settings, ray.nodes())
@@ -660,9 +660,11 @@ def connect(specs: list[tuple[list[str], LaunchSpec]]) -> bool:
 def main(argv: list[str]) -> int:
     args = common.parse_args(argv, "tandemrl.launchers.ray", flags=("--multirun", dry_run.FLAG))
     specs = common.plan_trials(args)
+    if not specs:  # finished already (said)
+        return 0
     common.refuse_local_only(specs, "ray")
-    for combo, spec in specs:
-        read_settings(args.config_path, combo, spec)  # launcher.ray.*: a bad value fails before anything starts
+    for _, spec in specs:
+        read_settings(spec)  # launcher.ray.*: a bad value fails before anything starts
         if is_colocated(spec.allocation):
             check_colocated_fits(spec.allocation)  # before any actor starts
     if dry_run.FLAG in args.flags:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandemrl.launchers.launch_config import LaunchSpec, _get, _load
+from tandemrl.launchers.launch_config import LaunchSpec
 from tandemrl.launchers.placement import is_colocated
 
 SECTION = "launcher.ray"
@@ -39,31 +39,26 @@ class RaySettings:
     trainer_resources: dict[str, float] = field(default_factory=dict)
 
 
-def _resources(cfg: Any, key: str) -> dict[str, float]:
-    """``launcher.ray.<key>`` as {resource: amount}; one-line errors name the key."""
-    from omegaconf import OmegaConf
-
+def _resources(table: dict[str, float], key: str) -> dict[str, float]:
+    """``launcher.ray.<key>`` (typed by ``configs.launcher``), checked; one-line errors name the key."""
     name = f"{SECTION}.{key}"
-    value = _get(cfg, name, {})
-    table = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-    if not isinstance(table, dict):
-        raise ValueError(f"config key '{name}' must map Ray resource names to amounts, got {table!r}")
-    out = {}
     for res, amount in table.items():
-        if str(res) in RESERVED:
+        if res in RESERVED:
             raise ValueError(
-                f"config key '{name}': '{str(res)}' is requested by the launcher itself; name a custom resource"
+                f"config key '{name}': '{res}' is requested by the launcher itself; name a custom resource"
             )
-        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount <= 0:
-            raise ValueError(f"config key '{name}.{str(res)}' must be a positive number, got {amount!r}")
-        out[str(res)] = float(amount)
-    return out
+        if amount <= 0:
+            raise ValueError(f"config key '{name}.{res}' must be a positive number, got {amount!r}")
+    return dict(table)
 
 
-def read_settings(config_path: str | None, overrides: list[str], spec: LaunchSpec) -> RaySettings:
+def read_settings(spec: LaunchSpec) -> RaySettings:
     """``launcher.ray.*`` of one trial, checked against its allocation before anything starts."""
-    cfg = _load(config_path, overrides)
-    settings = RaySettings(_resources(cfg, "server_resources"), _resources(cfg, "trainer_resources"))
+    section = spec.launcher.ray
+    settings = RaySettings(
+        _resources(section.server_resources, "server_resources"),
+        _resources(section.trainer_resources, "trainer_resources"),
+    )
     if settings.server_resources and is_colocated(spec.allocation):
         raise ValueError(
             f"config key '{SECTION}.server_resources' does not apply to colocated allocation_mode "

@@ -57,8 +57,6 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--step", default="server", help="this step's name in the job's failure record")
     p.add_argument("--failed", default=None, help="the job's failure record (written if absent) on a stall")
     args = p.parse_args(argv)
-    if args.port < 0:
-        p.error(f"--port must be >= 0, got {args.port}")
     if not 0 < args.stall_warn < args.stall_limit:
         p.error(f"need 0 < --stall-warn ({args.stall_warn:g}) < --stall-limit ({args.stall_limit:g})")
     return args
@@ -112,6 +110,22 @@ def _check_model(path: str) -> None:
     check_tokenizer_dir(path, "--model")
 
 
+def _check_server_args(args: argparse.Namespace) -> None:
+    """The backend, --port and --dtype, checked before any server starts (one line naming the flag)."""
+    from tandemrl.api.net import port_problem
+    from tandemrl.inference.registry import backend_class
+
+    try:
+        backend = backend_class(args.backend)
+    except ValueError as err:
+        raise ValueError(f"--backend: {err}") from None
+    problem = port_problem(args.port, args.host)
+    if problem is not None:
+        raise ValueError(f"--port: {problem}")
+    if args.dtype and args.dtype not in backend.dtypes:
+        raise ValueError(f"--dtype: {args.backend} servers take one of {', '.join(backend.dtypes)}, got {args.dtype!r}")
+
+
 def serve(args: argparse.Namespace) -> int:
     """Start, wait healthy, publish the address, then supervise until the server ends or we are told to stop."""
     from tandemrl.api.net import free_port
@@ -122,7 +136,8 @@ def serve(args: argparse.Namespace) -> int:
     server = None
     try:
         _check_model(args.model)
-    except FileNotFoundError as err:
+        _check_server_args(args)
+    except (FileNotFoundError, ValueError) as err:
         print(f"error: {first_line(err)}", file=sys.stderr, flush=True)
         return 2
     with signals_interrupt():

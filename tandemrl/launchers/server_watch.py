@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from tandemrl.utils.lifeline import exit_status
 
@@ -26,7 +26,7 @@ from tandemrl.utils.lifeline import exit_status
 class WatchedServer(Protocol):
     """What is watched of a server: its process, its ``host:port`` and whether it answers."""
 
-    proc: subprocess.Popen
+    proc: subprocess.Popen[Any]
     address: str
 
     def is_answering(self, timeout: float = 5.0) -> bool: ...
@@ -93,7 +93,7 @@ def stall_error(who: str, silent: float) -> str:
 
 
 def _watch_stalls(
-    servers: Sequence[WatchedServer], backend: str, bounds: StallBounds, events: queue.Queue, done: threading.Event
+    servers: Sequence[WatchedServer], backend: str, bounds: StallBounds, events: queue.Queue[Any], done: threading.Event
 ) -> None:
     """Probe every live server every ``bounds.every`` s; report a stall once, post ("stall", i) past the limit."""
     clocks = [StallClock(bounds) for _ in servers]
@@ -120,12 +120,12 @@ def _cause(server: WatchedServer) -> str:
     return f" ({cause})" if cause else ""
 
 
-def _notify(events: queue.Queue, key: object, proc: subprocess.Popen) -> None:
+def _notify(events: queue.Queue[Any], key: object, proc: subprocess.Popen[Any]) -> None:
     threading.Thread(target=lambda: events.put((key, proc.wait())), daemon=True).start()
 
 
 def wait_trainer(
-    trainer: subprocess.Popen,
+    trainer: subprocess.Popen[Any],
     servers: Sequence[WatchedServer],
     backend: str,
     survivable: bool,
@@ -138,7 +138,7 @@ def wait_trainer(
     ``survivable``: the run can go on with fewer servers (disk weight updates). ``stalls``: the bounds on a
     live server that stops answering (none: not watched).
     """
-    events: queue.Queue = queue.Queue()
+    events: queue.Queue[Any] = queue.Queue()
     _notify(events, None, trainer)
     for i, server in enumerate(servers):
         _notify(events, i, server.proc)
@@ -154,7 +154,7 @@ def wait_trainer(
 
 
 def _wait_events(
-    events: queue.Queue,
+    events: queue.Queue[Any],
     servers: Sequence[WatchedServer],
     backend: str,
     survivable: bool,

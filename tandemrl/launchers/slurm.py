@@ -32,8 +32,8 @@ node (rank ``LOCAL_RANK`` uses ``cuda:LOCAL_RANK``), so the two agree on device 
 
 Settings, first found wins: the CLI flags, then ``launcher.slurm.<key>`` in the config or
 overrides (``device``, ``partition``, ``gpus_per_node``, ``cpus_per_node``, ``time``, ``account``,
-``server_port``, ``rdzv_port``, ``sbatch_args``: extra ``#SBATCH`` arguments), then
-``cluster.n_gpus_per_node`` (GPUs only).
+``server_port``, ``rdzv_port``, ``sbatch_args``: extra ``#SBATCH`` arguments; typed and defaulted in
+``tandemrl.configs.launcher``: 8 GPUs per node unless told).
 The trainer sees the config without the ``launcher`` section (the script's schema does
 not know it) plus ``cluster.n_nodes``/``cluster.n_gpus_per_node`` of the job. Sweeps
 (``--multirun``) are not supported here: submit one job per value. ``--dry-run`` writes the job
@@ -56,14 +56,13 @@ from typing import Any
 from tandemrl.inference.remote import SERVER_ADDRS_ENV
 from tandemrl.inference.server_auth import TOKEN_ENV
 from tandemrl.launchers import common, dry_run, slurm_job
-from tandemrl.launchers.launch_config import LaunchSpec, _get, _load, script_config
+from tandemrl.launchers.launch_config import LaunchSpec, script_config
 from tandemrl.launchers.placement import RankSlot, is_colocated, plan_colocated
 
 OPTIONS = ("--partition", "--gpus-per-node", "--cpus-per-node", "--time", "--account")
 WAIT = "--wait"
 # Launcher environment the job script re-exports (sbatch also copies the submitter's env).
 FORWARD_PREFIXES = ("TANDEMRL_", "WANDB_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "PYTHONPATH", "NCCL_", "GLOO_")
-DEVICES = ("gpu", "cpu")
 
 
 @dataclass
@@ -71,13 +70,13 @@ class SlurmSettings:
     """Job resources and ports for one trial."""
 
     devices_per_node: int  # GPUs per node; with device "cpu", cores per node
-    device: str = "gpu"  # what one allocation_mode device is: a GPU (GRES), or one CPU core
-    partition: str | None = None
-    time: str | None = None
-    account: str | None = None
-    server_port: int = 8000  # first server port on a node; the next server there gets +1
-    rdzv_port: int = 29500
-    sbatch_args: list[str] = field(default_factory=list)
+    device: str  # what one allocation_mode device is: a GPU (GRES), or one CPU core (launcher.slurm.device)
+    partition: str | None
+    time: str | None
+    account: str | None
+    server_port: int  # first server port on a node; the next server there gets +1
+    rdzv_port: int
+    sbatch_args: list[str]
 
     @property
     def per_node_key(self) -> str:
@@ -110,48 +109,36 @@ class Layout:
         return self.server_nodes + self.trainer_nodes
 
 
-def read_settings(config_path: str | None, overrides: list[str], options: dict[str, str]) -> SlurmSettings:
-    """CLI flags over ``launcher.slurm.*`` over ``cluster.n_gpus_per_node``; errors name the key."""
-    cfg = _load(config_path, overrides)
+def read_settings(spec: LaunchSpec, options: dict[str, str]) -> SlurmSettings:
+    """CLI flags over ``launcher.slurm.*``; errors name the flag."""
+    section = spec.launcher.slurm
 
-    def pick(key: str, flag: str | None = None) -> Any:
-        if flag and flag in options:
-            return options[flag]
-        return _get(cfg, f"launcher.slurm.{key}")
-
-    def as_int(value: Any, name: str) -> int:
+    def as_int(value: str, flag: str) -> int:
         try:
             return int(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{name} must be an integer, got {value!r}") from None
+        except ValueError:
+            raise ValueError(f"{flag} must be an integer, got {value!r}") from None
 
-    device = str(pick("device") or "gpu")
-    if device not in DEVICES:
-        raise ValueError(f"launcher.slurm.device must be one of {', '.join(DEVICES)}, got {device!r}")
-    if device == "gpu":
-        count = pick("gpus_per_node", "--gpus-per-node")
-        count = count if count is not None else _get(cfg, "cluster.n_gpus_per_node", 8)
+    count: int | None
+    if section.device == "gpu":
+        flag, count = "--gpus-per-node", section.gpus_per_node
     else:
-        count = pick("cpus_per_node", "--cpus-per-node")
-        if count is None:
-            raise ValueError(
-                "launcher.slurm.device=cpu needs launcher.slurm.cpus_per_node (cores per node, one a device)"
-            )
-    per_node = as_int(count, f"{device}s_per_node")
-    if per_node < 1:
-        raise ValueError(f"{device}s_per_node must be >= 1 for the slurm launcher, got {per_node}")
-    extra = _get(cfg, "launcher.slurm.sbatch_args", [])
-    if isinstance(extra, str) or not all(isinstance(a, str) for a in extra):
-        raise ValueError(f"launcher.slurm.sbatch_args must be a list of strings, got {extra!r}")
+        flag, count = "--cpus-per-node", section.cpus_per_node
+    if flag in options:
+        count = as_int(options[flag], flag)
+    if count is None:
+        raise ValueError("launcher.slurm.device=cpu needs launcher.slurm.cpus_per_node (cores per node, one a device)")
+    if count < 1:
+        raise ValueError(f"{flag} must be >= 1 for the slurm launcher, got {count}")
     return SlurmSettings(
-        devices_per_node=per_node,
-        device=device,
-        partition=_opt_str(pick("partition", "--partition")),
-        time=_opt_str(pick("time", "--time")),
-        account=_opt_str(pick("account", "--account")),
-        server_port=as_int(pick("server_port") or 8000, "launcher.slurm.server_port"),
-        rdzv_port=as_int(pick("rdzv_port") or 29500, "launcher.slurm.rdzv_port"),
-        sbatch_args=list(extra),
+        devices_per_node=count,
+        device=section.device,
+        partition=_opt_str(options.get("--partition", section.partition)),
+        time=_opt_str(options.get("--time", section.time)),
+        account=_opt_str(options.get("--account", section.account)),
+        server_port=section.server_port,
+        rdzv_port=section.rdzv_port,
+        sbatch_args=list(section.sbatch_args),
     )
 
 
@@ -387,11 +374,13 @@ def main(argv: list[str]) -> int:
     flags = (dry_run.FLAG, WAIT)
     args = common.parse_args(argv, "tandemrl.launchers.slurm", flags=flags, options=OPTIONS)
     specs = common.plan_trials(args)
+    if not specs:  # finished already (said)
+        return 0
     common.refuse_local_only(specs, "slurm")
     if any(o in ("--multirun", "-m") for o in args.overrides):
         raise ValueError("the slurm launcher submits one trial: run one launcher call per sweep value")
     overrides, spec = specs[0]
-    settings = read_settings(args.config_path, overrides, args.options)
+    settings = read_settings(spec, args.options)
     job = write_job(args.script, args.config_path, overrides, spec, settings)
     print(f"[launcher] wrote {job} ({plan_layout(spec, settings).nodes} nodes)", flush=True)
     if dry_run.FLAG in args.flags:  # the job is written, not submitted

@@ -32,22 +32,21 @@ def _bound_socket(port: int) -> socket.socket:
     return sock
 
 
-def loopback_store_class(base: Any) -> Any:
+def loopback_store_class(base: type[Any]) -> type[Any]:
     """A TCPStore subclass that hosts its server on a 127.0.0.1 socket when asked for a loopback host."""
 
-    class LoopbackTCPStore(base):
-        def __init__(self, host_name: str, port: int, *args: Any, **kwargs: Any) -> None:
-            names = ("world_size", "is_master", "timeout", "wait_for_workers", "multi_tenant", "master_listen_fd")
-            kwargs.update(zip(names, args, strict=False))
-            if kwargs.get("is_master") and kwargs.get("master_listen_fd") is None and host_name in LOOPBACK_NAMES:
-                sock = _bound_socket(int(port))
-                port = sock.getsockname()[1]
-                kwargs["master_listen_fd"] = sock.detach()  # the store owns the descriptor from here on
-                kwargs["use_libuv"] = False  # the listen-fd path is the classic backend's
-                host_name = "127.0.0.1"
-            super().__init__(host_name, port, **kwargs)
+    def __init__(self: Any, host_name: str, port: int, *args: Any, **kwargs: Any) -> None:
+        names = ("world_size", "is_master", "timeout", "wait_for_workers", "multi_tenant", "master_listen_fd")
+        kwargs.update(zip(names, args, strict=False))
+        if kwargs.get("is_master") and kwargs.get("master_listen_fd") is None and host_name in LOOPBACK_NAMES:
+            sock = _bound_socket(int(port))
+            port = sock.getsockname()[1]
+            kwargs["master_listen_fd"] = sock.detach()  # the store owns the descriptor from here on
+            kwargs["use_libuv"] = False  # the listen-fd path is the classic backend's
+            host_name = "127.0.0.1"
+        base.__init__(self, host_name, port, **kwargs)
 
-    return LoopbackTCPStore
+    return type("LoopbackTCPStore", (base,), {"__init__": __init__})
 
 
 def main() -> None:

@@ -57,8 +57,14 @@ class FailureBudget:
             )
         else:
             return None
+        return f"rollout failure budget spent: {what}; {self.main_cause()}"
+
+    def main_cause(self) -> str:
+        """``N of M groups dropped so far, most often <kind> (K times), first: <detail>``; "" before any drop."""
+        if not self.dropped:
+            return ""
         kind, count = self._kinds.most_common(1)[0]
         return (
-            f"rollout failure budget spent: {what}; {self.dropped} of {self.finished} groups dropped so far, "
-            f"most often {kind} ({count} times), first: {self._first[kind]}"
+            f"{self.dropped} of {self.finished} groups dropped so far, most often {kind} ({count} times), "
+            f"first: {self._first[kind]}"
         )

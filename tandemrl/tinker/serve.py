@@ -28,7 +28,7 @@ import tempfile
 from typing import TYPE_CHECKING
 
 from tandemrl.api.inference import serves_adapter
-from tandemrl.api.net import free_port
+from tandemrl.api.net import free_port, port_problem
 from tandemrl.models.resolve import resolve_model_path
 from tandemrl.tinker.ranks import follow
 from tandemrl.tinker.routes import TinkerServer, new_api_key
@@ -163,6 +163,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.api_key and not args.api_key.startswith("tml-"):
             raise ValueError("--api-key: the tinker SDK accepts only keys that start with 'tml-'")
+        problem = port_problem(args.port, args.host)
+        if problem is not None:  # before the model loads and a vLLM server starts
+            raise ValueError(f"--port: {problem}")
         if args.full_weight:
             check_backend(args.full_weight)
         model_dir = resolve_model_path(args.model, "--model")

@@ -102,12 +102,12 @@ class TrainerBase(Generic[C]):
         """The end of every step (RL: after its weight push): HF save, evaluation (``evaluate``, when there is a
         validation set), recoverable checkpoint; each when due, or on the ``last`` step."""
         with stats_tracker.record_timing("save"):
-            self.saver.save(self._main_engine, epoch, step, global_step, tokenizer=self.tokenizer, last=last)
+            saved = self.saver.save(self._main_engine, epoch, step, global_step, tokenizer=self.tokenizer, last=last)
         if evaluate is not None and self.valid_dl is not None:
             with stats_tracker.record_timing("eval"):
                 self.evaluator.evaluate(evaluate, epoch, step, global_step)
         with stats_tracker.record_timing("recover"):
-            self.recover.dump(step, global_step, last=last)
+            self.recover.dump(step, global_step, last=last, final_model=self.saver.last_path if saved else None)
 
     def _save_config(self) -> None:
         """Rank 0 writes the run's resolved config next to its logs."""

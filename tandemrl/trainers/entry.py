@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any, TypeVar, cast
 
 from tandemrl.api.allocation import AllocationMode
 from tandemrl.configs.checks import InputsChecked, advice
 from tandemrl.configs.data import DatasetConfig
 from tandemrl.configs.experiment import keep_allocation, parsed_allocation
-from tandemrl.configs.loader import ConfigError, read_config
+from tandemrl.configs.loader import ConfigCheck, ConfigError, read_config
 from tandemrl.data.loader import check_dataset_inputs
 from tandemrl.data.reasoning_gym import ensure_written
 from tandemrl.engines.registry import SHAPES as TRAINING_SHAPES
@@ -40,9 +41,10 @@ _DATASET_KEYS = ("train_dataset", "valid_dataset")
 BACKEND_TABLES = (TRAINING_SHAPES, INFERENCE_SHAPES)
 
 
-def load_config(argv: list[str], schema: type[T]) -> tuple[T, str]:
-    """``read_config`` against the backend registries: the typed config and its YAML path ("" if none)."""
-    return read_config(argv, schema, BACKEND_TABLES)
+def load_config(argv: list[str], schema: type[T], checks: Sequence[ConfigCheck] = ()) -> tuple[T, str]:
+    """``read_config`` against the backend registries (and the script's ``checks``): the typed config and its
+    YAML path ("" if none)."""
+    return read_config(argv, schema, BACKEND_TABLES, checks)
 
 
 def parse_allocation(spec: str) -> AllocationMode:
@@ -135,14 +137,15 @@ def _check_run_tokenizer(config: Any) -> None:
             return
 
 
-def load_script_config(argv: list[str], schema: type[T]) -> tuple[T, str]:
-    """``load_config``; in a check-only run it also checks the inputs, then stops with ``InputsChecked``.
+def load_script_config(argv: list[str], schema: type[T], checks: Sequence[ConfigCheck] = ()) -> tuple[T, str]:
+    """``load_config``; in a check-only run (the launchers' pre-flight, before anything starts) it also checks
+    the inputs, then stops with ``InputsChecked``.
 
     A config with ``deterministic: true`` switches this rank to deterministic mode
     (``tandemrl.trainers.determinism``).
     """
     try:
-        config, path = load_config(argv, schema)
+        config, path = load_config(argv, schema, checks)
     except InputsChecked as done:
         check_inputs(done.config)
         raise
@@ -154,9 +157,9 @@ def load_script_config(argv: list[str], schema: type[T]) -> tuple[T, str]:
     return config, path
 
 
-def load_config_or_exit(argv: list[str], schema: type[T]) -> tuple[T, str]:
+def load_config_or_exit(argv: list[str], schema: type[T], checks: Sequence[ConfigCheck] = ()) -> tuple[T, str]:
     """:func:`load_script_config` for ``main()``: a bad config prints ``error: <one line>`` and exits with status 2."""
     try:
-        return load_script_config(argv, schema)
+        return load_script_config(argv, schema, checks)
     except ConfigError as err:
         exit_with_error(err)

@@ -46,14 +46,13 @@ import torch
 import torch.distributed as dist
 
 from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
-from tandemrl.configs.utils import RecoverConfig
+from tandemrl.configs.utils import LOOP_STATE_FILE, RECOVER_DIR, RecoverConfig
 from tandemrl.trainers.freq import FreqControl, agree_with_rank0, epochs_finished
 from tandemrl.trainers.manifest import ManifestMismatch, check_manifest, write_manifest
 from tandemrl.trainers.saver import NOT_FAILURES, Saver, checkpoint_cause, writing_checkpoint
 from tandemrl.utils.cli import first_line
 
 RECOVER_MODES = ("disabled", "auto", "resume")
-LOOP_STATE_FILE = "loop_state.json"
 PREVIOUS_SUFFIX = ".prev"
 
 
@@ -115,6 +114,13 @@ class LoopState:
     saver: dict[str, Any] = field(default_factory=dict)
     evaluator: dict[str, Any] = field(default_factory=dict)
     recover: dict[str, Any] = field(default_factory=dict)
+    finished: bool = (
+        False  # written at the run's last step: a launcher then starts nothing (configs.utils.finished_run)
+    )
+    final_model: str | None = None  # the HF model saved at that step, if any
+    length: dict[str, Any] = field(
+        default_factory=dict
+    )  # total_train_steps / _epochs it finished (a longer run goes on)
 
     @classmethod
     def from_json(cls, raw: Any, where: str) -> LoopState:
@@ -191,12 +197,13 @@ class RecoverHandler:
     @property
     def path(self) -> str:
         root = Saver.get_save_root(self.config.fileroot, self.config.experiment_name, self.config.trial_name)
-        return os.path.join(root, "recover")
+        return os.path.join(root, RECOVER_DIR)
 
     # ------------------------------------------------------------------ save
-    def dump(self, step: int, global_step: int, last: bool = False) -> bool:
+    def dump(self, step: int, global_step: int, last: bool = False, final_model: str | None = None) -> bool:
         """Collective: write a checkpoint of the states after ``global_step`` if due; returns whether one was
-        written. ``last`` marks the run's final step: with ``save_final`` on, it is written whatever the frequency."""
+        written. ``last`` marks the run's final step: with ``save_final`` on, it is written whatever the frequency,
+        and marked finished, naming ``final_model`` (the HF model saved at that step, if any)."""
         if not self.enabled:
             return False
         due = self.freq_ctl.check(epochs=epochs_finished(step, self.ft_spec), steps=1)
@@ -214,6 +221,13 @@ class RecoverHandler:
             _barrier()
             if _rank() == 0:
                 state = self._loop_state(global_step, fingerprint)
+                state.finished, state.final_model = last, final_model if last else None
+                if self.ft_spec is not None:
+                    spec = self.ft_spec
+                    state.length = {
+                        "total_train_steps": spec.total_train_steps_override,
+                        "total_train_epochs": spec.total_train_epochs,
+                    }
                 with open(os.path.join(tmp, LOOP_STATE_FILE), "w") as f:
                     json.dump(asdict(state), f, indent=1)
                 write_manifest(tmp)

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
-from tandemrl.configs.utils import SaverConfig
+from tandemrl.configs.utils import SaverConfig, save_root
 from tandemrl.trainers.freq import FreqControl, agree_with_rank0, epochs_finished
 from tandemrl.utils.cli import first_line
 
@@ -104,7 +104,7 @@ class Saver:
 
     @staticmethod
     def get_save_root(fileroot: str, experiment_name: str, trial_name: str) -> str:
-        return os.path.join(fileroot, "checkpoints", experiment_name, trial_name)
+        return save_root(fileroot, experiment_name, trial_name)
 
     @staticmethod
     def get_save_path(

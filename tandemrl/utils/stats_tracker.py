@@ -122,12 +122,13 @@ class HeldScalars:
             else:
                 self._items.append((tracker, full_key, value))
 
-    def release(self) -> None:
-        """Record every held scalar in its tracker (once; later calls do nothing)."""
+    def release(self, under: str = "") -> None:
+        """Record every held scalar in its tracker (once; later calls do nothing); with ``under``, each key
+        moves below that scope (``reward`` -> ``filtered/reward``)."""
         with self._lock:
             items, self._items, self.released = self._items, [], True
         for tracker, full_key, value in items:
-            tracker._add_scalar(full_key, value)
+            tracker._add_scalar(_join(under, full_key), value)
 
     def __len__(self) -> int:
         return len(self._items)
