@@ -153,7 +153,9 @@ def one_row(batch: dict[str, torch.Tensor], i: int = 0) -> dict[str, list]:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-def test_tool_agent_trajectory_is_the_servers_tokens(engine: Any, tokenizer: Any, stream: bool) -> None:
+def test_tool_agent_trajectory_is_the_servers_tokens(
+    engine: Any, tokenizer: Any, stream: bool, tiny_model_dir: str
+) -> None:
     tap = Tap(engine)
     scope = f"agent-tools-{stream}"
     wf = AgentWorkflow(tool_agent(stream), gconfig(), tokenizer, AgentConfig(chat_template=KEEP_TEMPLATE), scope)
@@ -188,7 +190,12 @@ def test_tool_agent_trajectory_is_the_servers_tokens(engine: Any, tokenizer: Any
     assert stats[f"{scope}/agent_extend"] + stats[f"{scope}/agent_repair"] == 2
     assert float(batch["rewards"][0]) in (1.0, 0.5)
     if not stream:
-        check_forced_tokens_leave_the_update(batch, row, tokenizer.decode(tap.calls[2][1].output_tokens))
+        b = check_forced_tokens_leave_the_update(batch, row, tokenizer.decode(tap.calls[2][1].output_tokens))
+        # The tokens the regex limited (digits) but did not force: against the server's constrained logprob the
+        # unconstrained trainer weighs them by the allowed mass, far below 1; the actor weighs them 1.
+        before, after = constrained_weights(b, tiny_model_dir)
+        print(f"constrained tokens: behav_imp_weight {before} before, {after} after")  # docs/offpolicy.md
+        assert max(before) < 0.5 and after == [1.0] * len(before), (before, after)
 
 
 def check_forced_tokens_leave_the_update(batch: dict[str, torch.Tensor], row: dict[str, list], last: str) -> None:
@@ -205,6 +212,30 @@ def check_forced_tokens_leave_the_update(batch: dict[str, torch.Tensor], row: di
     b = PPOActor(config, engine=None).compute_advantages(batch)  # no torch.distributed: no engine needed
     kept = [t + 1 for t, a in enumerate(b["action_mask"][0].tolist()) if a]  # position t emits token t + 1
     assert kept == [t for t in generated if t not in forced]
+    assert b["limited_mask"][0].tolist() == b["action_mask"][0].tolist()  # every kept token was constrained
+    return b
+
+
+def constrained_weights(b: dict[str, torch.Tensor], model_dir: str) -> tuple[list[float], list[float]]:
+    """behav_imp_weight (token TIS, cap 5) of the kept tokens of a constrained call, with the trainer's logprobs
+    of the same model (transformers, fp32, temperature 1): against the server's constrained logprob, and as the
+    actor weighs them (constrained.behaviour_for_weights)."""
+    from transformers import AutoModelForCausalLM
+
+    from tandemrl.algorithms.constrained import behaviour_for_weights
+    from tandemrl.algorithms.offpolicy import Correction, correction_weights
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    n = int(b["attention_mask"][0].sum())
+    ids = b["input_ids"][:1, :n]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+    trainer = torch.zeros(1, b["action_mask"].shape[1])
+    trainer[0, : n - 1] = logp[:-1].gather(1, ids[0, 1:, None])[:, 0]  # position t: the logprob of token t + 1
+    action, behav, tis = b["action_mask"], b["behav_logp"], Correction("tis", 5.0)
+    before = correction_weights(trainer, behav, action, tis)["weight"][action].tolist()
+    fixed = behaviour_for_weights(behav, trainer, b["limited_mask"])
+    return before, correction_weights(trainer, fixed, action, tis)["weight"][action].tolist()
 
 
 def think_agent(mode_out: dict[str, Any]):

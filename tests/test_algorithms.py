@@ -346,3 +346,24 @@ def test_reinforce_actions_leave_out_forced_tokens() -> None:
     batch["constrained"] = torch.tensor([[0, 1, 1, 0, 1]])  # token 3's 0.0 is a free (greedy-like) choice
     adv, action = reinforce_advantages(batch)
     assert action.tolist() == [[True, False, True, True, False]] and adv.tolist() == [[2.0, 0.0, 2.0, 2.0, 0.0]]
+
+
+def test_reinforce_weighs_a_constrained_choice_one() -> None:
+    """The REINFORCE step compares a token a grammar limited (not forced) with its own forward, as PPO does
+    (tests/test_offpolicy.py): the server's constrained logprob log p(a) - log p(A) would weigh it p(A)."""
+    from tandemrl.algorithms.offpolicy import Correction
+    from tandemrl.algorithms.reinforce import _Loss
+
+    logits = torch.zeros(4, 3)  # every token has log p = log 1/3 under the trainer
+    third = math.log(1 / 3)
+    mb = {
+        "input_ids": torch.tensor([0, 1, 2, 0]),
+        "cu_seqlens": torch.tensor([0, 4]),
+        "action_mask": torch.tensor([False, True, True, False]),
+        "advantages": torch.tensor([0.0, 1.0, 1.0, 0.0]),
+        "behav_logp": torch.tensor([0.0, third - math.log(0.01), third, 0.0]),  # position 1: constrained, p(A) 0.01
+    }
+    loss = _Loss(1.0, None, Correction("tis", 2.0))
+    assert loss(logits, mb).item() == pytest.approx(-(0.01 * third + third) / 2)  # before: weight 0.01
+    mb["limited_mask"] = torch.tensor([False, True, False, False])
+    assert loss(logits, mb).item() == pytest.approx(-third)  # both tokens weigh 1

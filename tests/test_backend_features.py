@@ -29,6 +29,7 @@ OWN = (
     "tandemrl/engines/registry.py",
     "tandemrl/inference/vllm.py",
     "tandemrl/inference/vllm_ext.py",
+    "tandemrl/inference/vllm_flags.py",
     "tandemrl/inference/sglang.py",
     "tandemrl/engines/fsdp.py",
     "tandemrl/engines/deepspeed.py",

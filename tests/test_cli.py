@@ -83,6 +83,7 @@ def test_bad_eval_and_serve_arguments_are_one_line_errors(tiny_model_dir: str, t
         (("serve", "--model", tiny_model_dir, "--port", str(taken)), f"error: --port: {taken} is in use on 127.0.0.1"),
         (("serve", "--model", tiny_model_dir, "--dtype", "float64"), "error: --dtype: vllm servers take one of auto,"),
         (("serve", "--model", tiny_model_dir, "--backend", "tgi"), "error: --backend: unknown inference backend 'tgi'"),
+        (("serve", "--model", tiny_model_dir, "--extra", '{"max_num_seq": 4}'), "error: --extra: vllm servers have no"),
         (("tinker-serve", "--model", tiny_model_dir, "--port", "-1"), "error: --port: must be 0 (a free one) or a"),
         (("tinker-serve", "--model", tiny_model_dir, "--port", str(taken)), f"error: --port: {taken} is in use on"),
     ):

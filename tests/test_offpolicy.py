@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from tandemrl.algorithms.constrained import forced_tokens, mostly_forced
+from tandemrl.algorithms.constrained import behaviour_for_weights, forced_tokens, limited_actions, mostly_forced
 from tandemrl.algorithms.offpolicy import (
     Correction,
     correction_weights,
@@ -369,3 +369,33 @@ def test_forced_tokens_leave_the_update(caplog: pytest.LogCaptureFixture) -> Non
     b = _constrained_actor().compute_advantages(batch)
     assert "forced_mask" not in b
     assert b["action_mask"].tolist() == [[False, True, True, True, True, False], [False, True, True] + [False] * 3]
+
+
+def test_tokens_a_constraint_limited_weigh_one_in_the_correction() -> None:
+    """A token a grammar limited but did not force: the server's logprob is of the constrained distribution,
+    log p(a) - log p(A), the trainer's of p itself, log p(a); their ratio is the allowed mass p(A), which scaled
+    the agent example's updates ~100x (behav_imp_weight 0.01). The trainer compares such tokens against its own
+    proximal logprob (weight 1); other tokens keep their ratios, and a batch without constrained calls is as
+    before (docs/offpolicy.md, "Constrained tokens")."""
+    stats_tracker.export()
+    b = _constrained_actor().compute_advantages(_constrained_batch(constrained_row1=0))
+    action = b["action_mask"]
+    # Row 0's token 3 (position 2) was a choice under the constraint; row 1 had no constraint.
+    assert b["limited_mask"].tolist() == [[False, False, True, False, False, False], [False] * 6]
+    assert limited_actions(b, action).tolist() == b["limited_mask"].tolist()
+    assert stats_tracker.export()["ppo_actor/offpolicy/limited"] == pytest.approx(1 / 3)  # 1 of 3 actions
+    behav = b["behav_logp"]
+    allowed_mass = 0.01  # p(A) at the limited token; row 1's free tokens moved by 1.5 and 0.5
+    prox = behav + torch.tensor(
+        [[0.0, 0.0, math.log(allowed_mass), 0, 0, 0], [0.0, math.log(1.5), math.log(0.5), 0, 0, 0]]
+    )
+    tis = Correction("tis", 2.0)
+    before = correction_weights(prox, behav, action, tis)["weight"][action]
+    assert before.tolist() == pytest.approx([allowed_mass, 1.5, 0.5])
+    fixed = behaviour_for_weights(behav, prox, b["limited_mask"])
+    assert correction_weights(prox, fixed, action, tis)["weight"][action].tolist() == pytest.approx([1.0, 1.5, 0.5])
+    assert fixed[~b["limited_mask"]].tolist() == behav[~b["limited_mask"]].tolist()  # only limited tokens change
+    assert behaviour_for_weights(behav, prox, None) is behav
+    unconstrained = _constrained_batch(constrained_row1=0)
+    del unconstrained["constrained"]
+    assert "limited_mask" not in _constrained_actor().compute_advantages(unconstrained)

@@ -61,6 +61,11 @@ def test_server_stall_bounds_are_read_and_checked() -> None:
             r"Config key 'launcher\.server_args' on the command line .* expects a mapping, got 5",
         ),
         ("launcher.no_such_key=1", r"Unknown config key 'launcher\.no_such_key' on the command line"),
+        # Names the installed vLLM's parser does not know (read once per version, tandemrl/inference/vllm_flags.py).
+        (
+            "launcher.server_args.max_num_seq=4",
+            r"config key 'launcher\.server_args': vllm servers have no flag max_num_seq \(did you mean max_num_seqs\?\)",
+        ),
         ("launcher.server_args.kv={a: 1}", r"config key 'launcher\.server_args\.kv' must be a value or a list"),
         ("launcher.server_args.port=9", r"config key 'launcher\.server_args': vllm server flags \['port'\] are set by"),
         ("+launcher.server_args.tensor-parallel-size=2", r"flags \['tensor_parallel_size'\] are set by tandemrl"),

@@ -60,6 +60,30 @@ def forced_actions(batch: RolloutBatch | Mapping[str, torch.Tensor], action_mask
     return forced_tokens(behav, shift_left(constrained.bool(), fill=False), action_mask)
 
 
+def limited_actions(batch: RolloutBatch | Mapping[str, torch.Tensor], action_mask: torch.Tensor) -> torch.Tensor | None:
+    """Next-token aligned mask of the actions (``action_mask``, forced tokens already out of it) of constrained
+    calls: tokens the grammar limited without forcing; None when the batch has no ``constrained`` field."""
+    if "constrained" not in batch:
+        return None
+    return shift_left(batch["constrained"].bool(), fill=False) & action_mask.bool()
+
+
+def behaviour_for_weights(
+    behav_logp: torch.Tensor, trainer_logp: torch.Tensor, limited: torch.Tensor | None
+) -> torch.Tensor:
+    """The behaviour logprobs the importance weights compare against: the server's, except at ``limited``
+    tokens, where they are the trainer's own (detached) proximal logprobs, so those tokens weigh 1.
+
+    The server's logprob there is of the constrained distribution ``p(a) / p(A)`` (A: the tokens the grammar
+    allowed, unknown to the trainer), the trainer's of the unconstrained ``p(a)``: their ratio is the
+    allowed mass ``p(A)`` (0.005-0.01 measured on the agent example), not a change of policy. On-policy the
+    constrained policies' ratio is exactly 1; what staleness changes in it cannot be computed without A, so
+    those tokens are left out of the importance weight (docs/offpolicy.md, "Constrained tokens")."""
+    if limited is None:
+        return behav_logp
+    return torch.where(limited, trainer_logp.detach().to(behav_logp.dtype), behav_logp)
+
+
 def mostly_forced(n_forced: float, n_generated: float, fraction: float = FORCED_WARN_FRACTION) -> bool:
     """Whether more than ``fraction`` of ``n_generated`` tokens were forced (False with none generated)."""
     return n_generated > 0 and n_forced > fraction * n_generated

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from tandemrl.algorithms.advantages import gae, groups_with_signal, normalization_stats, normalize_advantages
 from tandemrl.algorithms.aggregation import aggregate_loss, aggregation_weight
-from tandemrl.algorithms.constrained import forced_actions, mostly_forced
+from tandemrl.algorithms.constrained import behaviour_for_weights, forced_actions, limited_actions, mostly_forced
 from tandemrl.algorithms.kl import kl_estimate, kl_penalty_rewards
 from tandemrl.algorithms.layout import shift_left
 from tandemrl.algorithms.offpolicy import (
@@ -59,6 +59,7 @@ class PPOBatch(RolloutBatch, total=False):
     # Written by PPOActor.compute_advantages:
     action_mask: torch.Tensor  # positions whose next token is generated (and kept)
     forced_mask: torch.Tensor  # generated tokens an output constraint forced, out of action_mask (constrained.py)
+    limited_mask: torch.Tensor  # actions an output constraint limited (not forced): weigh 1 (constrained.py)
     behav_logp: torch.Tensor  # the rollout ``logprobs`` shifted left by one
     shaped_rewards: torch.Tensor  # [B] sequence rewards after penalties, scaling and clipping
     token_rewards: torch.Tensor  # shaped reward at the last action + KL rewards
@@ -285,6 +286,11 @@ class PPOActor:
         if forced is not None:
             record_forced(forced, action, self._dp_sum)
             action = action & ~forced
+        limited = limited_actions(batch, action)  # the other tokens of constrained calls
+        if limited is not None:
+            with stats_tracker.scope("ppo_actor"), stats_tracker.scope("offpolicy"):
+                stats_tracker.denominator(n_actions=action)
+                stats_tracker.stat("n_actions", ReduceType.AVG, limited=limited.float())
         behav = server_logp(batch["logprobs"], action)
         rewards = batch["rewards"].float().to(action.device)
         if cfg.mask_no_eos or cfg.no_eos_penalty is not None:
@@ -321,6 +327,8 @@ class PPOActor:
         }
         if forced is not None:
             added["forced_mask"] = forced
+        if limited is not None:
+            added["limited_mask"] = limited
         return cast(PPOBatch, {**batch, **added})
 
     # ---------------------------------------------------------------- update
@@ -341,6 +349,11 @@ class PPOActor:
         logp, entropy, outside = policy_logprobs(logits, labels, cfg.temperature, self.replay, cfg.entropy_coeff != 0.0)
         mask = mb["action_mask"].bool()
         old = logp.detach() if forward_is_proximal else mb["old_logp"]
+        trainer = mb["prox_logp"] if "prox_logp" in mb else logp.detach()
+        limited = mb.get("limited_mask")
+        behav = behaviour_for_weights(mb["behav_logp"], trainer, limited)  # constrained tokens weigh 1
+        if not self.correction.active:  # the ratio's old policy is the behaviour one: the same exclusion
+            old = behaviour_for_weights(old, trainer, limited)
         agg: dict[str, Any] = {"agg_mode": cfg.loss_agg_mode, "cu_seqlens": cu, "agg_norm_len": cfg.loss_agg_norm_len}
         loss, st = ppo_policy_loss(
             logp,
@@ -350,7 +363,7 @@ class PPOActor:
             cfg.eps_clip,
             cfg.eps_clip_higher,
             cfg.c_clip,
-            behav_logp=mb["behav_logp"],
+            behav_logp=behav,
             ratio_level=cfg.importance_sampling_level,
             correction=self.correction,
             **agg,
@@ -372,8 +385,8 @@ class PPOActor:
                 behav_imp_weight=st["behav_imp_weight"],
                 behav_kept_ratio=st["behav_kept"].float(),
             )
-        trainer = mb["prox_logp"] if "prox_logp" in mb else logp.detach()
-        _record_correction(st, mask, mb["behav_logp"], trainer if mismatch else None)
+        exact = None if limited is None else mask & ~limited.bool()  # mismatch: the tokens both sides score alike
+        _record_correction(st, mask, mb["behav_logp"], trainer if mismatch else None, exact)
         if entropy is not None:
             loss = loss + entropy_bonus(entropy, mask, cfg.entropy_coeff, **agg)
             stats_tracker.stat(denominator="n_action_tokens", entropy=entropy.detach())
@@ -437,6 +450,8 @@ class PPOActor:
         }
         if prox is not None:
             data["prox_logp"] = prox
+        if "limited_mask" in batch:
+            data["limited_mask"] = batch["limited_mask"]
         if cfg.kl_ctl > 0 and cfg.use_kl_loss:
             require_fields(batch, ("ref_logp",), "ppo_update", " (use_kl_loss needs reference logprobs)")
             data["ref_logp"] = batch["ref_logp"]
@@ -509,11 +524,16 @@ class PPOCritic:
 
 
 def _record_correction(
-    st: dict[str, torch.Tensor], mask: torch.Tensor, behav_logp: torch.Tensor, trainer_logp: torch.Tensor | None
+    st: dict[str, torch.Tensor],
+    mask: torch.Tensor,
+    behav_logp: torch.Tensor,
+    trainer_logp: torch.Tensor | None,
+    exact: torch.Tensor | None = None,
 ) -> None:
     """``offpolicy/``: fractions of tokens the correction dropped / truncated, of log-ratios clamped
     and of tokens dropped as not finite; given the trainer's proximal logp, mean/max
-    |trainer - server| logp and KL(behaviour || trainer) (k3)."""
+    |trainer - server| logp and KL(behaviour || trainer) (k3), over ``exact`` when given (the tokens of
+    unconstrained calls: a constrained call's server logprob is of another distribution, constrained.py)."""
     with stats_tracker.scope("offpolicy"):
         stats_tracker.denominator(n_tokens=mask)
         dropped = (mask & ~st["behav_kept"]).float()
@@ -523,9 +543,13 @@ def _record_correction(
             "n_tokens", ReduceType.AVG, ratio_clamped=st["ratio_clamped"].float(), nonfinite=st["nonfinite"].float()
         )
         if trainer_logp is not None:
-            mm = mismatch_token_stats(trainer_logp, behav_logp, mask)
-            stats_tracker.stat("n_tokens", abs_dlogp=mm["abs_dlogp"])
-            stats_tracker.stat("n_tokens", ReduceType.AVG, kl_k3=mm["kl_k3"])
+            den = "n_tokens"
+            if exact is not None:
+                den = "n_unconstrained"
+                stats_tracker.denominator(n_unconstrained=exact)
+            mm = mismatch_token_stats(trainer_logp, behav_logp, mask if exact is None else exact)
+            stats_tracker.stat(den, abs_dlogp=mm["abs_dlogp"])
+            stats_tracker.stat(den, ReduceType.AVG, kl_k3=mm["kl_k3"])
 
 
 def record_forced(

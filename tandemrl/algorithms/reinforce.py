@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from tandemrl.algorithms.aggregation import aggregate_loss
-from tandemrl.algorithms.constrained import forced_actions
+from tandemrl.algorithms.constrained import behaviour_for_weights, forced_actions, limited_actions
 from tandemrl.algorithms.layout import shift_left
 from tandemrl.algorithms.offpolicy import Correction, correction_weights
 from tandemrl.algorithms.ppo import action_mask_of, correction_of, record_routing, require_fields
@@ -73,9 +73,10 @@ class _Loss:
         labels = next_token_labels(mb["input_ids"], mb["cu_seqlens"])
         logp = policy_logprobs(logits, labels, self.temperature, self.replay)[0]
         mask = mb["action_mask"].bool()
-        loss, weight = reinforce_corrected_loss(
-            logp, mb["advantages"], mask, mb.get("behav_logp"), self.correction, mb["cu_seqlens"]
-        )
+        behav = mb.get("behav_logp")
+        if behav is not None:  # one optimizer step: this forward is the proximal policy; constrained tokens weigh 1
+            behav = behaviour_for_weights(behav, logp, mb.get("limited_mask"))
+        loss, weight = reinforce_corrected_loss(logp, mb["advantages"], mask, behav, self.correction, mb["cu_seqlens"])
         stats_tracker.denominator(n_action_tokens=mask)
         stats_tracker.stat(
             denominator="n_action_tokens",
@@ -148,6 +149,9 @@ class ReinforceActor:
         if self.correction.active:
             require_fields(batch, ("logprobs",), "train_reinforce", f" ({self.correction.kind} needs the server's)")
             data["behav_logp"] = server_logp(batch["logprobs"], action)
+            limited = limited_actions(batch, action)  # tokens of constrained calls (constrained.py)
+            if limited is not None:
+                data["limited_mask"] = limited
         if self.engine.router_replay:  # MoE routing replay (docs/moe.md)
             record_routing(self.engine, batch)
             data[ROUTED_EXPERTS] = batch[ROUTED_EXPERTS]

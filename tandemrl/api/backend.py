@@ -137,6 +137,11 @@ class InferenceBackend(Protocol):
         ``lora_adapters``); a one-line ValueError if it cannot."""
         ...
 
+    def unknown_flags(self, flags: list[str]) -> list[str]:
+        """Which of the server flag names ``flags`` its servers do not take (a hint may follow each name), so a
+        misspelt one is named before a server starts; [] when it cannot tell."""
+        ...
+
     def cpu_launch(self, flags: dict[str, Any], child_env: dict[str, str], env: dict[str, str], world: int) -> None:
         """Adjust a server launch (its ``flags`` and ``child_env``, in place) for a machine without CUDA; ``env``
         is what the caller asked for, ``world`` the server's device count."""

@@ -262,6 +262,10 @@ class SGLangBackend(TimeoutsMixin):
     def lora_flags(self, rank: int) -> dict[str, Any]:
         raise ValueError(f"lora.rank={rank}: {self.name} servers load no LoRA adapters at run time here")
 
+    def unknown_flags(self, flags: list[str]) -> list[str]:
+        """[]: SGLang (CUDA-only, not installed here) is not asked; a wrong flag is named when its server starts."""
+        return []
+
     def cpu_launch(self, flags: dict[str, Any], child_env: dict[str, str], env: dict[str, str], world: int) -> None:
         """Nothing to adjust: SGLang servers need CUDA (they fail at start-up without it)."""
 

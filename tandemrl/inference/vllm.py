@@ -330,6 +330,12 @@ class VLLMBackend(TimeoutsMixin):
     def lora_flags(self, rank: int) -> dict[str, Any]:
         return lora_server_flags(rank)
 
+    def unknown_flags(self, flags: list[str]) -> list[str]:
+        """The ``flags`` (names) the installed vLLM's server does not take (``tandemrl.inference.vllm_flags``)."""
+        from tandemrl.inference.vllm_flags import unknown_flags
+
+        return unknown_flags(flags)
+
     def cpu_launch(self, flags: dict[str, Any], child_env: dict[str, str], env: dict[str, str], world: int) -> None:
         """vLLM's CPU build: eager mode (the compiled graph buys little for small models but costs a minute at
         start-up), a 1 GiB KV cache (the default takes a share of host RAM), and a one-device server without a

@@ -264,12 +264,15 @@ def first_rank_error(run_dir: Path, since_ns: int = 0) -> tuple[int, str] | None
     return min(found)[1:] if found else None
 
 
-def trainer_failure(run_dir: Path, returncode: int, since_ns: int) -> str:
-    """One line for a failed torchrun trainer: the first rank's error if one was recorded."""
+def trainer_failure(run_dir: Path, returncode: int, since_ns: int, printed: str | None = None) -> str:
+    """One line for a failed torchrun trainer: the first rank's error if one was recorded, else the first
+    ``error:`` line the trainer ``printed`` (a full disk leaves no error file), else its exit status."""
     first = first_rank_error(run_dir, since_ns)
-    if first is None:
-        return f"trainer {exit_status(returncode)}"
-    return f"trainer rank {first[0]}: {first[1]}"
+    if first is not None:
+        return f"trainer rank {first[0]}: {first[1]}"
+    if printed:
+        return f"trainer: {printed}"
+    return f"trainer {exit_status(returncode)}"
 
 
 def guarded_trial(
@@ -337,7 +340,14 @@ _ECHO = threading.Event()
 _ECHO.set()
 
 
-def pump(stream: IO[bytes], prefix: str, log_path: Path) -> threading.Thread:
+class Pump(threading.Thread):
+    """The thread :func:`pump` starts; ``first_error`` is the first ``error: ...`` line the child printed
+    (without the prefix), the cause a summary can name when no rank's error file could be written."""
+
+    first_error: str | None = None
+
+
+def pump(stream: IO[bytes], prefix: str, log_path: Path) -> Pump:
     """Copy a child's output to our stdout (prefixed) and to its log file. A log file that cannot be written
     (a full disk) is reported once and dropped; the child's output keeps flowing to stdout, so the child
     never blocks on a full pipe."""
@@ -349,6 +359,8 @@ def pump(stream: IO[bytes], prefix: str, log_path: Path) -> threading.Thread:
         except OSError as e:
             _log_lost(log_path, e)
         for line in iter(stream.readline, b""):
+            if t.first_error is None and line.startswith(b"error: "):
+                t.first_error = line[len(b"error: ") :].decode(errors="replace").strip()
             if log is not None:
                 try:
                     log.write(line)
@@ -362,7 +374,7 @@ def pump(stream: IO[bytes], prefix: str, log_path: Path) -> threading.Thread:
         if log is not None:
             _close_quietly(log)
 
-    t = threading.Thread(target=run, daemon=True)
+    t = Pump(target=run, daemon=True)
     t.start()
     return t
 

@@ -181,10 +181,14 @@ def _server_extra(view: LaunchView, alloc: AllocationMode) -> dict[str, Any]:
         from tandemrl.api.types import ParallelStrategy
         from tandemrl.inference.registry import get_backend
 
+        backend = get_backend(alloc.gen_backend)
         try:  # the flags the backend sets itself (model, host, port, parallel sizes) are refused here
-            get_backend(alloc.gen_backend).server_command("model", "127.0.0.1", 1, ParallelStrategy(), args)
+            backend.server_command("model", "127.0.0.1", 1, ParallelStrategy(), args)
         except ValueError as err:
             raise ValueError(f"config key '{key}': {err}") from None
+        unknown = backend.unknown_flags(list(args))  # misspelt ones, before a server starts
+        if unknown:
+            raise ValueError(f"config key '{key}': {alloc.gen_backend} servers have no flag {unknown[0]}")
     lora = _lora_server_extra(view, alloc)
     for name, needed in lora.items():
         if name in args and args[name] != needed:

@@ -218,7 +218,7 @@ def run_trial(script: str, config_path: str | None, overrides: list[str], spec: 
         out.join(timeout=10)
         if lost is not None:
             return rc, lost
-        return rc, "" if rc == 0 else trainer_failure(run_dir, rc, started)
+        return rc, "" if rc == 0 else trainer_failure(run_dir, rc, started, out.first_error)
 
     result = guarded_trial(spec, overrides, body, children.stop)
     if result.returncode != 0 and children.trainer is not None:

@@ -124,6 +124,15 @@ def _check_server_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--port: {problem}")
     if args.dtype and args.dtype not in backend.dtypes:
         raise ValueError(f"--dtype: {args.backend} servers take one of {', '.join(backend.dtypes)}, got {args.dtype!r}")
+    try:
+        extra = json.loads(args.extra)
+    except ValueError:
+        extra = None
+    if not isinstance(extra, dict):
+        raise ValueError(f"--extra: expected a JSON object of server flags, got {args.extra!r}")
+    unknown = backend().unknown_flags(list(extra))
+    if unknown:
+        raise ValueError(f"--extra: {args.backend} servers have no flag {unknown[0]}")
 
 
 def serve(args: argparse.Namespace) -> int:

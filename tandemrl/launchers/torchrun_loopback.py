@@ -19,7 +19,7 @@ import socket
 import sys
 from typing import Any
 
-from tandemrl.utils.cli import TRAINER_LOG_ENV
+from tandemrl.utils.cli import TRAINER_LOG_ENV, first_line
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
@@ -74,11 +74,17 @@ def run_quietly(torchrun_main: Any) -> int:
     except ChildFailedError as e:
         report = e.format_msg()
         log = os.environ.get(TRAINER_LOG_ENV)
-        if log:  # the launcher's trainer.log: the full report is kept, off the console
-            with open(log, "a", encoding="utf-8", errors="replace") as f:
-                f.write(report + "\n")
-        else:
-            print(report, file=sys.stderr, flush=True)
+        try:
+            if log:  # the launcher's trainer.log: the full report is kept, off the console
+                with open(log, "a", encoding="utf-8", errors="replace") as f:
+                    f.write(report + "\n")
+            else:
+                print(report, file=sys.stderr, flush=True)
+        except OSError:  # a full disk: the launcher's summary names the rank's cause
+            pass
+        return 1
+    except Exception as e:  # e.g. a rank's error file it cannot parse (half-written on a full disk)
+        print(f"error: torchrun stopped on {type(e).__name__}: {first_line(e)}", file=sys.stderr, flush=True)
         return 1
     return 0
 

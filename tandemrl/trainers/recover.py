@@ -10,11 +10,13 @@ Layout under ``<fileroot>/checkpoints/<experiment>/<trial>/recover``:
   (weights, optimizer, LR schedule, version);
 * ``dataloader_rank<r>.pt``: trainer rank r's dataloader position;
 * ``pending_rows_rank<r>.pt``: the rows rank r's rollout executor had taken from the dataloader
-  but not yet handed out in a trained batch (queued, generating, or generated and waiting);
+  but not yet handed out in a trained batch (queued, generating, or generated and waiting), then
+  those a synchronous step's refill read and did not use (``tandemrl.trainers.refill``);
 * ``ledger_rank<r>.json``: rank r's sample ledger (``tandemrl.rollout.ledger``), read at the same
   moment as its pending rows, with the samples then generated and waiting;
 * ``loop_state.json``: the last finished global step, the weight version, the saver's and
-  evaluator's counters, the trainer world size and a fingerprint of the pushed weights.
+  evaluator's counters, the trainer world size and a fingerprint of the pushed weights; at the
+  run's last step, ``finished`` with its length and final model (a launcher then starts nothing).
 
 A save is written to ``recover.tmp``, listed in its ``manifest.json`` (``tandemrl.trainers.manifest``)
 and replaces ``recover`` only once complete; the checkpoint it replaces is kept as ``recover.prev``

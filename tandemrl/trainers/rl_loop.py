@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
@@ -65,6 +65,7 @@ from tandemrl.trainers.heldout import HeldoutEval
 from tandemrl.trainers.pipeline_metrics import pipeline_shares, record_staleness
 from tandemrl.trainers.prompt_log import log_prompt_ids
 from tandemrl.trainers.recover import RecoverStates
+from tandemrl.trainers.refill import RefillRows, RunRows
 from tandemrl.trainers.saver import final_outputs_line
 from tandemrl.trainers.signal import SignalWatch
 from tandemrl.trainers.time_split import add_step_timings, format_time_split
@@ -284,7 +285,19 @@ class RLTrainer(TrainerBase[GRPOConfig]):
         """Every engine, as ``add_engine`` adds them (those that train: actor, critic; a frozen reference is
         rebuilt from its path), the actor's weights as pushed, and the rollout's pending rows and ledger."""
         engines, actor = self._named_engines, self.actor_engine
-        return RecoverStates(engines, actor, self.train_dl, self.saver, self.evaluator, rollout=self.rollout)
+        self._rows = RunRows(self.rollout)  # the rollout's pending rows and a synchronous refill's (refill.py)
+        return RecoverStates(engines, actor, self.train_dl, self.saver, self.evaluator, rollout=self._rows)
+
+    def _refill(self, data_iter: Iterator[list[dict[str, Any]]], wanted: bool) -> RefillRows | None:
+        """The rows that replace a synchronous step's rejected groups (new prompts, as DAPO draws them), if
+        ``wanted``; a checkpoint's rows not yet trained go first: to the refill, else to the rollout."""
+        replayed, self._rows.replayed = self._rows.replayed, []
+        if wanted:
+            self._rows.refill = RefillRows(data_iter, replayed)
+            return self._rows.refill
+        if replayed:
+            self.rollout.replay_first(replayed)  # asynchronous: prepare_batch submits them before new rows
+        return None
 
     def _maybe_resume(self) -> int:
         """Restore a recoverable checkpoint if ``recover.mode`` asks for it; the first step to run."""
@@ -323,8 +336,7 @@ class RLTrainer(TrainerBase[GRPOConfig]):
         if first_step == 0:
             self.heldout.score(self.client, "before", actor.get_version())
         data_iter = cycle_batches(self.train_dl, "rollout_batch")
-        # Rejected groups are replaced by the next dataloader rows (new prompts, as DAPO draws them).
-        refill = (row for rows in data_iter for row in rows) if should_accept_fn is not None else None
+        refill = self._refill(data_iter, should_accept_fn is not None and not async_enabled(config))
         total_steps = self.ft_spec.total_train_steps
         spe = self.ft_spec.steps_per_epoch
         bar = tqdm(total=total_steps, initial=first_step, desc=self.name, disable=dist.get_rank() != 0)

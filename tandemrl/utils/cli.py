@@ -83,13 +83,17 @@ def record_error(err: BaseException) -> None:
 
     torchrun then names it as the root cause, and the launchers print its first line last.
     """
-    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
         try:
             ErrorHandler().record_exception(err)
-        except OSError:
-            pass  # the error itself is what matters; it is printed either way
+        except OSError:  # a full disk: the error itself is printed either way; a half-written file would
+            try:  # make torchrun fail reading it (a JSONDecodeError traceback instead of the cause)
+                os.remove(path)
+            except OSError:
+                pass
 
 
 def exit_with_error(err: BaseException, message: str | None = None) -> NoReturn:
