@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from utils import REPO_ROOT
+from utils import launch
 from vllm_server import RunningServer
 
-LAUNCH = [sys.executable, "-m", "tandemrl.launchers.local"]
-ENV = {**os.environ, "WANDB_SILENT": "true", "TANDEMRL_DIST_TIMEOUT": "300", "PYTHONPATH": str(REPO_ROOT)}
 # Cheap: tiny model, 4 prompts a step, short generations, no periodic eval until the last step.
 # No periodic save either: the final model is saved because it is the last step (saver.save_final).
 CHEAP = [
@@ -45,16 +40,7 @@ def _launch(
     config = config or example
     args = [f"examples/{example}.py", "--config", f"examples/{config}.yaml", f"cluster.fileroot={tmp_path}"]
     cheap = CHEAP if with_eval else [o for o in CHEAP if not o.startswith(("valid_dataset.", "evaluator."))]
-    running = server.overrides if server else []
-    env = {**ENV, **(server.env if server else {})}
-    proc = subprocess.run(
-        LAUNCH + args + cheap + overrides + running,
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
+    proc = launch(args + cheap + overrides, 1200, server=server)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert " done: 2 steps in " in proc.stdout, proc.stdout[-2000:]
     assert " time split: rollout wait (trainer idle) " in proc.stdout, proc.stdout[-2000:]
@@ -100,14 +86,7 @@ def test_remax_example_two_steps(
     # Launched again, the finished run says so in one line, naming its model, and starts nothing (the launcher
     # reads the checkpoint's loop state before any process starts).
     args = ["examples/gsm8k_remax.py", "--config", "examples/gsm8k_remax.yaml", f"cluster.fileroot={tmp_path}"]
-    again = subprocess.run(
-        LAUNCH + args + CHEAP + overrides + running_server.overrides,
-        cwd=REPO_ROOT,
-        env={**ENV, **running_server.env},
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
+    again = launch(args + CHEAP + overrides, 1200, server=running_server)
     (final,) = (tmp_path / "checkpoints" / "gsm8k-remax" / "trial0").glob("epoch*")  # the HF model of the last step
     line = f"[launcher] trial trial0 already finished (2 steps): nothing to start; final model: {final};"
     assert again.returncode == 0 and line in again.stdout, again.stdout[-3000:] + again.stderr[-2000:]

@@ -11,14 +11,12 @@ import hashlib
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
-from test_launcher import ENV
-from utils import REPO_ROOT
+from utils import REPO_ROOT, launch
 
 from tandemrl.configs import GRPOConfig, SFTConfig
 from tandemrl.configs.checks import CHECK_ONLY_ENV, InputsChecked
@@ -250,10 +248,7 @@ def test_too_long_prompt_in_error_mode_names_file_row_and_lengths(tmp_path: Path
 
 def _launch(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
     """The local launcher with stdout and stderr merged, as a user sees them in a terminal."""
-    cmd = [sys.executable, "-m", "tandemrl.launchers.local", *args]
-    return subprocess.run(
-        cmd, cwd=REPO_ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
-    )
+    return launch(args, timeout, merged=True)
 
 
 def _previous_checkpoint(model_dir: str, fileroot: Path, experiment: str) -> dict[str, str]:

@@ -28,12 +28,12 @@ from pathlib import Path
 import psutil
 import pytest
 import requests
-from utils import REPO_ROOT, is_torchrun
+from utils import LAUNCH_ENV, REPO_ROOT, is_torchrun, launch
 
 from tandemrl.inference.server_auth import TOKEN_ENV
 
 LAUNCH = [sys.executable, "-m", "tandemrl.launchers.local"]
-ENV = {**os.environ, "WANDB_SILENT": "true", "TANDEMRL_DIST_TIMEOUT": "300", "PYTHONPATH": str(REPO_ROOT)}
+ENV = LAUNCH_ENV
 SFT_STEPS = 6
 
 
@@ -80,7 +80,7 @@ def _endless_grpo(model: str, data: str, root: Path, *extra: str) -> list[str]:
 
 
 def _launch(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(LAUNCH + args, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+    return launch(args, timeout)
 
 
 def _losses(tb_dir: Path, tag: str = "sft/loss") -> dict[int, float]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -14,12 +13,12 @@ from pathlib import Path
 
 import psutil
 import pytest
-from utils import REPO_ROOT, is_torchrun
+from utils import LAUNCH_ENV, REPO_ROOT, is_torchrun, launch
 from vllm_server import RunningServer, VLLMTestServer, load_noisy_weights
 
 LAUNCHER = "tandemrl.launchers.local"
 LAUNCH = [sys.executable, "-m", LAUNCHER]
-ENV = {**os.environ, "WANDB_SILENT": "true", "TANDEMRL_DIST_TIMEOUT": "300", "PYTHONPATH": str(REPO_ROOT)}
+ENV = LAUNCH_ENV
 
 
 def _scalars(tb_dir: Path) -> dict[str, list[float]]:
@@ -34,9 +33,7 @@ def _run(
     args: list[str], timeout: float, launcher: str = LAUNCHER, server: RunningServer | None = None
 ) -> subprocess.CompletedProcess[str]:
     """Launch ``args``; with ``server`` (the ``running_server`` fixture) on that running server, none started."""
-    cmd = [sys.executable, "-m", launcher, *args, *(server.overrides if server else [])]
-    env = {**ENV, **(server.env if server else {})}
-    return subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return launch(args, timeout, launcher=launcher, server=server)
 
 
 def _grpo_args(script: str, model: str, data: str, root: Path, steps: int, new_tokens: int) -> list[str]:

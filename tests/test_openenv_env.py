@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import json
-import os
 import re
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from typing import Any
 import psutil
 import pytest
 from side_venv import side_venv
-from utils import REPO_ROOT
+from utils import LAUNCH_ENV, REPO_ROOT
 from vllm_server import RunningServer
 
 from tandemrl.api.inference import ModelRequest, ModelResponse
@@ -31,7 +30,7 @@ from tandemrl.workflows.openenv import OPENENV_VERSION, EnvServer, OpenEnv, chec
 
 ENVS = str(REPO_ROOT / "examples" / "openenv_envs")
 APP = "retry_arithmetic:app"
-ENV = {**os.environ, "WANDB_SILENT": "true", "TANDEMRL_DIST_TIMEOUT": "300", "PYTHONPATH": str(REPO_ROOT)}
+ENV = LAUNCH_ENV
 
 
 @pytest.fixture(scope="module")

@@ -5,24 +5,19 @@ fails), and the held-out scores are those of the generated test split."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from utils import REPO_ROOT
+from utils import launch
 from vllm_server import RunningServer
 
 pytestmark = pytest.mark.slow
-ENV = {**os.environ, "WANDB_SILENT": "true", "TANDEMRL_DIST_TIMEOUT": "300", "PYTHONPATH": str(REPO_ROOT)}
 
 
 def _launch(overrides: list[str], timeout: float, server: RunningServer) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "tandemrl.launchers.local", "examples/reasoning_gym_grpo.py"]
-    cmd += ["--config", "examples/gsm8k_grpo.yaml", *overrides, *server.overrides]
-    env = {**ENV, **server.env}
-    return subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    args = ["examples/reasoning_gym_grpo.py", "--config", "examples/gsm8k_grpo.yaml", *overrides]
+    return launch(args, timeout, server=server)
 
 
 def test_three_steps_with_the_task_verifier_as_reward(

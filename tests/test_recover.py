@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 from test_executor import RandomDelayEngine, ToyWorkflow
-from utils import REPO_ROOT, is_torchrun
+from utils import LAUNCH_ENV, REPO_ROOT, is_torchrun
 from vllm_server import RunningServer
 
 from tandemrl.api.types import SaveLoadMeta
@@ -45,7 +45,7 @@ from tandemrl.trainers.recover import (
 )
 
 LAUNCH = [sys.executable, "-m", "tandemrl.launchers.local"]
-ENV = {**os.environ, "WANDB_SILENT": "true", "TANDEMRL_DIST_TIMEOUT": "300", "PYTHONPATH": str(REPO_ROOT)}
+ENV = LAUNCH_ENV
 
 
 def _step_scalars(tb_dir: Path, tag: str) -> dict[int, float]:

@@ -7,11 +7,37 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # How a torchrun agent process shows in a command line: the local launcher's loopback torchrun
 # (tandemrl.launchers.torchrun_loopback), or plain torch.distributed.run (Slurm, tests).
 TORCHRUN_MODULES = ("torch.distributed.run", "tandemrl.launchers.torchrun_loopback")
+
+
+# What a launched run in the tests gets (the e2e prelude): wandb quiet, a generous rendezvous timeout, the repo
+# importable by the children.
+LAUNCH_ENV = {**os.environ, "WANDB_SILENT": "true", "TANDEMRL_DIST_TIMEOUT": "300", "PYTHONPATH": str(REPO_ROOT)}
+LOCAL_LAUNCHER = "tandemrl.launchers.local"
+
+
+def launch(
+    args: Sequence[str],
+    timeout: float,
+    *,
+    launcher: str = LOCAL_LAUNCHER,
+    server: Any = None,
+    merged: bool = False,
+) -> subprocess.CompletedProcess[str]:
+    """``python -m <launcher> ARGS`` from the repository with :data:`LAUNCH_ENV`, as a user runs it; on ``server``
+    (the ``running_server`` fixture: its ``rollout.server_addrs`` overrides and token) when given, so the launch
+    starts no server of its own; ``merged`` puts stderr into stdout, as a terminal shows them."""
+    cmd = [sys.executable, "-m", launcher, *args, *(server.overrides if server is not None else [])]
+    env = {**LAUNCH_ENV, **(server.env if server is not None else {})}
+    stderr = subprocess.STDOUT if merged else subprocess.PIPE
+    return subprocess.run(
+        cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=timeout
+    )
 
 
 def is_torchrun(cmdline: str) -> bool:

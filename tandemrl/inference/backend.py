@@ -119,6 +119,11 @@ def min_tokens_left(req: ModelRequest, output_so_far: list[int], remaining: int)
     return max(0, min(req.gconfig.min_new_tokens - len(output_so_far), remaining))
 
 
+def flag_name(flag: str) -> str:
+    """A server flag as the configs write it: ``--max-num-seqs`` / ``max-num-seqs`` -> ``max_num_seqs``."""
+    return flag.lstrip("-").replace("-", "_")
+
+
 def cli_flags(extra: dict[str, Any]) -> list[str]:
     """``{"max_model_len": 512, "enforce_eager": True}`` -> ``["--max-model-len", "512", "--enforce-eager"]``.
 

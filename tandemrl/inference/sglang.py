@@ -32,6 +32,7 @@ from tandemrl.inference.backend import (
     check_collective,
     check_scoring_ids,
     cli_flags,
+    flag_name,
     int_list,
     min_tokens_left,
     parse_version_label,
@@ -246,7 +247,7 @@ class SGLangBackend(TimeoutsMixin):
         self, model_path: str, host: str, port: int, strategy: ParallelStrategy, extra: dict[str, Any]
     ) -> list[str]:
         """One SGLang server; ``extra`` adds flags (``{"mem_fraction_static": 0.8}``)."""
-        normalized = {k.lstrip("-").replace("-", "_"): v for k, v in extra.items()}
+        normalized = {flag_name(k): v for k, v in extra.items()}
         clash = sorted(k for k in normalized if k in _FIXED_FLAGS)
         if clash:
             raise ValueError(f"{self.name} server flags {clash} are set by tandemrl itself")

@@ -44,6 +44,7 @@ from tandemrl.inference.backend import (
     check_collective,
     check_scoring_ids,
     cli_flags,
+    flag_name,
     int_list,
     min_tokens_left,
     parse_version_label,
@@ -303,7 +304,7 @@ class VLLMBackend(TimeoutsMixin):
         self, model_path: str, host: str, port: int, strategy: ParallelStrategy, extra: dict[str, Any]
     ) -> list[str]:
         """One OpenAI-compatible vLLM server; ``extra`` adds/overrides flags (``{"max_model_len": 512}``)."""
-        clash = sorted(k for k in extra if k.lstrip("-").replace("-", "_") in _FIXED_FLAGS)
+        clash = sorted(k for k in extra if flag_name(k) in _FIXED_FLAGS)
         if clash:
             raise ValueError(f"{self.name} server flags {clash} are set by tandemrl itself")
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path]
@@ -318,7 +319,7 @@ class VLLMBackend(TimeoutsMixin):
             "dtype": "auto",
             "seed": 0,
         }
-        normalized = {k.lstrip("-").replace("-", "_"): v for k, v in extra.items()}
+        normalized = {flag_name(k): v for k, v in extra.items()}
         return cmd + cli_flags({**defaults, **normalized})
 
     def server_env(self) -> dict[str, str]:
@@ -340,11 +341,11 @@ class VLLMBackend(TimeoutsMixin):
         """vLLM's CPU build: eager mode (the compiled graph buys little for small models but costs a minute at
         start-up), a 1 GiB KV cache (the default takes a share of host RAM), and a one-device server without a
         core list runs its model in the engine process (:func:`one_process_cpu_engine`)."""
-        if not any(_norm(k) == "enforce_eager" for k in flags):
+        if not any(flag_name(k) == "enforce_eager" for k in flags):
             flags["enforce_eager"] = True
         child_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
         bind = env.get(OMP_BIND, child_env.get(OMP_BIND, "auto"))
-        chosen = any(_norm(k) == "distributed_executor_backend" for k in flags)
+        chosen = any(flag_name(k) == "distributed_executor_backend" for k in flags)
         if world == 1 and bind in ("", "auto") and not chosen:
             one_process_cpu_engine(flags, child_env, env)
 
@@ -364,10 +365,6 @@ def one_process_cpu_engine(flags: dict[str, Any], child_env: dict[str, str], env
     child_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # vLLM 0.32 turns ``uni`` back into ``mp`` without this
     if "OMP_NUM_THREADS" not in env:
         child_env["OMP_NUM_THREADS"] = str(max(1, usable_cores() - 1))
-
-
-def _norm(key: str) -> str:
-    return key.lstrip("-").replace("-", "_")
 
 
 def cache_salt(version: int) -> str:

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from importlib import metadata
 from pathlib import Path
 
+from tandemrl.inference.backend import flag_name
 from tandemrl.models.cache import cache_root
 
 _READ_FLAGS = (
@@ -27,11 +28,6 @@ _READ_FLAGS = (
     "parser = make_arg_parser(FlexibleArgumentParser())\n"
     "print(json.dumps(sorted({s for a in parser._actions for s in a.option_strings if s.startswith('--')})))\n"
 )
-
-
-def norm(flag: str) -> str:
-    """``--max-num-seqs`` / ``max_num_seqs`` -> ``max_num_seqs``."""
-    return flag.lstrip("-").replace("-", "_")
 
 
 def vllm_version() -> str | None:
@@ -62,7 +58,7 @@ def known_flags() -> frozenset[str] | None:
     if proc.returncode != 0:
         return None
     try:
-        names = sorted({norm(s) for s in json.loads(proc.stdout.strip().splitlines()[-1])})
+        names = sorted({flag_name(s) for s in json.loads(proc.stdout.strip().splitlines()[-1])})
     except (ValueError, IndexError):
         return None
     try:
@@ -83,7 +79,7 @@ def unknown_flags(flags: Iterable[str]) -> list[str]:
         return []
     out = []
     for flag in flags:
-        name = norm(flag)
+        name = flag_name(flag)
         if name not in known:
             close = difflib.get_close_matches(name, known, n=1)
             out.append(f"{name} (did you mean {close[0]}?)" if close else name)

@@ -21,6 +21,7 @@ from tandemrl.configs.loader import copy_without_section, read_known_keys
 from tandemrl.configs.openenv import OpenEnvConfig
 from tandemrl.configs.utils import RecoverConfig
 from tandemrl.engines.registry import SHAPES as TRAINING_SHAPES
+from tandemrl.inference.backend import flag_name
 from tandemrl.inference.registry import SHAPES as INFERENCE_SHAPES
 from tandemrl.launchers.placement import visible_gpus
 
@@ -173,7 +174,7 @@ def _server_extra(view: LaunchView, alloc: AllocationMode) -> dict[str, Any]:
     table = view.launcher.server_args
     if not all(isinstance(k, str) and k.strip("-_") for k in table):
         raise ValueError(f"config key '{key}' must map server option names to values, e.g. {{max_num_seqs: 64}}")
-    args = {k.lstrip("-").replace("-", "_"): v for k, v in table.items()}
+    args = {flag_name(k): v for k, v in table.items()}
     for name, value in args.items():
         if isinstance(value, dict):
             raise ValueError(f"config key '{key}.{name}' must be a value or a list, got a mapping")
@@ -212,7 +213,7 @@ def _deterministic_server_extra(view: LaunchView, alloc: AllocationMode, args: d
 
 def _flag_key(flag: str) -> str:
     """A flag name without its negation (``no_enable_chunked_prefill`` and ``enable_chunked_prefill`` match)."""
-    return flag.lstrip("-").replace("-", "_").removeprefix("no_")
+    return flag_name(flag).removeprefix("no_")
 
 
 def _lora_server_extra(view: LaunchView, alloc: AllocationMode) -> dict[str, Any]:
