@@ -43,13 +43,13 @@ import torch.distributed as dist
 
 from tandemrl.algorithms.sft import SFTActor
 from tandemrl.api.types import FinetuneSpec, TensorDict
+from tandemrl.configs.backends import parse_allocation
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from tandemrl.engines.base import BaseTrainEngine
 from tandemrl.engines.fsdp import FSDPEngine
 from tandemrl.engines.registry import make_engine
 from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.models.functional import gather_logprobs
-from tandemrl.trainers.entry import parse_allocation
 
 try:  # run as a script (python bench/train_throughput.py): bench/ is on sys.path
     from mfu import bf16_peak_flops, matmul_params, train_flops

@@ -117,6 +117,7 @@ def run(a: argparse.Namespace) -> None:
     import torch
 
     from tandemrl.api.types import FinetuneSpec
+    from tandemrl.configs.backends import parse_allocation
     from tandemrl.configs.engine import OptimizerConfig, TrainEngineConfig
     from tandemrl.configs.rollout import InferenceClientConfig
     from tandemrl.engines.registry import make_engine
@@ -125,7 +126,6 @@ def run(a: argparse.Namespace) -> None:
     from tandemrl.inference.server import launch_server
     from tandemrl.inference.vllm import VLLMBackend
     from tandemrl.rollout.controller import RolloutController
-    from tandemrl.trainers.entry import parse_allocation
     from tandemrl.weights import push
     from tandemrl.weights.plan import collective_update
 

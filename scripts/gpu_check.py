@@ -163,7 +163,7 @@ def parity_vocab_skip(model: str) -> str:
 
 def parity_checks(n_dev: int) -> list[Check]:
     """The table's rows fitted to ``n_dev`` devices (see the module docstring)."""
-    from tandemrl.trainers.entry import parse_allocation
+    from tandemrl.configs.backends import parse_allocation
 
     out = []
     for case in parity_table()[0]:

@@ -57,8 +57,8 @@ def sft_batch(vocab: int, seed: int, n: int = 8, max_len: int = 128) -> dict[str
 
 def build_engine(allocation: str, cfg: Any, steps: int) -> Any:
     from tandemrl.api.types import FinetuneSpec
+    from tandemrl.configs.backends import parse_allocation
     from tandemrl.engines.registry import make_engine
-    from tandemrl.trainers.entry import parse_allocation
 
     component = parse_allocation(allocation).train
     assert component is not None, allocation

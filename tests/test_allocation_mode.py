@@ -11,7 +11,7 @@ from tandemrl.api.allocation import (
     AllocationValidationError,
 )
 from tandemrl.api.types import ParallelStrategy
-from tandemrl.trainers.entry import parse_allocation
+from tandemrl.configs.backends import parse_allocation
 
 
 @dataclass

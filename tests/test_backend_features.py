@@ -12,10 +12,11 @@ from utils import REPO_ROOT
 
 from tandemrl.api.allocation import SERVER_FEATURES, TRAINING_FEATURES, AllocationMode
 from tandemrl.configs import ConfigError, GRPOConfig
+from tandemrl.configs.backends import BACKEND_TABLES, INFERENCE_ROWS, TRAINING_ROWS
 from tandemrl.engines.fsdp import FSDPEngine
-from tandemrl.engines.registry import _ENGINES, register_engine
-from tandemrl.inference.registry import BACKENDS, backend_class
-from tandemrl.trainers.entry import BACKEND_TABLES, load_config
+from tandemrl.engines.registry import register_engine
+from tandemrl.inference.registry import backend_class
+from tandemrl.trainers.entry import load_config
 
 # A comparison with a built-in backend's name, either side: == "vllm", != 'fsdp', "megatron" == ...,
 # in ("vllm", ...).
@@ -70,7 +71,7 @@ def test_the_grep_finds_the_forks_it_replaced() -> None:
 
 @pytest.mark.parametrize("table", ["training", "inference"])
 def test_declared_features_are_known_and_reach_the_parsed_components(table: str) -> None:
-    rows, known = (_ENGINES, TRAINING_FEATURES) if table == "training" else (BACKENDS, SERVER_FEATURES)
+    rows, known = (TRAINING_ROWS, TRAINING_FEATURES) if table == "training" else (INFERENCE_ROWS, SERVER_FEATURES)
     shapes = BACKEND_TABLES[0] if table == "training" else BACKEND_TABLES[1]
     for name in rows:
         declared = shapes[name].features
@@ -92,7 +93,7 @@ def test_the_registries_copies_match_what_the_classes_declare(table: str) -> Non
 
 
 def test_registering_a_name_again_reads_the_new_class() -> None:
-    old = _ENGINES["fsdp"]
+    old = TRAINING_ROWS["fsdp"]
     try:
         register_engine("fsdp", _PlainFSDP)
         assert BACKEND_TABLES[0]["fsdp"].features == frozenset()
@@ -120,5 +121,5 @@ def test_a_check_follows_the_declaration_not_the_name(tmp_path: Path) -> None:
             load_config(["--config", grpo, *lora, "allocation_mode=vllm:d1+plainfsdp:d1"], GRPOConfig)
         assert "\n" not in str(err.value)
     finally:
-        _ENGINES.pop("fsdplike", None)
-        _ENGINES.pop("plainfsdp", None)
+        TRAINING_ROWS.pop("fsdplike", None)
+        TRAINING_ROWS.pop("plainfsdp", None)

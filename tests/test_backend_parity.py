@@ -20,7 +20,7 @@ import pytest
 import torch
 from utils import run_torchrun
 
-from tandemrl.trainers.entry import parse_allocation
+from tandemrl.configs.backends import parse_allocation
 
 WORKER = Path(__file__).parent / "workers" / "parity_checks.py"
 ENV = {"TANDEMRL_DIST_TIMEOUT": "120"}

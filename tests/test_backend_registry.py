@@ -19,12 +19,10 @@ import pytest
 
 from tandemrl.api.allocation import AllocationValidationError
 from tandemrl.configs import GRPOConfig, InferenceClientConfig
-from tandemrl.configs.experiment import parsed_allocation
-from tandemrl.engines import registry as engine_registry
-from tandemrl.inference import registry as inference_registry
+from tandemrl.configs.backends import INFERENCE_ROWS, TRAINING_ROWS, parse_allocation
 from tandemrl.inference.remote import RemoteInferenceClient
 from tandemrl.launchers.launch_config import read_launch_spec
-from tandemrl.trainers.entry import load_config, parse_allocation
+from tandemrl.trainers.entry import load_config
 
 TOY_MODULE = '''
 import dataclasses
@@ -67,8 +65,8 @@ def toy(tmp_path: Path) -> Iterator[ModuleType]:
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("toy_backend_module", None)
-        inference_registry.BACKENDS.pop("toy", None)
-        engine_registry._ENGINES.pop("toytrain", None)
+        INFERENCE_ROWS.pop("toy", None)
+        TRAINING_ROWS.pop("toytrain", None)
 
 
 def test_allocation_mode_takes_the_toy_backends_with_their_declared_dims(toy: ModuleType) -> None:
@@ -87,8 +85,8 @@ def test_allocation_mode_takes_the_toy_backends_with_their_declared_dims(toy: Mo
 
 def test_loader_launcher_and_client_take_the_toy_backend(toy: ModuleType, tmp_path: Path) -> None:
     config, _ = load_config(["allocation_mode=toy:d1+fsdp:d1", "actor.engine.path=/none"], GRPOConfig)
-    alloc = parsed_allocation(config)
-    assert alloc is not None and alloc.gen_backend == "toy"
+    alloc = config.allocation
+    assert alloc.gen_backend == "toy"
 
     spec = read_launch_spec(
         None,

@@ -17,6 +17,7 @@ import pytest
 from test_launcher import _grpo_args, _run
 
 from tandemrl.api.inference import HttpRequest, ModelRequest, ModelResponse
+from tandemrl.configs.backends import parse_allocation
 from tandemrl.configs.rollout import InferenceClientConfig
 from tandemrl.inference.http import HttpClient
 from tandemrl.inference.remote import RemoteInferenceClient
@@ -24,7 +25,6 @@ from tandemrl.inference.request_log import read_request_log
 from tandemrl.inference.sglang import SGLangBackend
 from tandemrl.inference.vllm import VLLMBackend
 from tandemrl.launchers.placement import RankSlot, oversubscription, plan_colocated, plan_placement
-from tandemrl.trainers.entry import parse_allocation
 from tandemrl.trainers.turns import TURNS_FILE
 
 GENERATE = "/inference/v1/generate"

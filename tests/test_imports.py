@@ -35,10 +35,10 @@ def test_configs_and_launchers_import_without_torch() -> None:
         "import tandemrl.configs, tandemrl.api.allocation\n"
         "import tandemrl.launchers.local, tandemrl.launchers.ray, tandemrl.launchers.slurm\n"
         "from tandemrl.configs import GRPOConfig, read_config\n"
-        "from tandemrl.launchers.launch_config import BACKEND_TABLES\n"
-        "from tandemrl.api.allocation import AllocationMode\n"
+        "from tandemrl.configs.backends import parse_allocation\n"
         "for a in ('vllm:d1+fsdp:d2', 'sglang:d1+deepspeed:d1', 'vllm:d1+megatron:(attn:d1|ffn:e1)'):\n"
-        "    AllocationMode.from_str(a, *BACKEND_TABLES)\n"
+        "    parse_allocation(a)\n"
+        "    assert GRPOConfig(allocation_mode=a).allocation.train is not None\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

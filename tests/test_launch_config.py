@@ -6,7 +6,6 @@ import pytest
 from utils import REPO_ROOT
 
 from tandemrl.configs import ConfigError, GRPOConfig, SFTConfig
-from tandemrl.configs.experiment import parsed_allocation
 from tandemrl.launchers.launch_config import read_launch_spec
 from tandemrl.trainers.entry import load_config
 
@@ -29,7 +28,7 @@ def test_launch_spec_holds_the_values_and_defaults_the_script_gets(overrides: li
         config.cluster.fileroot,
         config.weight_update_mode,
     )
-    assert spec.allocation == parsed_allocation(config)
+    assert spec.allocation == config.allocation
 
 
 def test_launch_spec_of_shipped_rl_and_sft_configs() -> None:
@@ -40,7 +39,7 @@ def test_launch_spec_of_shipped_rl_and_sft_configs() -> None:
     sft, _ = load_config(["--config", SFT_YAML], SFTConfig)
     spec = read_launch_spec(SFT_YAML, [])
     assert (spec.model_key, spec.model_path) == ("model.path", sft.model.path)
-    assert spec.allocation.gen is None and spec.allocation == parsed_allocation(sft)
+    assert spec.allocation.gen is None and spec.allocation == sft.allocation
 
 
 def test_a_bad_value_fails_in_the_launcher_with_the_scripts_message() -> None:

@@ -19,6 +19,7 @@ from test_workflows import ScriptedEngine, cycle_texts, row
 
 from tandemrl.api.aux_servers import AUX_SERVERS_ENV, aux_server_addresses, format_aux_addresses
 from tandemrl.configs import GRPOConfig
+from tandemrl.configs.backends import parse_allocation
 from tandemrl.configs.loader import ConfigError
 from tandemrl.configs.rollout import GenerationHyperparameters, InferenceClientConfig
 from tandemrl.configs.services import RewardServiceConfig
@@ -29,7 +30,7 @@ from tandemrl.launchers.launch_config import read_launch_spec
 from tandemrl.launchers.placement import plan_placement
 from tandemrl.models.hf import load_hf_tokenizer
 from tandemrl.rollout.executor import WorkflowExecutor
-from tandemrl.trainers.entry import load_config, parse_allocation
+from tandemrl.trainers.entry import load_config
 from tandemrl.utils import stats_tracker
 from tandemrl.workflows.rlvr import RLVRWorkflow
 

@@ -9,17 +9,13 @@ import pytest
 
 from tandemrl.configs.loader import read_config
 from tandemrl.configs.tinker import TinkerServeConfig
-from tandemrl.engines.registry import SHAPES as TRAINING_SHAPES
-from tandemrl.inference.registry import SHAPES as INFERENCE_SHAPES
 from tandemrl.launchers.launch_config import read_launch_spec, script_config
 from tandemrl.tinker.job import serve_argv
 from tandemrl.tinker.trainer import check_backend
 
-SHAPES = (TRAINING_SHAPES, INFERENCE_SHAPES)
-
 
 def _config(*overrides: str) -> TinkerServeConfig:
-    config, _ = read_config(["model.path=tiny:qwen2", *overrides], TinkerServeConfig, SHAPES)
+    config, _ = read_config(["model.path=tiny:qwen2", *overrides], TinkerServeConfig)
     return config
 
 
@@ -46,7 +42,7 @@ def test_checkpoints_go_to_the_launchers_run_directory(names: list[str], tmp_pat
     overrides = ["model.path=tiny:qwen2", "cluster.fileroot=/r", *names]
     spec = read_launch_spec("examples/tinker_serve.yaml", overrides)
     path, kept = script_config("examples/tinker_serve.yaml", overrides, str(tmp_path / "job.yaml"))
-    config, _ = read_config(["--config", str(path), *kept], TinkerServeConfig, SHAPES)
+    config, _ = read_config(["--config", str(path), *kept], TinkerServeConfig)
     argv = serve_argv(config, "127.0.0.1:9")
     assert argv[argv.index("--out") + 1] == f"{spec.run_dir}/ckpt"
 

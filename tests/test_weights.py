@@ -8,7 +8,7 @@ import sys
 import pytest
 from test_inference_backends import assert_one_line_error
 
-from tandemrl.trainers.entry import parse_allocation
+from tandemrl.configs.backends import parse_allocation
 from tandemrl.weights.plan import collective_update
 
 

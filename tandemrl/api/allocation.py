@@ -12,8 +12,8 @@ Grammar (whitespace is ignored)::
 
 This module reads the syntax only. Which backend names exist, whether each one trains or
 serves, and which dims it may set above 1 come from the caller as a table of
-:class:`BackendShape` (``tandemrl.engines.registry.SHAPES`` and
-``tandemrl.inference.registry.SHAPES``: each backend class declares its ``parallel_dims``).
+:class:`BackendShape` (``tandemrl.configs.backends.BACKEND_TABLES``, which
+``tandemrl.configs.backends.parse_allocation`` uses: each backend class declares its ``parallel_dims``).
 Bare dims are a training component: ``megatron`` if p>1 or e>1, else ``fsdp``. A component's
 world size is d*t*p*c; expert parallelism (e) reuses those devices and must divide the devices
 of one pipeline stage (d*t*c).
@@ -176,8 +176,8 @@ class AllocationMode:
     def from_str(cls, spec: str, *backends: Mapping[str, BackendShape]) -> AllocationMode:
         """Parse ``spec`` and check it against the backend tables; AllocationValidationError on bad input.
 
-        ``backends``: name -> :class:`BackendShape` tables, looked up in order (the registries'
-        ``SHAPES``); a table may resolve its rows lazily.
+        ``backends``: name -> :class:`BackendShape` tables, looked up in order
+        (``tandemrl.configs.backends.BACKEND_TABLES``); a table may resolve its rows lazily.
         """
         table = tuple(backends)
         if not isinstance(spec, str):

@@ -16,12 +16,12 @@ script stops before doing any work; the script's entry point checks the inputs o
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tandemrl.api.allocation import AllocationMode, BackendShape
+from tandemrl.api.allocation import AllocationMode
+from tandemrl.configs.backends import parse_allocation
 from tandemrl.configs.data import DatasetConfig
-from tandemrl.configs.experiment import async_enabled, keep_allocation, parsed_allocation
+from tandemrl.configs.experiment import async_enabled
 from tandemrl.configs.ppo import PPOActorConfig, PPOCriticConfig
 from tandemrl.configs.rollout import GenerationHyperparameters
 
@@ -54,29 +54,28 @@ class InputsChecked(BaseException):
         self.config = config
 
 
-def parse_allocation(config: Any, backends: Sequence[Mapping[str, BackendShape]]) -> Problem | None:
-    """Parse ``config.allocation_mode`` against the backend tables once, keeping the value on the config
-    (``configs.experiment.parsed_allocation``); the problem if it does not parse."""
+def allocation_problem(config: Any) -> Problem | None:
+    """Why ``config.allocation_mode`` does not parse against the backend rows (``configs.backends``), or None
+    (also for a config without that key)."""
     mode = getattr(config, "allocation_mode", None)
     if not isinstance(mode, str):
         return None
     try:
-        keep_allocation(config, AllocationMode.from_str(mode, *backends))
+        parse_allocation(mode)
     except ValueError as err:
         return ("allocation_mode", f"is invalid: {str(err).splitlines()[0]}")
     return None
 
 
 def _allocation(config: Any) -> AllocationMode:
-    alloc = parsed_allocation(config)
-    assert alloc is not None, "first_problem runs on a config whose allocation_mode parse_allocation kept"
-    return alloc
+    """``config.allocation_mode`` parsed (first_problem checks it parses before any check reads it)."""
+    return parse_allocation(config.allocation_mode)
 
 
 def _data_parallel_size(config: Any) -> tuple[int | None, Problem | None]:
-    alloc = parsed_allocation(config)
-    if alloc is None:
+    if not isinstance(getattr(config, "allocation_mode", None), str):
         return None, None
+    alloc = _allocation(config)
     if alloc.train is None:
         return None, ("allocation_mode", f"'{alloc.spec}' has no training component")
     return alloc.train.strategy.dp, None
@@ -341,8 +340,11 @@ def advice(config: Any) -> list[str]:
 
 
 def first_problem(config: Any) -> Problem | None:
-    """The first pair of values that do not fit together, or None (after :func:`parse_allocation`; a config
-    whose allocation_mode it did not keep gets no check that needs the allocation)."""
+    """:func:`allocation_problem`, else the first pair of values that do not fit together, or None (a config
+    without ``allocation_mode`` gets no check that needs the allocation)."""
+    problem = allocation_problem(config)
+    if problem is not None:
+        return problem
     dp, problem = _data_parallel_size(config)
     if problem is not None or dp is None:
         return problem

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tandemrl.configs.backends import parse_allocation
 from tandemrl.configs.data import DatasetConfig
 from tandemrl.configs.engine import TrainEngineConfig
 from tandemrl.configs.ppo import PPOActorConfig, PPOCriticConfig
@@ -52,21 +53,11 @@ class BaseExperimentConfig(RunNameConfig):
     evaluator: EvaluatorConfig = field(default_factory=EvaluatorConfig)
     stats_logger: StatsLoggerConfig = field(default_factory=StatsLoggerConfig)
 
-
-_PARSED = "_parsed_allocation"  # where keep_allocation leaves the parse on a config object
-
-
-def keep_allocation(config: object, alloc: AllocationMode) -> None:
-    """Keep ``alloc``, the parse of ``config.allocation_mode``, on the config (the loader parses it once)."""
-    config.__dict__[_PARSED] = alloc
-
-
-def parsed_allocation(config: object) -> AllocationMode | None:
-    """The loader's parse of ``config.allocation_mode``; None if the config was not loaded or the string changed since."""
-    alloc: AllocationMode | None = config.__dict__.get(_PARSED)
-    if alloc is None or alloc.spec != getattr(config, "allocation_mode", None):
-        return None
-    return alloc
+    @property
+    def allocation(self) -> AllocationMode:
+        """``allocation_mode`` parsed (``configs.backends.parse_allocation``), on each read: the value follows the
+        string. The loader has refused a config whose string does not parse."""
+        return parse_allocation(self.allocation_mode)
 
 
 @dataclass

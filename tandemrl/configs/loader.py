@@ -32,8 +32,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from tandemrl.api.allocation import BackendShape
-from tandemrl.configs.checks import InputsChecked, check_only, configs_seen, first_problem, parse_allocation
+from tandemrl.configs.checks import InputsChecked, allocation_problem, check_only, configs_seen, first_problem
 from tandemrl.configs.data import DatasetConfig
 from tandemrl.configs.distill import DistillActorConfig, DistillConfig
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
@@ -599,18 +598,16 @@ ConfigCheck = Callable[[Any], "tuple[str, str] | None"]
 def read_config(
     argv: list[str],
     schema: type[T],
-    backends: Sequence[Mapping[str, BackendShape]],
     checks: Sequence[ConfigCheck] = (),
 ) -> tuple[T, str]:
     """Build a ``schema`` instance from ``argv`` (without the program name).
 
     ``argv`` holds an optional ``--config FILE.yaml`` (or ``--config preset:NAME``) and hydra-style
     overrides.  Returns the dataclass with interpolations resolved, and the absolute YAML path ("" if none).
-    ``allocation_mode`` is parsed once, against ``backends`` (the registries' ``SHAPES``), and the value
-    kept on the config (``configs.experiment.parsed_allocation``). Scripts call
-    ``tandemrl.trainers.entry.load_config``, which passes the registries.
-    Values must also fit together (``tandemrl.configs.checks.first_problem``, then each of the script's
-    ``checks``: what only its algorithm knows, e.g. ReMax's REINFORCE step). With
+    ``allocation_mode`` must parse against the backend rows (``configs.backends``; the config's
+    ``allocation`` is the parsed value), and values must fit together
+    (``tandemrl.configs.checks.first_problem``, then each of the script's ``checks``: what only its
+    algorithm knows, e.g. ReMax's REINFORCE step). With
     ``TANDEMRL_CHECK_ONLY=1`` (the launchers' pre-flight) it raises ``InputsChecked`` instead of
     returning; scripts load through ``tandemrl.trainers.entry``, which then checks the inputs too.
     """
@@ -618,24 +615,22 @@ def read_config(
         raise TypeError(f"read_config needs a dataclass schema, got {schema!r}")
     if check_only():
         configs_seen[0] += 1
-    obj, config_path = _build(argv, schema, backends, known_only=False, checks=tuple(checks))
+    obj, config_path = _build(argv, schema, known_only=False, checks=tuple(checks))
     if check_only():
         raise InputsChecked(config_path, obj)
     return obj, config_path
 
 
-def read_known_keys(
-    argv: list[str], schema: type[T], backends: Sequence[Mapping[str, BackendShape]], own: Sequence[str] = ()
-) -> T:
+def read_known_keys(argv: list[str], schema: type[T], own: Sequence[str] = ()) -> T:
     """The part of a script's config that ``schema`` declares, typed and checked as :func:`read_config` does.
 
     For a reader that knows only some of a script's keys (the launchers): keys ``schema`` lacks are
     left out instead of refused, and values are not checked against each other (the script's own
     pre-flight does both). ``own`` names top-level sections that belong to the reader alone (the
     launchers' ``launcher``): no script checks them, so their unknown keys are refused as
-    :func:`read_config` refuses them. ``allocation_mode`` is parsed against ``backends`` and kept, as there.
+    :func:`read_config` refuses them. ``allocation_mode`` must parse, as there.
     """
-    return _build(argv, schema, backends, known_only=True, own=tuple(own))[0]
+    return _build(argv, schema, known_only=True, own=tuple(own))[0]
 
 
 def _known(data: Any, annotation: Any, own: tuple[str, ...] = ()) -> Any:
@@ -655,7 +650,6 @@ def _known(data: Any, annotation: Any, own: tuple[str, ...] = ()) -> Any:
 def _build(
     argv: list[str],
     schema: type[T],
-    backends: Sequence[Mapping[str, BackendShape]],
     known_only: bool,
     own: tuple[str, ...] = (),
     checks: tuple[ConfigCheck, ...] = (),
@@ -687,7 +681,7 @@ def _build(
     except OmegaConfBaseException as err:
         raise _translate(err, schema, None, origins) from None
     _check_field_values(obj, "", origins)
-    problem = parse_allocation(obj, backends) or (None if known_only else first_problem(obj))
+    problem = allocation_problem(obj) if known_only else first_problem(obj)
     for check in checks:
         problem = problem or check(obj)
     if problem is not None:

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from tandemrl.configs.backends import parse_allocation
 from tandemrl.configs.utils import ClusterConfig, RunNameConfig
+
+if TYPE_CHECKING:
+    from tandemrl.api.allocation import AllocationMode
 
 
 @dataclass
@@ -58,3 +63,8 @@ class TinkerServeConfig(RunNameConfig):
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     model: TinkerModelConfig = field(default_factory=TinkerModelConfig)
     tinker: TinkerSection = field(default_factory=TinkerSection)
+
+    @property
+    def allocation(self) -> AllocationMode:
+        """``allocation_mode`` parsed (``configs.backends.parse_allocation``), on each read."""
+        return parse_allocation(self.allocation_mode)

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from tandemrl.api.allocation import AllocationMode
-from tandemrl.configs.experiment import parsed_allocation
-from tandemrl.launchers.launch_config import BACKEND_TABLES, LaunchSpec
+from tandemrl.configs.backends import parse_allocation
+from tandemrl.launchers.launch_config import LaunchSpec
 from tandemrl.utils.quiet import verbose
 
 FLAG = "--dry-run"
@@ -89,7 +89,7 @@ def batch_lines(config: Any, rows: int | None) -> list[str]:
 
     ``rows`` is the train split's row count (at most ``max_samples``), None if unknown.
     """
-    alloc = parsed_allocation(config) or AllocationMode.from_str(config.allocation_mode, *BACKEND_TABLES)
+    alloc = parse_allocation(config.allocation_mode)
     dp = alloc.train.strategy.dp if alloc.train is not None else 1
     train, gconfig = config.train_dataset, getattr(config, "gconfig", None)
     prompts = train.batch_size

@@ -15,18 +15,13 @@ from typing import Any
 
 from tandemrl.api.allocation import AllocationMode
 from tandemrl.api.inference import serves_adapter
-from tandemrl.configs.experiment import GRPOConfig, SFTConfig, parsed_allocation
+from tandemrl.configs.experiment import GRPOConfig, SFTConfig
 from tandemrl.configs.launcher import LauncherConfig, launcher_problem
 from tandemrl.configs.loader import copy_without_section, read_known_keys
 from tandemrl.configs.openenv import OpenEnvConfig
 from tandemrl.configs.utils import RecoverConfig
-from tandemrl.engines.registry import SHAPES as TRAINING_SHAPES
 from tandemrl.inference.backend import flag_name
-from tandemrl.inference.registry import SHAPES as INFERENCE_SHAPES
 from tandemrl.launchers.placement import visible_gpus
-
-# The backends allocation_mode may name: the two registries' rows, as shapes their classes declare.
-BACKEND_TABLES = (TRAINING_SHAPES, INFERENCE_SHAPES)
 
 # Keys that may hold the policy model, in the order they are looked for.
 MODEL_KEYS = ("actor.engine.path", "model.path")
@@ -103,12 +98,11 @@ class LaunchSpec:
 def read_launch_spec(config_path: str | None, overrides: list[str]) -> LaunchSpec:
     """Parse and check the launch-relevant values; one-line errors name the key."""
     argv = (["--config", config_path] if config_path else []) + list(overrides)
-    view = read_known_keys(argv, LaunchView, BACKEND_TABLES, own=(LAUNCHER_SECTION,))
+    view = read_known_keys(argv, LaunchView, own=(LAUNCHER_SECTION,))
     problem = launcher_problem(view.launcher)
     if problem is not None:
         raise ValueError(f"config key '{problem[0]}' {problem[1]}")
-    alloc = parsed_allocation(view)
-    assert alloc is not None  # read_known_keys parsed it
+    alloc = view.allocation  # read_known_keys checked that it parses
     if alloc.train is None:
         raise ValueError(f"allocation_mode '{view.allocation_mode}' has no training component")
     model_key, model_path = MODEL_KEYS[0], ""

@@ -10,19 +10,15 @@ from __future__ import annotations
 
 import os
 
-from tandemrl.configs.experiment import parsed_allocation
 from tandemrl.configs.loader import read_config
 from tandemrl.configs.tinker import TinkerServeConfig
-from tandemrl.engines.registry import SHAPES as TRAINING_SHAPES
-from tandemrl.inference.registry import SHAPES as INFERENCE_SHAPES
 from tandemrl.inference.remote import SERVER_ADDRS_ENV
 from tandemrl.tinker import serve
 
 
 def serve_argv(config: TinkerServeConfig, addrs: str) -> list[str]:
     """The ``tinker-serve`` command line of ``config``; one line naming the key when it cannot be served."""
-    alloc = parsed_allocation(config)
-    assert alloc is not None  # read_config parsed it
+    alloc = config.allocation  # read_config checked that it parses
     if alloc.gen is None or alloc.gen.strategy.dp != 1:
         raise ValueError(f"allocation_mode: tinker-serve samples through one inference server, got {alloc.spec!r}")
     if alloc.train is None or alloc.train.strategy.dp != alloc.train_world_size:
@@ -49,5 +45,5 @@ def serve_argv(config: TinkerServeConfig, addrs: str) -> list[str]:
 
 
 def main(argv: list[str]) -> None:
-    config, _ = read_config(argv, TinkerServeConfig, (TRAINING_SHAPES, INFERENCE_SHAPES))
+    config, _ = read_config(argv, TinkerServeConfig)
     serve.main(serve_argv(config, os.environ.get(SERVER_ADDRS_ENV, "")))

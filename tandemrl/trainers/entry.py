@@ -1,8 +1,8 @@
 """A training script's entry: load its config, and in the launchers' pre-flight check what it points to.
 
-``load_config`` is ``tandemrl.configs.loader.read_config`` with the backend registries, so
-``allocation_mode`` is parsed once, against the backends that exist (``allocation_of`` gives the
-typed value). ``load_script_config`` is ``load_config`` plus, in a check-only run
+``load_config`` is ``tandemrl.configs.loader.read_config`` (``allocation_mode`` must parse against
+the backends of ``tandemrl.configs.backends``; a config's ``allocation`` is the typed value).
+``load_script_config`` is ``load_config`` plus, in a check-only run
 (``TANDEMRL_CHECK_ONLY=1``, see ``tandemrl.launchers.check``), a look at the model directories
 and dataset files the config names before the script stops. It lives above ``configs`` because
 those checks need ``data`` and ``models``.
@@ -15,15 +15,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TypeVar, cast
 
-from tandemrl.api.allocation import AllocationMode
 from tandemrl.configs.checks import InputsChecked, advice
 from tandemrl.configs.data import DatasetConfig
-from tandemrl.configs.experiment import keep_allocation, parsed_allocation
 from tandemrl.configs.loader import ConfigCheck, ConfigError, read_config
 from tandemrl.data.loader import check_dataset_inputs
 from tandemrl.data.reasoning_gym import ensure_written
-from tandemrl.engines.registry import SHAPES as TRAINING_SHAPES
-from tandemrl.inference.registry import SHAPES as INFERENCE_SHAPES
 from tandemrl.models.hf import check_tokenizer_dir
 from tandemrl.models.resolve import resolve_model_path
 from tandemrl.trainers.determinism import enable_determinism
@@ -37,28 +33,9 @@ _REQUIRED_ENGINES = ("actor.engine", "model")  # ref and critic default to the a
 _DATASET_KEYS = ("train_dataset", "valid_dataset")
 
 
-# The backends allocation_mode may name: the two registries' rows, as shapes their classes declare.
-BACKEND_TABLES = (TRAINING_SHAPES, INFERENCE_SHAPES)
-
-
 def load_config(argv: list[str], schema: type[T], checks: Sequence[ConfigCheck] = ()) -> tuple[T, str]:
-    """``read_config`` against the backend registries (and the script's ``checks``): the typed config and its
-    YAML path ("" if none)."""
-    return read_config(argv, schema, BACKEND_TABLES, checks)
-
-
-def parse_allocation(spec: str) -> AllocationMode:
-    """``spec`` parsed against the backend registries (``AllocationValidationError`` names a bad token)."""
-    return AllocationMode.from_str(spec, *BACKEND_TABLES)
-
-
-def allocation_of(config: Any) -> AllocationMode:
-    """The typed ``allocation_mode`` of ``config``: the loader's parse, else parsed now (and kept)."""
-    alloc = parsed_allocation(config)
-    if alloc is None:
-        alloc = parse_allocation(config.allocation_mode)
-        keep_allocation(config, alloc)
-    return alloc
+    """``read_config`` with the script's ``checks``: the typed config and its YAML path ("" if none)."""
+    return read_config(argv, schema, checks)
 
 
 def _at(config: Any, key: str) -> Any:
@@ -74,7 +51,7 @@ def _check_servers(config: Any) -> None:
     if not isinstance(config, GRPOConfig):
         return
     mode = config.allocation_mode
-    if allocation_of(config).gen is None:
+    if config.allocation.gen is None:
         raise ValueError(
             f"allocation_mode: '{mode}' has no inference component, but {type(config).__name__} generates its "
             f"samples on inference servers: e.g. 'vllm:d1+{mode}' (servers apart) or 'vllm:d1|{mode}' (colocated)"

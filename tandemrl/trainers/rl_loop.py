@@ -60,7 +60,6 @@ from tandemrl.rewards.runner import RewardFn
 from tandemrl.rollout.controller import RolloutController
 from tandemrl.rollout.ledger import LedgerTotals, Tally
 from tandemrl.trainers.base import TrainerBase
-from tandemrl.trainers.entry import allocation_of
 from tandemrl.trainers.heldout import HeldoutEval
 from tandemrl.trainers.pipeline_metrics import pipeline_shares, record_staleness
 from tandemrl.trainers.prompt_log import log_prompt_ids
@@ -170,7 +169,7 @@ class RLTrainer(TrainerBase[GRPOConfig]):
         actor = RenamedAttribute("actor_engine")
 
     def __init__(self, config: GRPOConfig, name: str = "grpo") -> None:
-        alloc = allocation_of(config)
+        alloc = config.allocation
         if alloc.train is None or alloc.gen is None:
             raise ValueError(f"allocation_mode: '{config.allocation_mode}' needs an inference and a training component")
         self.config, self.alloc, self.name = config, alloc, name

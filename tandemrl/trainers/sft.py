@@ -26,7 +26,6 @@ from tandemrl.api.renamed import RenamedAttribute
 from tandemrl.configs import SFTConfig
 from tandemrl.data.loader import cycle_batches, pad_sequences_to_tensors
 from tandemrl.trainers.base import TrainerBase
-from tandemrl.trainers.entry import allocation_of
 from tandemrl.trainers.saver import final_outputs_line
 from tandemrl.utils import stats_tracker
 
@@ -40,7 +39,7 @@ class SFTTrainer(TrainerBase[SFTConfig]):
         sft = RenamedAttribute("actor")
 
     def __init__(self, config: SFTConfig, name: str = "sft") -> None:
-        alloc = allocation_of(config)
+        alloc = config.allocation
         if alloc.train is None:
             raise ValueError(f"allocation_mode: '{config.allocation_mode}' has no training component")
         self.config, self.alloc, self.name = config, alloc, name

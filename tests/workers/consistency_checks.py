@@ -40,12 +40,12 @@ from tandemrl.algorithms.ppo import PPOActor
 from tandemrl.algorithms.sft import SFTActor
 from tandemrl.api.engine import TrainEngine
 from tandemrl.api.inference import ModelResponse, WeightUpdateMeta
+from tandemrl.configs.backends import parse_allocation
 from tandemrl.configs.ppo import PPOActorConfig
 from tandemrl.engines.base import init_default_process_group
 from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.inference.remote import RemoteInferenceClient
 from tandemrl.rollout.controller import RolloutController
-from tandemrl.trainers.entry import parse_allocation
 from tandemrl.weights.plan import collective_update
 
 Samples = dict[float, list[ModelResponse]]

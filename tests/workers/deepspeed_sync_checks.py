@@ -35,12 +35,12 @@ from sync_checks import (
 from tandemrl.algorithms.sft import SFTActor
 from tandemrl.api.inference import WeightUpdateMeta
 from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
+from tandemrl.configs.backends import parse_allocation
 from tandemrl.configs.engine import DeepSpeedEngineConfig, OptimizerConfig, TrainEngineConfig
 from tandemrl.engines.deepspeed import DeepSpeedEngine
 from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.inference.remote import RemoteInferenceClient
 from tandemrl.rollout.controller import RolloutController
-from tandemrl.trainers.entry import parse_allocation
 from tandemrl.weights.plan import collective_update
 from tandemrl.weights.wire import parse_buckets_json
 

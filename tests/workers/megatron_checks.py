@@ -28,12 +28,12 @@ from parity_checks import dp_slice
 
 from tandemrl.algorithms.sft import SFTActor
 from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
+from tandemrl.configs.backends import parse_allocation
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from tandemrl.engines.base import init_default_process_group
 from tandemrl.engines.megatron.checkpoint import CKPT_SUBDIR
 from tandemrl.engines.megatron.engine import MegatronEngine
 from tandemrl.engines.teardown import destroy_process_groups
-from tandemrl.trainers.entry import parse_allocation
 
 FIRST_SEED = 100
 CONTINUED_SEEDS = (300, 301, 302)

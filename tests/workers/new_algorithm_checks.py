@@ -25,13 +25,13 @@ from tandemrl.algorithms import entropy_bonus, group_normalized_advantages, rein
 from tandemrl.algorithms.ppo import PPOActor, PPOBatch, action_mask_of
 from tandemrl.api.engine import TrainEngine
 from tandemrl.api.types import FinetuneSpec, RolloutBatch, TensorDict
+from tandemrl.configs.backends import parse_allocation
 from tandemrl.configs.engine import DeepSpeedEngineConfig, OptimizerConfig, TrainEngineConfig
 from tandemrl.configs.ppo import PPOActorConfig
 from tandemrl.engines.base import init_default_process_group
 from tandemrl.engines.registry import make_engine
 from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.models.functional import gather_logprobs_entropy, next_token_labels
-from tandemrl.trainers.entry import parse_allocation
 
 STEPS = 2
 PPO_STEPS, PPO_MINIBATCHES = 2, 2

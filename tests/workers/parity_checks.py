@@ -28,12 +28,12 @@ from ppo_checks import CONFIGS, GROUP, make_rollout_batch
 from tandemrl.algorithms.ppo import PPOActor, PPOCritic
 from tandemrl.algorithms.sft import SFTActor
 from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
+from tandemrl.configs.backends import parse_allocation
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from tandemrl.configs.ppo import PPOActorConfig, PPOCriticConfig
 from tandemrl.engines.base import init_default_process_group
 from tandemrl.engines.registry import make_engine
 from tandemrl.engines.teardown import destroy_process_groups
-from tandemrl.trainers.entry import parse_allocation
 
 SFT_STEPS = 5
 PPO_STEPS = 3

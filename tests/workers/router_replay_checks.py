@@ -21,13 +21,13 @@ import torch.distributed as dist
 from fsdp_checks import make_batch
 
 from tandemrl.api.types import ROUTED_EXPERTS, FinetuneSpec
+from tandemrl.configs.backends import parse_allocation
 from tandemrl.configs.engine import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from tandemrl.engines.base import init_default_process_group
 from tandemrl.engines.megatron.engine import MegatronEngine
 from tandemrl.engines.megatron.routing import routing_map_to_indices
 from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.models.functional import gather_logprobs, next_token_labels
-from tandemrl.trainers.entry import parse_allocation
 
 STEPS = 4
 LR = 1e-3  # router-only updates at this lr change the top-k of ~30% of (token, layer) pairs within STEPS

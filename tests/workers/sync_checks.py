@@ -40,6 +40,7 @@ from tandemrl.algorithms.truncation import truncated_logprobs
 from tandemrl.api.engine import TrainEngine
 from tandemrl.api.inference import HttpRequest, ModelRequest, ModelResponse, WeightUpdateMeta
 from tandemrl.api.types import FinetuneSpec, SaveLoadMeta, TensorDict
+from tandemrl.configs.backends import parse_allocation
 from tandemrl.configs.engine import OptimizerConfig, TrainEngineConfig
 from tandemrl.configs.ppo import PPOActorConfig
 from tandemrl.configs.rollout import InferenceClientConfig
@@ -49,7 +50,6 @@ from tandemrl.inference.http import HttpClient, InferenceServerError
 from tandemrl.inference.remote import RemoteInferenceClient
 from tandemrl.models.functional import gather_logprobs, next_token_labels
 from tandemrl.rollout.controller import RolloutController
-from tandemrl.trainers.entry import parse_allocation
 from tandemrl.weights.plan import collective_update
 from tandemrl.weights.wire import parse_buckets_json
 
