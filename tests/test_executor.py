@@ -406,9 +406,9 @@ def test_pause_lets_running_episodes_finish() -> None:
     try:
         engine.gates[4] = threading.Event()
         ex.submit({"id": 4}, ToyWorkflow())
-        deadline = time.monotonic() + 10
-        while ex.get_stats().running == 0 and time.monotonic() < deadline:
-            time.sleep(0.005)
+        wait_until(
+            lambda: ex.get_stats().running == 1 and engine.started == [4, 4], "row 4 running, both samples at the gate"
+        )
         ex.pause()
         engine.gates[4].set()
         batch = ex.wait(1, timeout=10)

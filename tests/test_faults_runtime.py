@@ -115,6 +115,21 @@ def _dead(p: psutil.Process) -> bool:
         return True
 
 
+def _read_to_the_end(proc: subprocess.Popen[str]) -> tuple[list[str], threading.Thread]:
+    """The lines of ``proc``'s output as a thread reads them, and that thread (see :func:`_all_of`)."""
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(proc.stdout or []), daemon=True)
+    reader.start()
+    return out, reader
+
+
+def _all_of(out: list[str], reader: threading.Thread) -> str:
+    """The whole output once the process has ended: the reader has reached its end (the pipe closed)."""
+    reader.join(60)
+    assert not reader.is_alive(), "the launcher's output did not end"
+    return "".join(out)
+
+
 def _wait_for(cond, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:  # noqa: ANN001
     deadline = time.monotonic() + timeout
     while not cond():
@@ -166,8 +181,7 @@ def test_torchrun_alone_killed_then_auto_resume_is_bitwise(tiny_model_dir: str, 
     proc = subprocess.Popen(
         LAUNCH + args, cwd=REPO_ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    out: list[str] = []
-    threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True).start()
+    out, reader = _read_to_the_end(proc)
     launcher = psutil.Process(proc.pid)
     state = root / "checkpoints" / "gsm8k-sft" / "trial0" / "recover" / "loop_state.json"
     try:
@@ -190,7 +204,7 @@ def test_torchrun_alone_killed_then_auto_resume_is_bitwise(tiny_model_dir: str, 
             p.kill()
     rank_exit_s = time.monotonic() - start
     assert rc != 0
-    text = "".join(out)
+    text = _all_of(out, reader)
     assert "[launcher] trial trial0 failed: trainer was killed by SIGKILL" in text, text[-3000:]
     # No rank wrote anything once its torchrun was gone (trainer.log is the launcher's copy of their output).
     late = _files_written_after(root, t_dead, skip={"trainer.log"})
@@ -354,8 +368,7 @@ def test_a_sigstopped_server_is_reported_then_stops_the_run(
     proc = subprocess.Popen(
         LAUNCH + args, cwd=REPO_ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    out: list[str] = []
-    threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True).start()  # type: ignore[arg-type]
+    out, reader = _read_to_the_end(proc)
     launcher = psutil.Process(proc.pid)
     family: list[psutil.Process] = []
     try:
@@ -368,7 +381,7 @@ def test_a_sigstopped_server_is_reported_then_stops_the_run(
         for p in family:
             if not _dead(p):
                 p.kill()
-    text = "".join(out)
+    text = _all_of(out, reader)  # all of it: a second report of the stall would be in its last lines
     assert rc == 1, text[-3000:]
     healthy = "[launcher] vllm servers healthy at "
     address = next(line for line in out if line.startswith(healthy))[len(healthy) :].strip()

@@ -119,12 +119,14 @@ def test_ranks_add_up_through_the_vector() -> None:
 class EveryFateWorkflow(RolloutWorkflow):
     """Generates N_SAMPLES per row, then by ``id % 4``: 0 raises, 1 drops the group (returns None),
     2 returns equal rewards (``mixed_rewards`` filters it), 3 returns mixed rewards (accepted).
-    Records each row's fate and what it generated, for the test to compare with the ledger."""
+    Records each row's fate and what it generated, for the test to compare with the ledger, and the ids of the
+    rows whose episode returned a trajectory."""
 
     FATES = ("failed", "group_dropped", "filtered", "accepted")
 
     def __init__(self) -> None:
         self.generated: list[tuple[str, Tally]] = []
+        self.returned_ids: list[int] = []
         self._lock = threading.Lock()
 
     async def arun_episode(self, engine: GenerationClient, data: dict[str, Any]) -> TensorDict | None:
@@ -140,7 +142,10 @@ class EveryFateWorkflow(RolloutWorkflow):
         if fate == "group_dropped":
             return None
         rewards = [1.0, 1.0] if fate == "filtered" else [0.0, 1.0]
-        return concat_padded_tensors([completion_row(prompt, r, w) for r, w in zip(resps, rewards, strict=True)])
+        traj = concat_padded_tensors([completion_row(prompt, r, w) for r, w in zip(resps, rewards, strict=True)])
+        with self._lock:
+            self.returned_ids.append(pid)
+        return traj
 
     def by_fate(self, fate: str) -> Tally:
         return sum((t for f, t in self.generated if f == fate), Tally())
@@ -219,10 +224,11 @@ def test_a_restored_executor_counts_the_checkpoint_in_flight_as_lost_at_restart(
         ex.set_version(5)  # capacity for them
         for pid in (103, 107):  # accepted, and no batch takes them
             ex.submit({"id": pid}, wf)
-        wait_until(lambda: ex.ledger_totals().in_flight.samples >= 2 * N_SAMPLES, "rows 103 and 107 accepted")
-        quiesce(ex)
+        wait_until(lambda: {103, 107} <= set(wf.returned_ids), "rows 103 and 107 returned their trajectories")
+        quiesce(ex)  # no episode running: both were booked, accepted (no filter), and no batch takes them
         _, state = ex.recover_state()
         before = ex.ledger_totals()
+        assert before.in_flight.samples >= 2 * N_SAMPLES, before.in_flight
     finally:
         ex.destroy()
     resumed, _ = make_executor(k=1, bsz=2, max_conc=8)

@@ -164,6 +164,7 @@ def test_grpo_killed_mid_run_resumes_and_the_ledger_explains_every_sample(
         if proc.poll() is None:
             proc.kill()
     reader.join(60)
+    assert not reader.is_alive(), "the launcher's output did not end"  # else the line below reads a part of it
     assert "grpo done" not in "".join(out), "".join(out)[-3000:]
     first_log = (log_dir / "trainer.log").read_text()
     saved = re.findall(r"recover: saved global step (\d+) \(version (\d+), weights (\w+)\)", first_log)

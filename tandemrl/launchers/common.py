@@ -8,7 +8,6 @@ turning Ctrl-C/SIGTERM into a clean teardown, one-line errors — lives here onc
 
 from __future__ import annotations
 
-import errno
 import itertools
 import json
 import os
@@ -29,7 +28,7 @@ from tandemrl.launchers.check import check_script
 from tandemrl.launchers.launch_config import LaunchError as LaunchError  # re-exported: the launchers raise it
 from tandemrl.launchers.launch_config import LaunchSpec, read_launch_spec
 from tandemrl.launchers.run_lock import run_dir_lock
-from tandemrl.utils.cli import first_line, interrupted_exit_code, signals_interrupt
+from tandemrl.utils.cli import first_line, interrupted_exit_code, os_error_reason, signals_interrupt
 from tandemrl.utils.lifeline import exit_status
 from tandemrl.utils.quiet import quiet_process
 
@@ -380,10 +379,7 @@ def pump(stream: IO[bytes], prefix: str, log_path: Path) -> Pump:
 
 
 def _log_lost(path: Path, err: OSError) -> None:
-    code = f" ({errno.errorcode[err.errno]})" if err.errno is not None and err.errno in errno.errorcode else ""
-    print(
-        f"[launcher] cannot write {path}: {err.strerror or err}{code}; its output goes to this console only", flush=True
-    )
+    print(f"[launcher] cannot write {path}: {os_error_reason(err)}; its output goes to this console only", flush=True)
 
 
 def _close_quietly(log: IO[bytes]) -> None:

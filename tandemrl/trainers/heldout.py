@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from tandemrl.configs.utils import HeldoutEvalConfig
+from tandemrl.utils.files import names_file
 
 if TYPE_CHECKING:
     from tandemrl.api.workflow import GenerationClient
@@ -99,7 +100,7 @@ class HeldoutEval:
             "prompt_format": "chat_template" if score.result.chat_template else "plain_question",
             **score.result.to_dict(),
         }
-        with open(f"{path}.tmp", "w", encoding="utf-8") as f:
+        with names_file(f"{path}.tmp"), open(f"{path}.tmp", "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1, ensure_ascii=False)
             f.write("\n")
         os.replace(f"{path}.tmp", path)

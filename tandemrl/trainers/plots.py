@@ -8,6 +8,8 @@ import json
 import os
 import re
 
+from tandemrl.utils.files import names_file
+
 # One panel per entry: (title, [(legend label, regex on the stat key)]); the first key matching
 # a pattern supplies that line, so the same panels fit PPO, GRPO, REINFORCE and their scopes.
 PANELS: list[tuple[str, list[tuple[str, str]]]] = [
@@ -124,6 +126,9 @@ def plot_curves(jsonl_path: str, out_path: str | None = None) -> str | None:
     axes[-1, 0].set_xlabel("step")
     fig.tight_layout()
     out = out_path or os.path.join(os.path.dirname(os.path.abspath(jsonl_path)), "curves.png")
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    try:
+        with names_file(out):
+            fig.savefig(out, dpi=110)
+    finally:
+        plt.close(fig)
     return out

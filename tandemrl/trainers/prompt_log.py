@@ -15,6 +15,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from tandemrl.utils.files import append_text
+
 PROMPT_LOG_FILE = "prompt_ids.jsonl"
 
 
@@ -39,8 +41,7 @@ def log_prompt_ids(
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     os.makedirs(log_dir, exist_ok=True)
-    with open(os.path.join(log_dir, PROMPT_LOG_FILE), "a") as f:
-        f.write(json.dumps(line) + "\n")
+    append_text(os.path.join(log_dir, PROMPT_LOG_FILE), json.dumps(line) + "\n")
 
 
 def read_prompt_log(log_dir: str) -> list[dict[str, Any]]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import shutil
 from collections.abc import Iterator
@@ -14,7 +13,7 @@ import torch.distributed as dist
 from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.configs.utils import SaverConfig, save_root
 from tandemrl.trainers.freq import FreqControl, agree_with_rank0, epochs_finished
-from tandemrl.utils.cli import first_line
+from tandemrl.utils.cli import first_line, os_error_reason
 
 
 class CheckpointWriteError(ValueError):
@@ -48,8 +47,7 @@ def _unwritable(path: str) -> str | None:
             os.fsync(f.fileno())
         os.remove(probe)
     except OSError as e:
-        code = f" ({errno.errorcode[e.errno]})" if e.errno is not None and e.errno in errno.errorcode else ""
-        return (e.strerror or type(e).__name__) + code
+        return os_error_reason(e)
     return None
 
 

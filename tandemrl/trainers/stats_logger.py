@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Mapping
 from typing import Any, Literal, cast
 
@@ -12,6 +13,7 @@ import torch.distributed as dist
 
 from tandemrl.api.types import FinetuneSpec
 from tandemrl.configs.utils import StatsLoggerConfig
+from tandemrl.utils.files import append_text, names_file
 
 _WANDB_MODES = ("online", "offline", "disabled")
 
@@ -39,6 +41,26 @@ def format_table(stats: Mapping[str, float]) -> str:
     return "\n".join(f"{k:<{width}}  {v:.4g}" for k, v in sorted(stats.items()))
 
 
+_TENSORBOARD_HOOKS: list[object] = []  # the excepthook installed below, once per process
+
+
+def _quiet_tensorboard_writer_thread() -> None:
+    """tensorboard writes events on a thread of its own, which keeps a failed write (a full disk) for the next
+    ``add_scalar``/``flush`` to raise, named in the rank's one error line; the thread's own traceback on stderr
+    would repeat it as noise. Every other thread's exception is printed as before."""
+    if threading.excepthook in _TENSORBOARD_HOOKS:
+        return
+    previous = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if isinstance(args.exc_value, OSError) and type(args.thread).__module__.startswith("tensorboard."):
+            return
+        previous(args)
+
+    _TENSORBOARD_HOOKS.append(hook)
+    threading.excepthook = hook
+
+
 class StatsLogger:
     """Rank-0 sink for exported statistics; every method is a no-op on other ranks."""
 
@@ -49,6 +71,7 @@ class StatsLogger:
         self.ft_spec = ft_spec
         self._wandb_run: Any = None
         self._writer: Any = None
+        self._tensorboard = ""  # the writer's directory, named by a failed write
         self._jsonl: str | None = None
         if not _is_rank0():
             return
@@ -57,8 +80,11 @@ class StatsLogger:
         if config.tensorboard.path:
             from torch.utils.tensorboard import SummaryWriter
 
-            os.makedirs(config.tensorboard.path, exist_ok=True)
-            self._writer = SummaryWriter(log_dir=config.tensorboard.path)
+            self._tensorboard = config.tensorboard.path
+            os.makedirs(self._tensorboard, exist_ok=True)
+            _quiet_tensorboard_writer_thread()
+            with names_file(self._tensorboard):  # its first event is written and flushed here
+                self._writer = SummaryWriter(log_dir=self._tensorboard)
         if config.jsonl:
             os.makedirs(self.log_dir, exist_ok=True)
             self._jsonl = os.path.join(self.log_dir, "stats.jsonl")
@@ -108,12 +134,12 @@ class StatsLogger:
         if self._wandb_run is not None:
             self._wandb_run.log(data, step=global_step)
         if self._writer is not None:
-            for key, value in data.items():
-                self._writer.add_scalar(key, value, global_step)
-            self._writer.flush()
+            with names_file(self._tensorboard):
+                for key, value in data.items():
+                    self._writer.add_scalar(key, value, global_step)
+                self._writer.flush()
         if self._jsonl is not None:
-            with open(self._jsonl, "a") as f:
-                f.write(json.dumps({"step": global_step + 1, **data}) + "\n")
+            append_text(self._jsonl, json.dumps({"step": global_step + 1, **data}) + "\n")
 
     def plot(self) -> str | None:
         """Draw curves.png from this run's stats.jsonl and print its path; None when there is nothing to draw."""
@@ -140,5 +166,6 @@ class StatsLogger:
             self._wandb_run.finish()
             self._wandb_run = None
         if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+            writer, self._writer = self._writer, None
+            with names_file(self._tensorboard):
+                writer.close()

@@ -25,6 +25,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from tandemrl.utils.files import append_text
+
 TURNS_FILE = "turns.jsonl"
 
 
@@ -73,8 +75,7 @@ class TurnTaker:
         _barrier()
         self.turns += 1
         if self._log is not None and _rank() == 0:
-            with open(self._log, "a") as f:
-                f.write(json.dumps({"turn": self.turns, "start": start, "end": end}) + "\n")
+            append_text(self._log, json.dumps({"turn": self.turns, "start": start, "end": end}) + "\n")
 
 
 def _span_over_ranks(start: float, end: float) -> tuple[float, float]:

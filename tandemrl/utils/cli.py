@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import signal
 import sys
@@ -31,6 +32,26 @@ def first_line(err: BaseException, *, with_type: bool = False, limit: int | None
         return type(err).__name__
     line = text.splitlines()[0][:limit]
     return f"{type(err).__name__}: {line}" if with_type else line
+
+
+def os_error_reason(err: OSError) -> str:
+    """What the system said, with the errno's symbol: ``No space left on device (ENOSPC)``."""
+    code = errno.errorcode.get(err.errno) if err.errno is not None else None
+    return (err.strerror or first_line(err)) + (f" ({code})" if code else "")
+
+
+def error_line(err: BaseException) -> str:
+    """``<Type>: <one line>`` for a rank's ``error:`` line. An OSError from the system reads
+    ``<Type>: PATH: <reason> (ERRNO)``, ``PATH -> PATH2`` for a two-path call (a rename), and names no
+    path only when the error has none (see ``tandemrl.utils.files.names_file``)."""
+    if not isinstance(err, OSError) or err.errno is None or not err.strerror:
+        return first_line(err, with_type=True)
+    paths = " -> ".join(_path_text(p) for p in (err.filename, err.filename2) if p is not None)
+    return f"{type(err).__name__}: {paths + ': ' if paths else ''}{os_error_reason(err)}"
+
+
+def _path_text(path: object) -> str:
+    return os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else str(path)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -109,7 +130,8 @@ def run_main(main: Callable[[list[str]], None], argv: list[str] | None = None) -
     Any error is also recorded in torchrun's per-rank error file (see :func:`record_error`). Any other
     error is re-raised (its traceback printed), except on a rank the local launcher started: there the
     traceback is in the error file, which torchrun's report copies into trainer.log, so the rank prints
-    ``error: <Type>: <one line>`` and exits 1. ``TANDEMRL_TRACEBACK=1`` re-raises always, for debugging.
+    ``error: <Type>: <one line>`` (``error_line``: an OSError names its file and errno) and exits 1.
+    ``TANDEMRL_TRACEBACK=1`` re-raises always, for debugging.
     """
     quiet_process()
     try:
@@ -124,6 +146,6 @@ def run_main(main: Callable[[list[str]], None], argv: list[str] | None = None) -
         record_error(err)
         log = os.environ.get(TRAINER_LOG_ENV)
         if log and os.environ.get("TORCHELASTIC_ERROR_FILE") and os.environ.get("TANDEMRL_TRACEBACK") != "1":
-            print(f"error: {first_line(err, with_type=True)} (traceback in {log})", file=sys.stderr, flush=True)
+            print(f"error: {error_line(err)} (traceback in {log})", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
         raise

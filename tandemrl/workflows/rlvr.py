@@ -37,6 +37,7 @@ from tandemrl.configs.rollout import GenerationHyperparameters
 from tandemrl.data.batch import concat_padded_tensors
 from tandemrl.rewards.runner import RewardFn, RewardRunner
 from tandemrl.utils import stats_tracker
+from tandemrl.utils.files import append_text
 
 # Arguments the workflow passes to reward functions itself; dataset columns of the same
 # name are not forwarded.
@@ -219,8 +220,8 @@ class RLVRWorkflow(RolloutWorkflow):
             for r, rew in zip(resps, rewards, strict=True)
         ]
         os.makedirs(self.dump_dir, exist_ok=True)
-        with self._dump_lock, open(os.path.join(self.dump_dir, f"{version}.jsonl"), "a", encoding="utf-8") as f:
-            f.write("\n".join(lines) + "\n")
+        with self._dump_lock:
+            append_text(os.path.join(self.dump_dir, f"{version}.jsonl"), "\n".join(lines) + "\n")
 
     # ------------------------------------------------------------------ episode
     async def arun_episode(self, client: GenerationClient, data: dict[str, Any]) -> TensorDict | None:
