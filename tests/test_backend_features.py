@@ -79,7 +79,7 @@ def test_declared_features_are_known_and_reach_the_parsed_components(table: str)
     alloc = AllocationMode.from_str("vllm:d1+fsdp:d1", *BACKEND_TABLES)
     assert alloc.gen is not None and alloc.train is not None
     assert alloc.gen.features == backend_class("vllm").features >= {"token", "middleware", "lora_adapters"}
-    assert alloc.train.features == FSDPEngine.features == {"lora"}
+    assert alloc.train.features == FSDPEngine.features == {"lora", "fp32_head"}
     assert AllocationMode.from_str("sglang:d1+megatron:d1", *BACKEND_TABLES).train.features == {"router_replay"}
     assert AllocationMode.from_str("sglang:d1+megatron:d1", *BACKEND_TABLES).gen.features == frozenset()
 
@@ -99,7 +99,7 @@ def test_registering_a_name_again_reads_the_new_class() -> None:
         assert BACKEND_TABLES[0]["fsdp"].features == frozenset()
     finally:
         register_engine("fsdp", old)
-    assert BACKEND_TABLES[0]["fsdp"].features == {"lora"}  # read from FSDPEngine now
+    assert BACKEND_TABLES[0]["fsdp"].features == {"lora", "fp32_head"}  # read from FSDPEngine now
 
 
 class _PlainFSDP(FSDPEngine):

@@ -38,6 +38,9 @@ pytestmark = pytest.mark.slow
 # Mean |trainer - server| logprob on the sampled tokens, per precision: 2.5-5x the largest mean measured
 # over every cell, checkpoint and temperature (fp32 2.1e-7, bf16 2.0e-3; the table is in docs/consistency.md).
 BOUNDS = {"fp32": 1e-6, "bf16": 5e-3}
+# Mean k3 estimate of KL(server || trainer) on the same tokens (what a run logs as offpolicy/kl_k3), per precision:
+# 3-17x the largest measured (fp32 5.8e-14, bf16 3.1e-6; about half the mean squared gap).
+KL_BOUNDS = {"fp32": 1e-12, "bf16": 1e-5}
 MIXED_PRECISION = {"fp32": None, "bf16": "bfloat16"}  # TrainEngineConfig.mixed_precision
 FAIL_FACTOR = 5  # each control's gap is at least this many bounds
 TEMPERATURES = (1.0, 0.7)
@@ -113,15 +116,18 @@ def markdown_table(results: dict[str, dict[str, Any]]) -> str:
     """The measured table as docs/consistency.md shows it: mean |gap| per checkpoint (T=1.0 / T=0.7), the largest
     single-token gap, the bound and the controls."""
     lines = [
-        "| cell | step 0 | step 3, collective | step 3, disk | max token | bound | lost update / T ignored |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| cell | step 0 | step 3, collective | step 3, disk | max token | bound | KL k3, largest | KL bound "
+        "| lost update / T ignored |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for c in CELLS:
         r = results[c["name"]]
         means = [" / ".join(f"{r['gaps'][ck][t]['mean']:.1e}" for t in TEMPERATURES) for ck in CHECKPOINTS]
         top = max(g["max"] for ck in CHECKPOINTS for g in r["gaps"][ck].values())
-        stale, temp = min(r["controls"]["stale"].values()), min(r["controls"]["temperature"].values())
-        row = [c["name"], *means, f"{top:.1e}", f"{BOUNDS[c['precision']]:.0e}", f"{stale:.3f} / {temp:.3f}"]
+        stale, temp = (min(g["mean"] for g in r["controls"][k].values()) for k in ("stale", "temperature"))
+        kl = max(g["kl_k3"] for ck in CHECKPOINTS for g in r["gaps"][ck].values())
+        row = [c["name"], *means, f"{top:.1e}", f"{BOUNDS[c['precision']]:.0e}", f"{kl:.1e}"]
+        row += [f"{KL_BOUNDS[c['precision']]:.0e}", f"{stale:.3f} / {temp:.3f}"]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -135,8 +141,12 @@ def test_gap_within_bound(results: dict[str, dict[str, Any]], cell: dict[str, An
         for t, g in r["gaps"][ck].items():
             assert g["tokens"] == SAMPLES * NEW_TOKENS
             assert g["mean"] <= bound, f"{cell['name']} {ck} T={t}: mean |gap| {g['mean']:.2e} > {bound:.0e}"
+            kl_bound = KL_BOUNDS[cell["precision"]]
+            assert 0 <= g["kl_k3"] <= kl_bound, f"{cell['name']} {ck} T={t}: KL k3 {g['kl_k3']:.2e} > {kl_bound:.0e}"
     assert r["losses"][-1] < r["losses"][0], "the SFT steps did not change the model"
-    # The gate can fail: a lost update or an ignored temperature gives a gap far above the bound.
+    # The gate can fail: a lost update or an ignored temperature gives a gap and a KL far above the bounds.
+    kl_bound = KL_BOUNDS[cell["precision"]]
     for what, per_temp in r["controls"].items():
-        for t, mean in per_temp.items():
-            assert mean > FAIL_FACTOR * bound, f"{cell['name']} control {what} T={t}: {mean:.2e}"
+        for t, g in per_temp.items():
+            assert g["mean"] > FAIL_FACTOR * bound, f"{cell['name']} control {what} T={t}: {g['mean']:.2e}"
+            assert g["kl_k3"] > FAIL_FACTOR * kl_bound, f"{cell['name']} control {what} T={t}: KL {g['kl_k3']:.2e}"

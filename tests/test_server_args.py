@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from utils import REPO_ROOT
 
+from tandemrl.api.parallel import ParallelStrategy
+from tandemrl.inference.vllm import VLLMBackend
 from tandemrl.launchers.launch_config import read_launch_spec, script_config
 
 GRPO = str(REPO_ROOT / "examples" / "gsm8k_grpo.yaml")
@@ -14,6 +18,15 @@ def test_server_args_reach_the_launch_spec_in_the_backends_names() -> None:
     spec = read_launch_spec(GRPO, ["launcher.server_args.max_num_seqs=64", "+launcher.server_args.enforce-eager=false"])
     assert spec.server_extra == {"max_num_seqs": 64, "enforce_eager": False}
     assert read_launch_spec(GRPO, []).server_extra == {}
+
+
+def test_a_mapping_server_arg_reaches_the_server_command_as_one_json_value() -> None:
+    """vLLM reads ``--hf-overrides`` as JSON: the fp32 output head of docs/consistency.md, set from the command line."""
+    spec = read_launch_spec(GRPO, ["+launcher.server_args.hf_overrides={head_dtype: float32}"])
+    assert spec.server_extra == {"hf_overrides": {"head_dtype": "float32"}}
+    cmd = VLLMBackend().server_command("m", "127.0.0.1", 8000, ParallelStrategy(), spec.server_extra)
+    i = cmd.index("--hf-overrides")
+    assert json.loads(cmd[i + 1]) == {"head_dtype": "float32"}
 
 
 def test_server_args_merge_with_the_lora_flags_and_never_contradict_them() -> None:
@@ -40,8 +53,11 @@ def test_deterministic_runs_get_whole_prefills_on_vllm() -> None:
 
 def test_server_stall_bounds_are_read_and_checked() -> None:
     spec = read_launch_spec(GRPO, ["launcher.server_stall_warn=5", "launcher.server_stall_limit=30"])
-    assert (spec.server_stall_warn, spec.server_stall_limit) == (5.0, 30.0)
-    assert (read_launch_spec(GRPO, []).server_stall_warn, read_launch_spec(GRPO, []).server_stall_limit) == (
+    assert (spec.launcher.server_stall_warn, spec.launcher.server_stall_limit) == (5.0, 30.0)
+    assert (
+        read_launch_spec(GRPO, []).launcher.server_stall_warn,
+        read_launch_spec(GRPO, []).launcher.server_stall_limit,
+    ) == (
         60.0,
         900.0,
     )
@@ -66,7 +82,7 @@ def test_server_stall_bounds_are_read_and_checked() -> None:
             "launcher.server_args.max_num_seq=4",
             r"config key 'launcher\.server_args': vllm servers have no flag max_num_seq \(did you mean max_num_seqs\?\)",
         ),
-        ("launcher.server_args.kv={a: 1}", r"config key 'launcher\.server_args\.kv' must be a value or a list"),
+        ("launcher.server_args.kv={a: 1}", r"config key 'launcher\.server_args': vllm servers have no flag"),
         ("launcher.server_args.port=9", r"config key 'launcher\.server_args': vllm server flags \['port'\] are set by"),
         ("+launcher.server_args.tensor-parallel-size=2", r"flags \['tensor_parallel_size'\] are set by tandemrl"),
     ],

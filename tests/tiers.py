@@ -42,6 +42,7 @@ TIERS: dict[str, str] = {
     "test_net.py": "unit",
     "test_no_timing_asserts.py": "unit",
     "test_offpolicy.py": "unit",
+    "test_output_head.py": "unit",
     "test_packing.py": "unit",
     "test_pipeline_metrics.py": "unit",
     "test_prefix_sharing.py": "unit",

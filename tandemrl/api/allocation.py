@@ -76,6 +76,7 @@ class BackendShape:
 TRAINING_FEATURES = {
     "lora": "trains LoRA adapters (engine.lora.rank > 0)",
     "router_replay": "replays the behaviour policy's MoE routing (megatron.router_replay)",
+    "fp32_head": "computes the output head's logits in fp32 (engine.head_dtype: float32)",
 }
 # What an inference backend class may list in ``features``.
 SERVER_FEATURES = {

@@ -34,8 +34,8 @@ INFERENCE_ROWS: dict[str, str | type[Any]] = {
 
 # What the built-in rows' classes declare.
 TRAINING_KNOWN: dict[str, BackendShape] = {
-    "fsdp": BackendShape("training", "dtc", features=frozenset({"lora"})),
-    "deepspeed": BackendShape("training", "dtc"),
+    "fsdp": BackendShape("training", "dtc", features=frozenset({"lora", "fp32_head"})),
+    "deepspeed": BackendShape("training", "dtc", features=frozenset({"fp32_head"})),
     "megatron": BackendShape("training", "dtpce", moe_hybrid=True, features=frozenset({"router_replay"})),
 }
 INFERENCE_KNOWN: dict[str, BackendShape] = {

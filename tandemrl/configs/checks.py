@@ -290,6 +290,20 @@ def _router_replay_fits(config: Any) -> Problem | None:
     return None
 
 
+def _head_dtype_fits(config: Any) -> Problem | None:
+    """An fp32 output head: FSDP2 and DeepSpeed compute one; a critic has none."""
+    train = _allocation(config).train
+    for key, cfg in _engine_configs(config):
+        if cfg.head_dtype is None:
+            continue
+        if cfg.is_critic:
+            return f"{key}.head_dtype", f"is {cfg.head_dtype}: a critic has a value head, not an output head"
+        if train is None or "fp32_head" not in train.features:
+            backend = train.backend if train else None
+            return f"{key}.head_dtype", f"is {cfg.head_dtype}: FSDP2 and DeepSpeed compute it, not {backend}"
+    return None
+
+
 def _lora_fits(config: Any) -> Problem | None:
     """LoRA is implemented on the FSDP2 engine only, and a critic's value head is no adapter target."""
     train = _allocation(config).train
@@ -358,5 +372,6 @@ def first_problem(config: Any) -> Problem | None:
         or _truncation_replayed(config)
         or _lora_fits(config)
         or _router_replay_fits(config)
+        or _head_dtype_fits(config)
         or _services_fit(config)
     )

@@ -160,6 +160,16 @@ class TrainEngineConfig:
             "choices": ["bfloat16", "float16", "float32"],
         },
     )
+    head_dtype: str | None = field(
+        default=None,
+        metadata={
+            "help": "Dtype of the output head (lm_head) in forward and backward: float32 computes the logits "
+            "in fp32 from the compute-dtype hidden states and weights, as a vLLM server started with "
+            "`hf_overrides: {head_dtype: float32}` does; null: the compute dtype. FSDP2 and DeepSpeed; "
+            "see docs/consistency.md.",
+            "choices": ["float32"],
+        },
+    )
     attn_impl: str = field(
         default="varlen_sdpa",
         metadata={

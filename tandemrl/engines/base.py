@@ -124,6 +124,12 @@ class BaseTrainEngine(TrainBackend):
             raise ValueError(
                 f"megatron.router_replay: MoE routing replay is Megatron-only, this is the {self.backend} engine"
             )
+        if config.head_dtype not in (None, "float32"):
+            raise ValueError(f"TrainEngineConfig.head_dtype: '{config.head_dtype}' (expected float32 or null)")
+        if config.head_dtype is not None and "fp32_head" not in self.features:
+            raise ValueError(
+                f"TrainEngineConfig.head_dtype: not supported by the {self.backend} engine (FSDP2, DeepSpeed)"
+            )
         self.config = config
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None

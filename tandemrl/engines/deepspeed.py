@@ -133,6 +133,7 @@ class DeepSpeedEngine(BaseTrainEngine):
     """An HF causal LM trained with DeepSpeed ZeRO over all ranks as one data-parallel group."""
 
     parallel_dims = "dtc"  # allocation_mode dims it trains with: data, tensor, context
+    features = frozenset({"fp32_head"})
 
     backend = "deepspeed"
     model: Any  # a deepspeed.DeepSpeedEngine wrapping the HF model (untyped); None before initialize

@@ -73,7 +73,7 @@ class FSDPEngine(BaseTrainEngine):
     """An HF causal LM sharded with FSDP2 over a 1-D data-parallel mesh."""
 
     parallel_dims = "dtc"  # allocation_mode dims it trains with: data, tensor, context
-    features = frozenset({"lora"})
+    features = frozenset({"lora", "fp32_head"})
 
     backend = "fsdp"
 

@@ -63,8 +63,30 @@ def build_hf_model(cfg: TrainEngineConfig, device: torch.device) -> tuple[torch.
     model.to(device)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.head_dtype is not None:
+        if cfg.is_critic:
+            raise ValueError("TrainEngineConfig.head_dtype: a critic has a value head, not an output head")
+        fp32_head(model)
     model.train()  # from_pretrained returns eval mode
     return model, model_config
+
+
+class Fp32Head(torch.nn.Linear):
+    """An output head computing in fp32 whatever dtype its weights are kept or cast to: logits are not rounded
+    to 16 bits (``TrainEngineConfig.head_dtype``); the gradient reaches the weights in their own dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        return torch.nn.functional.linear(x.float(), self.weight.float(), bias)
+
+
+def fp32_head(model: torch.nn.Module) -> None:
+    """Make ``model``'s output head an :class:`Fp32Head` (same parameters, tied or not; same state dict)."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if get_head is not None else None
+    if type(head) is not torch.nn.Linear:
+        raise ValueError(f"TrainEngineConfig.head_dtype: {type(model).__name__}'s output head is not a plain Linear")
+    head.__class__ = Fp32Head
 
 
 def packed_logits(model: torch.nn.Module, mb: TensorDict, attn_impl: str) -> torch.Tensor:

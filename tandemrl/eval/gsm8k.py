@@ -103,10 +103,12 @@ def preflight(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]], str]
 
     if not os.path.isdir(args.model):
         raise FileNotFoundError(f"model directory not found: {args.model}")
+    from tandemrl.inference.backend import dtype_problem
     from tandemrl.inference.vllm import VLLMBackend
 
-    if args.server_url is None and args.dtype not in VLLMBackend.dtypes:
-        raise ValueError(f"--dtype: vLLM servers take one of {', '.join(VLLMBackend.dtypes)}, got {args.dtype!r}")
+    problem = dtype_problem(VLLMBackend, "vLLM", args.dtype) if args.server_url is None else None
+    if problem is not None:
+        raise ValueError(f"--dtype: {problem}")
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         raise FileNotFoundError(f"{args.model} is not an HF checkpoint directory (no config.json)")
     data = args.data or default_data_dir()

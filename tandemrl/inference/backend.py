@@ -9,6 +9,8 @@ retries, failover and interruption handling are written once for every server ki
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from tandemrl.api.inference import ModelRequest, ParamSpec, WeightUpdateMeta
@@ -124,10 +126,18 @@ def flag_name(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
 
+def dtype_problem(backend: Any, name: str, dtype: str) -> str | None:
+    """Why ``name`` servers (``backend``: the class or an instance) cannot start in ``dtype``, or None."""
+    if dtype in backend.dtypes:
+        return None
+    return f"{name} servers take one of {', '.join(backend.dtypes)}, got {dtype!r}"
+
+
 def cli_flags(extra: dict[str, Any]) -> list[str]:
     """``{"max_model_len": 512, "enforce_eager": True}`` -> ``["--max-model-len", "512", "--enforce-eager"]``.
 
-    False/None values are dropped; lists repeat the value after one flag.
+    False/None values are dropped; lists repeat the value after one flag; a mapping is one JSON value
+    (``{"hf_overrides": {"head_dtype": "float32"}}`` -> ``["--hf-overrides", '{"head_dtype": "float32"}']``).
     """
     out: list[str] = []
     for key, value in extra.items():
@@ -138,6 +148,8 @@ def cli_flags(extra: dict[str, Any]) -> list[str]:
             out.append(flag)
         elif isinstance(value, list | tuple):
             out += [flag, *(str(v) for v in value)]
+        elif isinstance(value, Mapping):
+            out += [flag, json.dumps(dict(value))]
         else:
             out += [flag, str(value)]
     return out

@@ -194,8 +194,8 @@ def print_reports(script: str, specs: Sequence[tuple[list[str], LaunchSpec]], re
         if spec.allocation.gen is not None:
             report = report.replace(
                 "\nresolved config:",
-                f"\nserver watchdog: a server silent {spec.server_stall_warn:g}s is reported, "
-                f"{spec.server_stall_limit:g}s stops the run (launcher.server_stall_warn, launcher.server_stall_limit)"
+                f"\nserver watchdog: a server silent {spec.launcher.server_stall_warn:g}s is reported, "
+                f"{spec.launcher.server_stall_limit:g}s stops the run (launcher.server_stall_warn, launcher.server_stall_limit)"
                 "\nresolved config:",
                 1,
             )

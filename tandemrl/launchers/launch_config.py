@@ -71,16 +71,6 @@ class LaunchSpec:
     length: dict[str, Any] = field(default_factory=dict)  # total_train_steps / _epochs (a finished run's are kept)
 
     @property
-    def server_stall_warn(self) -> float:
-        """launcher.server_stall_warn: a live server silent this long is reported."""
-        return self.launcher.server_stall_warn
-
-    @property
-    def server_stall_limit(self) -> float:
-        """launcher.server_stall_limit: ... and this long stops the run."""
-        return self.launcher.server_stall_limit
-
-    @property
     def run_dir(self) -> str:
         return os.path.join(self.fileroot, "logs", self.experiment_name, self.trial_name)
 
@@ -168,10 +158,7 @@ def _server_extra(view: LaunchView, alloc: AllocationMode) -> dict[str, Any]:
     table = view.launcher.server_args
     if not all(isinstance(k, str) and k.strip("-_") for k in table):
         raise ValueError(f"config key '{key}' must map server option names to values, e.g. {{max_num_seqs: 64}}")
-    args = {flag_name(k): v for k, v in table.items()}
-    for name, value in args.items():
-        if isinstance(value, dict):
-            raise ValueError(f"config key '{key}.{name}' must be a value or a list, got a mapping")
+    args = {flag_name(k): v for k, v in table.items()}  # a mapping is passed as one JSON value (cli_flags)
     if alloc.gen_backend is not None and args:
         from tandemrl.api.types import ParallelStrategy
         from tandemrl.inference.registry import get_backend

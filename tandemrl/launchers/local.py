@@ -205,7 +205,7 @@ def run_trial(script: str, config_path: str | None, overrides: list[str], spec: 
         out = pump(children.trainer.stdout, "trainer", run_dir / "trainer.log")
         survivable = spec.weight_update_mode != "collective"
         trainer = children.trainer
-        stalls = StallBounds(spec.server_stall_warn, spec.server_stall_limit)
+        stalls = StallBounds(spec.launcher.server_stall_warn, spec.launcher.server_stall_limit)
         rc, lost = wait_trainer(
             trainer,
             children.servers,

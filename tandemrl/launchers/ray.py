@@ -440,7 +440,9 @@ def _start_servers(
         for ref in done:
             pending.pop(ref)
             ray.get(ref)  # raises the server's error (exited, not healthy in time)
-    ray.get([m.actor.watch.remote(spec.server_stall_warn, spec.server_stall_limit) for m in trial.servers])
+    ray.get(
+        [m.actor.watch.remote(spec.launcher.server_stall_warn, spec.launcher.server_stall_limit) for m in trial.servers]
+    )
     return addrs
 
 
@@ -562,7 +564,7 @@ def _supervise(trial: _Trial, run_dir: Path, spec: LaunchSpec) -> tuple[int, str
     import ray
 
     members = trial.ranks + trial.servers
-    bounds = StallBounds(spec.server_stall_warn, spec.server_stall_limit)
+    bounds = StallBounds(spec.launcher.server_stall_warn, spec.launcher.server_stall_limit)
     while True:
         _drain(members)
         for m in trial.servers:

@@ -113,6 +113,7 @@ def _check_model(path: str) -> None:
 def _check_server_args(args: argparse.Namespace) -> None:
     """The backend, --port and --dtype, checked before any server starts (one line naming the flag)."""
     from tandemrl.api.net import port_problem
+    from tandemrl.inference.backend import dtype_problem
     from tandemrl.inference.registry import backend_class
 
     try:
@@ -122,8 +123,9 @@ def _check_server_args(args: argparse.Namespace) -> None:
     problem = port_problem(args.port, args.host)
     if problem is not None:
         raise ValueError(f"--port: {problem}")
-    if args.dtype and args.dtype not in backend.dtypes:
-        raise ValueError(f"--dtype: {args.backend} servers take one of {', '.join(backend.dtypes)}, got {args.dtype!r}")
+    problem = dtype_problem(backend, args.backend, args.dtype) if args.dtype else None
+    if problem is not None:
+        raise ValueError(f"--dtype: {problem}")
     try:
         extra = json.loads(args.extra)
     except ValueError:

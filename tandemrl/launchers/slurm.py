@@ -325,7 +325,7 @@ def _server_lines(spec: LaunchSpec, settings: SlurmSettings, layout: Layout) -> 
         f'  srun --job-name="{gen.backend}-server-$i" --nodes=1 --ntasks=1 --nodelist="$node" {step} \\',
         f"    {cmd} \\",
         f'    --host "$node" --port "$port" --log "{log}" --ready "$RUN_DIR/servers/$i.addr"{request_log} \\',
-        f"    --stall-warn {spec.server_stall_warn:g} --stall-limit {spec.server_stall_limit:g} "
+        f"    --stall-warn {spec.launcher.server_stall_warn:g} --stall-limit {spec.launcher.server_stall_limit:g} "
         f'--step "{gen.backend}-server-$i" --failed "$FAILED" &',
         "  SERVER_STEPS+=($!)",
         "done",

@@ -36,6 +36,7 @@ from sync_checks import (
     sampling_requests,
 )
 
+from tandemrl.algorithms.offpolicy import mismatch_token_stats
 from tandemrl.algorithms.ppo import PPOActor
 from tandemrl.algorithms.sft import SFTActor
 from tandemrl.api.engine import TrainEngine
@@ -68,12 +69,15 @@ def sample(args: argparse.Namespace, rollout: RemoteInferenceClient, vocab: int,
 
 
 def gap(args: argparse.Namespace, engine: TrainEngine, resps: list[ModelResponse], temp: float) -> dict[str, float]:
-    """Mean and max |trainer - server| logprob over the generated tokens (trainer at ``temp``)."""
+    """Mean and max |trainer - server| logprob over the generated tokens (trainer at ``temp``), and ``kl_k3``:
+    the mean k3 estimate of KL(server || trainer), the ``offpolicy/kl_k3`` a training run logs."""
     batch = padded([r.input_tokens + r.output_tokens for r in resps])
     logp = PPOActor(PPOActorConfig(temperature=temp), engine).compute_logp(batch)
     pos = generated_positions(args, resps, {"trainer": logp})
-    diff = (torch.tensor(pos["trainer"]) - torch.tensor(pos["server"])).abs()
-    return {"mean": float(diff.mean()), "max": float(diff.max()), "tokens": diff.numel()}
+    trainer, server = torch.tensor(pos["trainer"]), torch.tensor(pos["server"])
+    diff = (trainer - server).abs()
+    k3 = mismatch_token_stats(trainer, server, torch.ones_like(trainer, dtype=torch.bool))["kl_k3"]
+    return {"mean": float(diff.mean()), "max": float(diff.max()), "tokens": diff.numel(), "kl_k3": float(k3.mean())}
 
 
 def gaps(args: argparse.Namespace, engine: TrainEngine, samples: Samples) -> dict[float, dict[str, float]]:
@@ -99,7 +103,7 @@ def run_cell(args: argparse.Namespace, cell: dict[str, Any]) -> dict[str, Any]:
         step0 = sample(args, rollout, vocab, f"{cell['name']}-s0", 0)
         rec["gaps"]["step0"] = gaps(args, engine, step0)
         low = min(args.temperatures)
-        rec["controls"]["temperature"] = {low: gap(args, engine, step0[low], 1.0)["mean"]}
+        rec["controls"]["temperature"] = {low: gap(args, engine, step0[low], 1.0)}
         batch = memorize_batch(vocab, seed=7)
         dp_rank, dp_size = engine.data_parallel_rank, engine.data_parallel_world_size  # TP peers share rows
         shard = {k: v[dp_rank::dp_size] for k, v in batch.items()}
@@ -110,7 +114,7 @@ def run_cell(args: argparse.Namespace, cell: dict[str, Any]) -> dict[str, Any]:
         rec["gaps"]["step3-collective"] = gaps(args, engine, sample(args, rollout, vocab, f"{cell['name']}-c", 3))
         controller.push_weights(meta=disk)  # the same step-3 weights, now from disk
         rec["gaps"]["step3-disk"] = gaps(args, engine, sample(args, rollout, vocab, f"{cell['name']}-d", 4))
-        rec["controls"]["stale"] = {t: gap(args, engine, resps, t)["mean"] for t, resps in step0.items()}
+        rec["controls"]["stale"] = {t: gap(args, engine, resps, t) for t, resps in step0.items()}
         dist.barrier()
     finally:
         controller.destroy()
