@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "gsm8k"
 REQUIREMENTS = REPO / "bench" / "requirements-trl.txt"
 MAIN_JOB_CONFIG = "examples/gsm8k_grpo.yaml"
-# make_tiny options per --model; "25m" is the ~25M-parameter Qwen2 of tests/test_weight_sync.py.
+# make_tiny options per --model; "25m" is the ~25M-parameter Qwen2 of tests/integration/test_weight_sync.py.
 MODELS: dict[str, dict[str, int]] = {
     "tiny": {},
     "25m": {"hidden": 512, "layers": 8, "intermediate": 1536, "heads": 8, "kv_heads": 2},

@@ -2,7 +2,7 @@
 
     python scripts/determinism_digest.py [--steps 3] [--out DIR]
 
-Runs what ``tests/test_determinism_launcher.py`` runs, once per mode: the GRPO example with a dense reward
+Runs what ``tests/e2e/test_determinism_launcher.py`` runs, once per mode: the GRPO example with a dense reward
 (``tests/workers/grpo_dense_reward.py``) on the tiny test model, ``deterministic=true``, sync and async, through
 the local launcher. Prints one line per mode: the SHA-256 of its logged scalars (``stats.jsonl`` without timings,
 rounded to nothing: exact floats) and of its final weights. Equal lines on two commits: the same run, bit for bit.

@@ -9,7 +9,7 @@ Checks, each run by scripts/gpu_check_worker.py under torchrun (world sizes from
 - ``deepspeed_zero3_bf16_ws1``: DeepSpeed ZeRO-3, bf16, 3 steps;
 - ``megatron_tp1_local_bf16`` / ``megatron_tp1_te_bf16``: Megatron-core TP=1, bf16, 3 steps, with the local
   (pure torch) layer spec and with TransformerEngine's (TE and CUDA needed);
-- ``parity_<row>``: the rows of the cross-backend parity table (tests/test_backend_parity.py) that fit: a row
+- ``parity_<row>``: the rows of the cross-backend parity table (tests/integration/test_backend_parity.py) that fit: a row
   runs as written if its world size fits the devices, a data-parallel-only row shrinks to the devices found
   (``_dN`` in its name; the update does not depend on the DP size), others skip. fp32, compared with the
   table's first row at the test's tolerance;
@@ -40,7 +40,7 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKER = REPO_ROOT / "scripts" / "gpu_check_worker.py"
-PARITY_TABLE = REPO_ROOT / "tests" / "test_backend_parity.py"
+PARITY_TABLE = REPO_ROOT / "tests" / "integration" / "test_backend_parity.py"
 PARITY_DATA = REPO_ROOT / "tests" / "workers" / "ppo_checks.py"  # its VOCAB: the parity rows' random token range
 DEFAULT_GSM8K = REPO_ROOT.parent / "shared" / "data" / "gsm8k"
 ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:?\s*)?((?:[A-Za-z_][\w.]*)?(?:Error|Exception)\b.*)$")
@@ -149,7 +149,7 @@ def module_literals(path: Path, names: tuple[str, ...]) -> dict[str, Any]:
 
 
 def parity_table() -> tuple[list[dict[str, Any]], float, tuple[str, ...]]:
-    """CASES, RTOL and KEYS of tests/test_backend_parity.py (the table stays in one place)."""
+    """CASES, RTOL and KEYS of tests/integration/test_backend_parity.py (the table stays in one place)."""
     found = module_literals(PARITY_TABLE, ("CASES", "RTOL", "KEYS"))
     return found["CASES"], float(found["RTOL"]), tuple(found["KEYS"])
 
@@ -168,7 +168,7 @@ def parity_checks(n_dev: int) -> list[Check]:
     out = []
     for case in parity_table()[0]:
         if case.get("model", "qwen2") != "qwen2":
-            continue  # rows of another model (the tiny Llama) run in tests/test_backend_parity.py only
+            continue  # rows of another model (the tiny Llama) run in tests/integration/test_backend_parity.py only
         train = parse_allocation(case["allocation"]).train
         assert train is not None, case
         row = {k: v for k, v in case.items() if k != "critic_export"}  # the export is checked by the test

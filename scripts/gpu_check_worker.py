@@ -3,7 +3,7 @@
 Checks (``--plan`` is a JSON list of ``{"name": ..., "check": ...}``; a check is one of):
 
 ``sft:<backend>:<tag>``  a few SFT steps of the tiny model on one repeated batch (see ``SFT``);
-``parity:<json row>``    one row of the cross-backend parity table (tests/test_backend_parity.py), run by
+``parity:<json row>``    one row of the cross-backend parity table (tests/integration/test_backend_parity.py), run by
                          tests/workers/parity_checks.py; the driver compares the rows;
 ``mfu``                  bf16 MFU of the FSDP2 step (scripts/gpu_check_mfu.py).
 

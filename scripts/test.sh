@@ -2,7 +2,7 @@
 # Install (or reuse) the pinned environment, then run the whole test suite.
 # --stress (or TANDEMRL_STRESS=1): a background process burns one CPU core for the whole run,
 # to show that no test depends on timing; it is stopped when pytest ends, however it ends.
-# --fast: only the unit tier (`-m unit`, tests/tiers.py: no server, process group or launcher),
+# --fast: only the unit tier (`-m unit`, the files in tests/unit: no server, process group or launcher),
 # a few minutes, for work in progress; CI (.ci/run) runs every tier.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

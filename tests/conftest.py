@@ -10,18 +10,29 @@ from typing import Any
 
 import pytest
 
-# Tests import shared helpers as `from utils import free_port, run_torchrun`; make that
-# work under any pytest import mode.
-if str(Path(__file__).resolve().parent) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+TESTS_DIR = Path(__file__).resolve().parent
+# The tiers, one folder each (tests/unit, tests/integration, tests/e2e); a test's folder is its marker.
+TIERS = ("unit", "integration", "e2e")
 
-from tiers import TIERS  # noqa: E402
+# Tests import shared helpers as `from utils import free_port, run_torchrun`, and helpers of other test files
+# as `from test_launcher import ENV`, whatever tier folder either lives in; make that work under any pytest
+# import mode and for a single file run alone (test file names are unique across the folders).
+for _path in (TESTS_DIR, *(TESTS_DIR / tier for tier in TIERS)):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+
+def tier_of(path: Path) -> str | None:
+    """The tier of a test file: the folder under tests/ it lives in (None outside the tier folders)."""
+    folder = path.resolve().parent
+    return folder.name if folder.parent == TESTS_DIR and folder.name in TIERS else None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Each test gets its file's tier (tests/tiers.py) as a marker: `-m unit`, `-m "not e2e"`."""
+    """Each test gets its file's folder (tests/unit, tests/integration, tests/e2e) as a marker: `-m unit`,
+    `-m "not e2e"`."""
     for item in items:
-        tier = TIERS.get(item.path.name)
+        tier = tier_of(item.path)
         if tier is not None:
             item.add_marker(getattr(pytest.mark, tier))
 

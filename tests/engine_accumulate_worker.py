@@ -1,4 +1,4 @@
-"""Worker of tests/test_engine_accumulate.py (one torchrun rank): the same batch trained by ``train_batch`` and, on
+"""Worker of tests/integration/test_engine_accumulate.py (one torchrun rank): the same batch trained by ``train_batch`` and, on
 a second engine from the same weights, by two ``accumulate_gradients`` calls (one per half) and ``apply_gradients``, twice each; and by the latter on an
 engine built with other Adam parameters and then given the first's by ``set_optimizer_params``. Writes the initial
 weights and the three engines' trained weights to OUT."""

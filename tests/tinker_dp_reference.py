@@ -1,4 +1,4 @@
-"""The data-parallel reference of tests/test_tinker_launcher.py: the same LoRA training as its SDK client, on
+"""The data-parallel reference of tests/e2e/test_tinker_launcher.py: the same LoRA training as its SDK client, on
 ``tandemrl.tinker.trainer.EngineTrainer`` in one process (a world of one, no server).
 
 ``python tinker_dp_reference.py MODEL_DIR OUT_DIR SPEC_JSON`` with SPEC_JSON ``{"rank", "seed", "lr", "steps",

@@ -1,4 +1,4 @@
-"""A short ``tinker`` SDK program that tests/test_tinker_sdk_range.py runs with each SDK version it claims,
+"""A short ``tinker`` SDK program that tests/unit/test_tinker_sdk_range.py runs with each SDK version it claims,
 in that version's own virtualenv (it imports nothing of tandemrl's or the tests').
 
 ``python tinker_sdk_program.py BASE_MODEL`` with ``TINKER_BASE_URL`` and ``TINKER_API_KEY`` set: a LoRA

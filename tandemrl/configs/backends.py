@@ -7,7 +7,7 @@ its shape is read. ``tandemrl.engines.registry`` and ``tandemrl.inference.regist
 build backends over these same dicts (``register_engine`` / ``register_backend``).
 
 The built-in rows' shapes (``parallel_dims``, ``moe_hybrid``, ``features``) are copied here, so that
-parsing ``allocation_mode`` in a launcher imports nothing heavy; ``tests/test_backend_features.py``
+parsing ``allocation_mode`` in a launcher imports nothing heavy; ``tests/unit/test_backend_features.py``
 checks each copy against its class, and registering a name again drops its copy.
 """
 

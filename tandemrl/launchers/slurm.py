@@ -3,7 +3,7 @@
     python -m tandemrl.launchers.slurm SCRIPT --config YAML [key=value ...] [--dry-run] [--wait]
         [--partition P] [--gpus-per-node N] [--cpus-per-node N] [--time HH:MM:SS] [--account A]
 
-Tested on a real one-node Slurm (Debian's slurm-wlm 22.05, ``tests/test_slurm_launcher.py``) with
+Tested on a real one-node Slurm (Debian's slurm-wlm 22.05, ``tests/e2e/test_slurm_launcher.py``) with
 CPU cores as the devices (``launcher.slurm.device=cpu``): GRPO through ``sbatch`` with the vLLM
 server and the trainer in their own job steps (apart, and colocated until ``scancel``), and a
 failing step. Multi-node jobs and GPU GRES (``device=gpu``, the default) are generated the same way

@@ -18,7 +18,7 @@ from aiohttp import web
 
 logger = logging.getLogger("tandemrl.tinker")
 
-OLDEST = "0.20.0"  # the oldest SDK tests/test_tinker_compat.py runs; 0.19.0 is refused
+OLDEST = "0.20.0"  # the oldest SDK tests/integration/test_tinker_compat.py runs; 0.19.0 is refused
 NEWEST = "0.38.0"  # the lock's SDK (requirements/cpu.lock), the newest tested
 VERSION_HEADER = "X-Stainless-Package-Version"
 _USER_AGENT = re.compile(r"^(?:Async)?Tinker/Python\s+(\S+)")

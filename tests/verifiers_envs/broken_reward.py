@@ -1,4 +1,4 @@
-"""A verifiers 0.4 environment whose reward raises (tests/test_verifiers_env.py): its episodes must drop their
+"""A verifiers 0.4 environment whose reward raises (tests/e2e/test_verifiers_env.py): its episodes must drop their
 group with the cause, not score 0."""
 
 import verifiers.v1 as vf

@@ -1,4 +1,4 @@
-"""torchrun worker of tests/test_consistency.py: trainer vs real vLLM logprobs per backend x precision.
+"""torchrun worker of tests/integration/test_consistency.py: trainer vs real vLLM logprobs per backend x precision.
 
 Each cell of ``--cells`` (JSON: name, allocation, mixed_precision, addr) builds its engine
 from the HF model, resets its server to the same HF weights (version 0), and measures the

@@ -1,4 +1,4 @@
-"""torchrun worker for tests/test_deepspeed_weight_sync.py: a ZeRO-3 trainer updating a real vLLM server.
+"""torchrun worker for tests/integration/test_deepspeed_weight_sync.py: a ZeRO-3 trainer updating a real vLLM server.
 
 One process pair does both transports, so DeepSpeed starts once: train a few SFT steps
 (2 ranks: each holds half of every parameter), export HF, then

@@ -1,4 +1,4 @@
-"""torchrun worker (2 ranks) for tests/test_megatron_model.py: Megatron GPTModel built from HF vs transformers.
+"""torchrun worker (2 ranks) for tests/integration/test_megatron_model.py: Megatron GPTModel built from HF vs transformers.
 
 For each parallel layout it builds the model with tandemrl.engines.megatron, loads the HF checkpoint,
 runs one packed batch of 3 sequences, compares logits with transformers (per sequence), exports with

@@ -35,7 +35,7 @@ from tandemrl.models.functional import gather_logprobs_entropy, next_token_label
 
 STEPS = 2
 PPO_STEPS, PPO_MINIBATCHES = 2, 2
-# Linear warmup over half the run, then cosine decay to 0.2 * lr (tests/test_new_algorithm.py computes it by hand).
+# Linear warmup over half the run, then cosine decay to 0.2 * lr (tests/integration/test_new_algorithm.py computes it by hand).
 SCHEDULE = {"lr": 1e-3, "lr_scheduler_type": "cosine", "warmup_steps_proportion": 0.5, "min_lr_ratio": 0.2}
 BACKENDS = {
     "fsdp": ("fsdp:d2", {}),

@@ -1,6 +1,6 @@
 """torchrun worker of the cross-backend parity test: the same SFT, PPO and critic steps on each backend row.
 
-Every row (see ``CASES`` in tests/test_backend_parity.py) names an allocation_mode and
+Every row (see ``CASES`` in tests/integration/test_backend_parity.py) names an allocation_mode and
 dotted TrainEngineConfig overrides; the engine class comes from the actor registry, so
 this worker knows nothing backend-specific. Rank 0 writes ``<row>.pt`` with the losses and
 grad norms of 5 SFT steps then 3 PPO steps of one engine, and the values, value losses and

@@ -25,7 +25,7 @@ GROUP = 2
 REINFORCE_TEMPERATURE = 0.7
 REWARDS = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.5, 0.0]  # group 3 is uniform: zero GRPO advantage
 
-# The two configurations compared with the single-process reference in tests/test_ppo_actor.py.
+# The two configurations compared with the single-process reference in tests/integration/test_ppo_actor.py.
 CONFIGS = {
     # GRPO + decoupled PPO (asynchronous samples): ratio vs recomputed proximal logp,
     # behaviour weights exp(prox - behav) capped at 1.3.

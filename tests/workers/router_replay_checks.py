@@ -1,4 +1,4 @@
-"""torchrun worker for the MoE routing replay test (tests/test_router_replay.py): fp32, ``--alloc``
+"""torchrun worker for the MoE routing replay test (tests/integration/test_router_replay.py): fp32, ``--alloc``
 ``megatron:d1`` on one gloo rank or ``megatron:d2e2`` (experts split over 2 ranks) on two; rank 0 reports.
 
 The tiny Qwen3-MoE on ``megatron:d1`` with ``megatron.router_replay``: a forward at the behaviour weights

@@ -1,4 +1,4 @@
-"""torchrun worker for tests/test_weight_sync.py: an FSDP trainer talking to a real vLLM server.
+"""torchrun worker for tests/integration/test_weight_sync.py: an FSDP trainer talking to a real vLLM server.
 
 Modes (results go to ``--out``, written by rank 0):
 
