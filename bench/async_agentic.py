@@ -136,7 +136,9 @@ def bench_workload(name: str, args: argparse.Namespace, common: list[str], env: 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from tandemrl.utils.cli import ArgumentParser
+
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--workloads", default="agentic,long-tail")
     p.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "gsm8k"))

@@ -15,7 +15,6 @@ generated tokens in samples spanning two weight versions (``multi_version_tokens
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -71,7 +70,9 @@ def run(name: str, overrides: list[str], fileroot: str) -> tuple[float, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from tandemrl.utils.cli import ArgumentParser
+
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "gsm8k"))
     p.add_argument("--pause-modes", action="store_true", help="Compare rollout.pause_mode abort vs keep (async k=1).")

@@ -31,6 +31,7 @@ from tandemrl.configs.engine import TrainEngineConfig
 from tandemrl.engines.hf_model import build_hf_model
 from tandemrl.models.functional import gather_logprobs
 from tandemrl.models.resolve import resolve_model_path
+from tandemrl.utils.cli import ArgumentParser
 from tandemrl.utils.machine import measured_on
 
 SERVERS = {"bf16": ("bfloat16", None), "bf16+fp32 head": ("bfloat16", "float32"), "fp32": ("float32", None)}
@@ -92,7 +93,7 @@ def score(net: torch.nn.Module, rows: Rows, temperature: float) -> torch.Tensor:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--questions", default="runs/data/arith/test.jsonl", help="JSONL with a 'question' field")
     p.add_argument("--prompts", type=int, default=32)

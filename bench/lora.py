@@ -26,6 +26,7 @@ from tandemrl.api.types import FinetuneSpec, SaveLoadMeta
 from tandemrl.configs.engine import LoRAConfig, MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 from tandemrl.engines.fsdp import FSDPEngine
 from tandemrl.engines.teardown import destroy_process_groups
+from tandemrl.utils.cli import ArgumentParser
 
 DEFAULT_MODEL = os.path.expanduser("~/.cache/tandemrl/tiny-models/qwen2-3f858009712df2d8")  # 25M Qwen2
 
@@ -83,7 +84,7 @@ def main(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=DEFAULT_MODEL, help="HF model directory (default: the cached 25M tiny Qwen2)")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank (alpha = 2 * rank)")
     p.add_argument("--rows", type=int, default=8, help="sequences per batch")

@@ -14,7 +14,6 @@ Figures are printed with the machine line and load, never asserted.
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import statistics
@@ -29,6 +28,7 @@ from tandemrl.configs.engine import LoRAConfig
 from tandemrl.inference.server import launch_server
 from tandemrl.inference.vllm import VLLMBackend, lora_server_flags
 from tandemrl.models.resolve import resolve_model_path
+from tandemrl.utils.cli import ArgumentParser
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -71,7 +71,7 @@ def served_name(addr: str) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--prompts", type=int, default=32)

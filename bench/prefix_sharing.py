@@ -34,10 +34,11 @@ from tandemrl.configs.ppo import NormConfig, PPOActorConfig  # noqa: E402
 from tandemrl.engines.fsdp import FSDPEngine  # noqa: E402
 from tandemrl.engines.prefix_sharing import sharing_segments  # noqa: E402
 from tandemrl.engines.teardown import destroy_process_groups  # noqa: E402
+from tandemrl.utils.cli import ArgumentParser
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap = ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--data", default=str(DEFAULT_DATA), help="GSM8K dir with train.jsonl.")
     ap.add_argument("--model", choices=sorted(MODELS), default="25m", help="tiny Qwen2 (0.56M) or ~25M Qwen2")
     ap.add_argument("--prompts", type=int, default=8, help="Prompts (groups) per step.")

@@ -26,7 +26,9 @@ DEFAULT_DATA = REPO_ROOT.parent / "shared" / "data" / "gsm8k"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    from tandemrl.utils.cli import ArgumentParser
+
+    ap = ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--addr", default=None, help="host:port of a running vLLM server; default: start one.")
     ap.add_argument("--model", default=None, help="HF model dir for the started server; default: the tiny Qwen2.")
     ap.add_argument("--data", default=str(DEFAULT_DATA), help="GSM8K dir the tiny model's tokenizer is built from.")

@@ -34,6 +34,7 @@ from tandemrl.inference.vllm import VLLMBackend, lora_server_flags
 from tandemrl.models.resolve import resolve_model_path
 from tandemrl.tinker.sampler import VLLMSampler
 from tandemrl.tinker.trainer import EngineTrainer, targets_of
+from tandemrl.utils.cli import ArgumentParser
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -119,7 +120,7 @@ def start_tinker_serve(model_dir: str, vllm_addr: str, out: str) -> tuple[subpro
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny:qwen2")
     ap.add_argument("--steps", type=int, default=5, help="measured steps per path (after one warm-up each)")
     ap.add_argument("--prompts", type=int, default=4)

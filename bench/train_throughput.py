@@ -50,6 +50,7 @@ from tandemrl.engines.fsdp import FSDPEngine
 from tandemrl.engines.registry import make_engine
 from tandemrl.engines.teardown import destroy_process_groups
 from tandemrl.models.functional import gather_logprobs
+from tandemrl.utils.cli import ArgumentParser
 
 try:  # run as a script (python bench/train_throughput.py): bench/ is on sys.path
     from mfu import bf16_peak_flops, matmul_params, train_flops
@@ -95,7 +96,7 @@ class Timing:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap = ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--data", default=str(DEFAULT_DATA), help="GSM8K dir with train.jsonl.")
     ap.add_argument("--split", default="train")
     ap.add_argument("--model", default=None, help="HF model dir; default: the cached tiny Qwen2.")

@@ -17,6 +17,7 @@ tandemrl/TRL ratio and the load average. A benchmark: it asserts nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -390,7 +391,12 @@ def trl_worker(spec_file: str) -> None:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """The flags; a bad one is one ``error:`` line where tandemrl is installed (not in the TRL worker's venv)."""
+    parser: type[argparse.ArgumentParser] = argparse.ArgumentParser
+    with contextlib.suppress(ImportError):
+        from tandemrl.utils.cli import ArgumentParser as parser
+
+    p = parser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=sorted(MODELS), default="25m", help="tiny Qwen2 (0.56M) or ~25M Qwen2")
     p.add_argument("--data", default=str(DEFAULT_DATA), help="GSM8K dir with train.jsonl")
     p.add_argument("--steps", type=int, default=10)

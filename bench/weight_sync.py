@@ -29,7 +29,9 @@ DEFAULT_DATA = REPO_ROOT.parent / "shared" / "data" / "gsm8k"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    from tandemrl.utils.cli import ArgumentParser
+
+    ap = ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--data", default=str(DEFAULT_DATA), help="GSM8K dir the model's tokenizer is built from.")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)

@@ -62,3 +62,13 @@ def port_problem(port: int, host: str = "") -> str | None:
     if port and not _bindable(family, host, port):
         return f"{port} is in use on {host or 'every interface'} (or may not be bound here); pick another or 0"
     return None
+
+
+def address_problem(addr: str) -> str | None:
+    """Why ``addr`` is not a server address ``host:port`` (port 1-65535; ``[v6]:port`` too), else None."""
+    host, sep, port = str(addr).rpartition(":")
+    if not sep or not host.strip("[]"):
+        return "is not host:port"
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        return "has a port outside 1-65535"
+    return None

@@ -290,6 +290,21 @@ def _router_replay_fits(config: Any) -> Problem | None:
     return None
 
 
+def _addresses_valid(config: Any) -> Problem | None:
+    """Every running server a config names (``rollout.server_addrs``, a teacher's) is ``host:port``: a bad one is
+    one line here, not a trainer started against it."""
+    from dataclasses import fields, is_dataclass
+
+    from tandemrl.api.net import address_problem
+
+    for f in fields(config) if is_dataclass(config) else ():
+        for addr in getattr(getattr(config, f.name), "server_addrs", None) or ():
+            problem = address_problem(addr)
+            if problem is not None:
+                return f"{f.name}.server_addrs", f"holds '{addr}', which {problem}"
+    return None
+
+
 def _head_dtype_fits(config: Any) -> Problem | None:
     """An fp32 output head: FSDP2 and DeepSpeed compute one; a critic has none."""
     train = _allocation(config).train
@@ -364,6 +379,7 @@ def first_problem(config: Any) -> Problem | None:
         return problem
     return (
         _batch_splits(config, dp)
+        or _addresses_valid(config)
         or _groups_fit(config, dp)
         or _samples_fill_a_batch(config)
         or _micro_batches_fit(config)

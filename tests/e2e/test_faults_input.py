@@ -69,6 +69,12 @@ def _one_line(err: BaseException) -> str:
         ({}, "actor.eps_clip=-0.2", "('actor.eps_clip=-0.2') must be > 0.0, got -0.2"),
         ({}, "actor.temperature=0", "('actor.temperature=0') must be > 0.0, got 0.0"),
         ({}, "total_train_steps=-1", "('total_train_steps=-1') must be >= 1, got -1"),
+        ({}, "rollout.server_addrs=[127.0.0.1:99999]", "holds '127.0.0.1:99999', which has a port outside 1-65535"),
+        (
+            {},
+            "rollout.server_addrs=[localhost]",
+            "('rollout.server_addrs=[localhost]') holds 'localhost', which is not",
+        ),
     ],
 )
 def test_bad_config_is_one_line_naming_key_and_source(

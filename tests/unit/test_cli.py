@@ -36,6 +36,11 @@ def test_bad_commands_are_one_line_errors() -> None:
         (("trian",), "error: unknown command 'trian' (one of: run, ray, slurm, eval, serve, tinker-serve, bench)"),
         (("bench", "nope"), "error: bench 'nope': no "),
         (("bench",), "error: tandemrl bench NAME [args]: give a bench name"),
+        (("bench", "weight_sync", "--nope"), "error: weight_sync.py: unrecognized arguments: --nope"),
+        (
+            ("run", "examples/gsm8k_grpo.py", "--config", "examples/gsm8k_grpo.yaml", "rollout.server_addrs=[h:99999]"),
+            "error: Config key 'rollout.server_addrs' on the command line",
+        ),
         (("tinker-serve", "--model", "/nope"), "error: --model: model directory not found: /nope"),
         (("tinker-serve", "--model", "x", "--api-key", "k"), "error: --api-key: the tinker SDK accepts only keys"),
     ):
