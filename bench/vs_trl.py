@@ -8,9 +8,12 @@ launcher with the main job's config (``examples/gsm8k_grpo.yaml``); its rate is 
 summary line. TRL runs ``GRPOTrainer`` with plain HF ``generate`` (no vLLM) in a separate
 virtualenv (``.venv-bench``, built from ``bench/requirements-trl.txt`` on first use); its time is
 the trainer's own ``train_runtime``. Prints samples/s, completion tokens/s, s/step, the
-tandemrl/TRL ratio and the load average. A benchmark: it asserts nothing.
+tandemrl/TRL ratio and the load average. ``--repeats N`` runs the two sides interleaved N times each
+(tandemrl, TRL, tandemrl, TRL, ...) and ends with the median samples/s per side and the median of the
+per-pair ratios, with their min-max. A benchmark: it asserts nothing.
 
     python bench/vs_trl.py --model 25m
+    python bench/vs_trl.py --model 25m --repeats 3
     python bench/vs_trl.py --model tiny --tandemrl-overrides "actor.engine.mixed_precision=bfloat16"
 """
 
@@ -23,9 +26,11 @@ import json
 import os
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -108,6 +113,41 @@ class Result:
     @property
     def tokens_per_s(self) -> float:
         return self.samples_per_s * self.new_tokens
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The figures over repeated runs: per side the median samples/s and its min-max (``None`` for a side
+    that did not run), the tandemrl/TRL ratio of each interleaved pair, and the median and min-max of those."""
+
+    tandemrl_median: float | None
+    tandemrl_range: tuple[float, float] | None
+    trl_median: float | None
+    trl_range: tuple[float, float] | None
+    ratios: tuple[float, ...]
+    ratio_median: float | None
+    ratio_range: tuple[float, float] | None
+
+
+def _median_range(values: list[float]) -> tuple[float | None, tuple[float, float] | None]:
+    return (statistics.median(values), (min(values), max(values))) if values else (None, None)
+
+
+def summarize(tandemrl_rates: list[float], trl_rates: list[float]) -> Summary:
+    """The ``Summary`` of samples/s over runs; run i of one side pairs with run i of the other.
+
+    One side may be empty (``--only``): it has no figures and there are no ratios. Otherwise both sides
+    need the same number of runs.
+    """
+    if not tandemrl_rates and not trl_rates:
+        raise ValueError("summarize: no runs")
+    if tandemrl_rates and trl_rates and len(tandemrl_rates) != len(trl_rates):
+        raise ValueError(f"summarize: {len(tandemrl_rates)} tandemrl runs but {len(trl_rates)} TRL runs")
+    ratios = [t / r for t, r in zip(tandemrl_rates, trl_rates, strict=True)] if tandemrl_rates and trl_rates else []
+    t_median, t_range = _median_range(tandemrl_rates)
+    r_median, r_range = _median_range(trl_rates)
+    ratio_median, ratio_range = _median_range(ratios)
+    return Summary(t_median, t_range, r_median, r_range, tuple(ratios), ratio_median, ratio_range)
 
 
 # ----------------------------------------------------------------------------- the two configs
@@ -413,11 +453,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--tandemrl-threads", type=int, default=0, help="OMP_NUM_THREADS of tandemrl's trainer (0: the launcher's)"
     )
     p.add_argument("--only", choices=("both", "tandemrl", "trl"), default="both")
+    p.add_argument("--repeats", type=int, default=1, help="runs per side, interleaved (tandemrl, TRL, tandemrl, ...)")
     p.add_argument("--venv", default=str(REPO / ".venv-bench"), help="virtualenv TRL is installed into")
     p.add_argument("--workdir", default="", help="logs and run outputs (default runs/vs_trl/<time>)")
     p.add_argument("--trl-worker", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    for name in ("steps", "prompts", "group_size", "new_tokens", "max_prompt_len"):
+    for name in ("steps", "prompts", "group_size", "new_tokens", "max_prompt_len", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("trl_threads", "tandemrl_threads"):
@@ -435,16 +476,71 @@ def load() -> str:
     return "/".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def report(results: list[Result], loads: list[str]) -> None:
-    print(f"\n{'side':10s} {'samples/s':>10s} {'compl. tok/s':>13s} {'s/step':>8s} {'mean compl. len':>16s}")
-    for r in results:
+def run_dir(workdir: Path, run: int, repeats: int) -> Path:
+    """Where run ``run`` (1-based) keeps its logs and outputs: the workdir itself for a single run, else ``runN/``."""
+    if repeats == 1:
+        return workdir
+    path = workdir / f"run{run}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _span(lo_hi: tuple[float, float] | None, fmt: str) -> str:
+    return "-" if lo_hi is None else f"{lo_hi[0]:{fmt}}-{lo_hi[1]:{fmt}}"
+
+
+def report(results: list[tuple[int, Result]], loads: list[str]) -> None:
+    """Each run's figures, then the summary over runs (``summarize``) and the load average at start and end."""
+    print(
+        f"\n{'run':>3s} {'side':10s} {'samples/s':>10s} {'compl. tok/s':>13s} {'s/step':>8s} {'mean compl. len':>16s}"
+    )
+    for run, r in results:
         print(
-            f"{r.name:10s} {r.samples_per_s:10.2f} {r.tokens_per_s:13.0f} {r.s_per_step:8.2f} "
+            f"{run:3d} {r.name:10s} {r.samples_per_s:10.2f} {r.tokens_per_s:13.0f} {r.s_per_step:8.2f} "
             f"{r.mean_completion_len:16.1f}"
         )
-    if len(results) == 2:
-        print(f"tandemrl / TRL: {results[0].samples_per_s / results[1].samples_per_s:.2f}x samples/s")
+    rates = {name: [r.samples_per_s for _, r in results if r.name == name] for name in ("tandemrl", "TRL")}
+    s = summarize(rates["tandemrl"], rates["TRL"])
+    for name, median, span in (("tandemrl", s.tandemrl_median, s.tandemrl_range), ("TRL", s.trl_median, s.trl_range)):
+        if median is not None and len(rates[name]) > 1:
+            print(f"{name}: median {median:.2f} samples/s, min-max {_span(span, '.2f')} over {len(rates[name])} runs")
+    if len(s.ratios) == 1:
+        print(f"tandemrl / TRL: {s.ratios[0]:.2f}x samples/s")
+    elif s.ratio_median is not None:
+        print("tandemrl / TRL per pair: " + ", ".join(f"{x:.2f}x" for x in s.ratios))
+        print(
+            f"tandemrl / TRL: median {s.ratio_median:.2f}x samples/s, spread {_span(s.ratio_range, '.2f')}x "
+            f"over {len(s.ratios)} pairs"
+        )
     print(f"load average (1/5/15 min): start {loads[0]}, end {loads[-1]}")
+
+
+def run_all(
+    args: argparse.Namespace,
+    w: Workload,
+    workdir: Path,
+    prompts: list[dict[str, Any]],
+    extras: tuple[list[str], list[str]],
+) -> None:
+    """``--repeats`` rounds of the chosen sides, interleaved (tandemrl then TRL each round), then the report.
+
+    ``extras`` are the tandemrl overrides and the TRL arguments.
+    """
+    sides: list[tuple[str, Callable[[Path], Result]]] = []
+    if args.only in ("both", "tandemrl"):
+        sides.append(("tandemrl", lambda where: run_tandemrl(w, where, extras[0], args.tandemrl_threads)))
+    if args.only in ("both", "trl"):
+        sides.append(("TRL", lambda where: run_trl(w, where, extras[1], Path(args.venv), prompts, args.trl_threads)))
+    loads, results = [load()], []
+    print(f"load average at start: {loads[0]}", flush=True)
+    for run in range(1, args.repeats + 1):
+        where = run_dir(workdir, run, args.repeats)
+        tag = f"run {run}/{args.repeats} " if args.repeats > 1 else ""
+        for name, side in sides:
+            results.append((run, side(where)))
+            loads.append(load())
+            print(f"{tag}{name}: {results[-1][1].samples_per_s:.2f} samples/s; load average {loads[-1]}", flush=True)
+    report(results, loads)
 
 
 def main(argv: list[str]) -> None:
@@ -463,18 +559,9 @@ def main(argv: list[str]) -> None:
     print(f"workload: {json.dumps(asdict(w))}\ntandemrl extra: {t_extra}\nTRL extra: {trl_extra}")
     print(f"tandemrl trainer threads: {args.tandemrl_threads or 'the launcher default'}")
     print(f"TRL threads: {args.trl_threads or 'torch default'}; OMP_WAIT_POLICY={child_env()['OMP_WAIT_POLICY']}")
+    print(f"runs per side: {args.repeats}{' (interleaved, one runN/ folder each)' if args.repeats > 1 else ''}")
     print(f"logs: {workdir}")
-    loads, results = [load()], []
-    print(f"load average at start: {loads[0]}", flush=True)
-    if args.only in ("both", "tandemrl"):
-        results.append(run_tandemrl(w, workdir, t_extra, args.tandemrl_threads))
-        loads.append(load())
-        print(f"tandemrl: {results[-1].samples_per_s:.2f} samples/s; load average {loads[-1]}", flush=True)
-    if args.only in ("both", "trl"):
-        results.append(run_trl(w, workdir, trl_extra, Path(args.venv), prompts, args.trl_threads))
-        loads.append(load())
-        print(f"TRL: {results[-1].samples_per_s:.2f} samples/s; load average {loads[-1]}", flush=True)
-    report(results, loads)
+    run_all(args, w, workdir, prompts, (t_extra, trl_extra))
 
 
 if __name__ == "__main__":
