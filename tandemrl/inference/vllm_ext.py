@@ -39,6 +39,11 @@ class TandemWorkerExtension:
 
     # Every attribute name here must be new to vLLM's Worker (vLLM asserts no clash).
     _tandemrl_pg: Any = None
+    # Whole updates over host memory land in the last update's buffers (one per bucket): a fresh buffer of a
+    # few hundred MB costs more to fault in than to receive. Never shared within one update: vLLM 0.32's
+    # layerwise reload keeps the tensors of a layer that loads fewer elements than it holds (padding) until
+    # its final pass, so each bucket keeps its own buffer.
+    _tandemrl_recv_buffers: list[torch.Tensor] | None = None
     _tandemrl_pg_device: Any = None
     _tandemrl_delta_base: Any = None  # flat buckets of the last delta-mode update (weights.delta)
     _tandemrl_delta_tag: str | None = None  # that update's id
@@ -108,13 +113,16 @@ class TandemWorkerExtension:
             source = self._tandemrl_delta_source(buckets, tag, base)
         else:
             self._tandemrl_drop_delta_base()
-            source = receive_buckets(self._tandemrl_pg, buckets, self._tandemrl_pg_device)
+            if self._tandemrl_pg_device == "cpu" and self._tandemrl_recv_buffers is None:
+                self._tandemrl_recv_buffers = []
+            source = receive_buckets(self._tandemrl_pg, buckets, self._tandemrl_pg_device, self._tandemrl_recv_buffers)
         counter = _Counter(source)
         expected = sum(len(b) for b in buckets)
         try:
             self._tandemrl_reload(counter)
         except BaseException:
             self._tandemrl_drop_delta_base()
+            self._tandemrl_recv_buffers = None
             raise
         finally:
             # If loading stopped early (an error, a rejected name), still take every broadcast
@@ -188,7 +196,7 @@ class TandemWorkerExtension:
 
     def tandemrl_destroy_weight_group(self) -> dict[str, Any]:
         destroy_group(self._tandemrl_pg)
-        self._tandemrl_pg = None
+        self._tandemrl_pg, self._tandemrl_recv_buffers = None, None
         return {"destroyed": True}
 
 

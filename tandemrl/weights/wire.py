@@ -74,21 +74,39 @@ def bucket_nbytes(specs: list[ParamSpec]) -> int:
     return _aligned(offset + n)
 
 
-def pack_bucket(tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[ParamSpec]]:
-    """One flat uint8 tensor (on the first tensor's device) holding ``tensors`` + their specs."""
+def pack_bucket(
+    tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, list[ParamSpec]]:
+    """One flat uint8 tensor holding ``tensors`` + their specs.
+
+    ``dtype``: floating-point tensors are cast to it as they are copied in (one pass, no cast copy).
+    ``out``: a 1-D uint8 tensor of exactly the bucket's bytes to pack into, on any device (a buffer
+    reused across updates: no fresh allocation to fault in); else a new one on the first tensor's device.
+    """
     import torch
 
     items = list(tensors)
     if not items:
         raise ValueError("pack_bucket got no tensors")
-    specs = [ParamSpec(name, tuple(int(d) for d in t.shape), dtype_name(t.dtype)) for name, t in items]
-    flat = torch.empty(bucket_nbytes(specs), dtype=torch.uint8, device=items[0][1].device)
+    cast = [dtype if dtype is not None and t.is_floating_point() else t.dtype for _, t in items]
+    specs = [
+        ParamSpec(name, tuple(int(d) for d in t.shape), dtype_name(c)) for (name, t), c in zip(items, cast, strict=True)
+    ]
+    size = bucket_nbytes(specs)
+    if out is None:
+        flat = torch.empty(size, dtype=torch.uint8, device=items[0][1].device)
+    elif out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != size:
+        raise ValueError(
+            f"pack_bucket: out must be a 1-D uint8 tensor of {size} bytes, got {out.dtype} {tuple(out.shape)}"
+        )
+    else:
+        flat = out
     end = 0
-    for (name, t), (offset, n) in zip(items, bucket_layout(specs), strict=True):
-        if t.device != flat.device:
+    for (name, t), c, (offset, n) in zip(items, cast, bucket_layout(specs), strict=True):
+        if out is None and t.device != flat.device:
             raise ValueError(f"pack_bucket: tensor {name!r} is on {t.device}, the bucket on {flat.device}")
         flat[end:offset].zero_()  # only the alignment padding: one write per byte, not two
-        flat[offset : offset + n].copy_(t.detach().reshape(-1).view(torch.uint8))
+        flat[offset : offset + n].view(c).copy_(t.detach().reshape(-1))
         end = offset + n
     flat[end:].zero_()
     return flat, specs
@@ -187,12 +205,27 @@ def broadcast_buckets(pg: ProcessGroup, buckets: Iterable[list[tuple[str, torch.
 
 
 def receive_buckets(
-    pg: ProcessGroup, buckets: list[list[ParamSpec]], device: torch.device | str
+    pg: ProcessGroup,
+    buckets: list[list[ParamSpec]],
+    device: torch.device | str,
+    buffers: list[torch.Tensor] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Receiver side: lazily receive each bucket and yield its named tensors."""
+    """Receiver side: lazily receive each bucket and yield its named tensors.
+
+    ``buffers``: bucket ``i`` is received into ``buffers[i]`` when its size matches (else a new
+    tensor is put there), so an update reuses the last one's memory. The yielded tensors view it:
+    the caller must be done with them before the next update.
+    """
     import torch
 
-    for specs in buckets:
-        flat = torch.empty(bucket_nbytes(specs), dtype=torch.uint8, device=device)
+    for i, specs in enumerate(buckets):
+        size = bucket_nbytes(specs)
+        if buffers is not None and i < len(buffers) and buffers[i].numel() == size:
+            flat = buffers[i]
+        else:
+            flat = torch.empty(size, dtype=torch.uint8, device=device)
+            if buffers is not None:
+                del buffers[i:]
+                buffers.append(flat)
         pg.broadcast(flat, 0).wait()
         yield from unpack_bucket(flat, specs)

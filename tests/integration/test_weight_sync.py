@@ -582,7 +582,8 @@ def test_delta_updates_leave_server_bit_identical(
 ) -> None:
     """5 delta updates (xor in fp32, then sparse cast to bf16; an anchor every 3) after real optimizer steps:
     the server's copy is the trainer's (cast) export bit for bit, and its model serves exactly what a whole
-    fp32 update of the same weights serves (so the trainer's cast equals the server's own)."""
+    fp32 update of the same weights serves (so the trainer's cast equals the server's own). A second whole
+    update reuses rank 0's pack buffers and serves what a disk update of the same weights serves."""
     label = weight_label(vllm_server)
     try:
         run_worker("delta", tiny_model_dir, vllm_server, tmp_path, "--lr", "1e-5")
@@ -602,5 +603,10 @@ def test_delta_updates_leave_server_bit_identical(
     assert r["after_delta"] == r["after_full"]  # logprobs, exactly
     assert r["after_delta"] != r["original"]
     assert r["server_after_full"]["tag"] is None  # a whole update drops the delta copy
+    # A second whole update lands in the first one's buffers (rank 0 packs into the same memory) and serves
+    # exactly what a disk update of the same weights serves.
+    before, after = r["pack_buffers"]
+    assert before and before == after, r["pack_buffers"]
+    assert r["after_whole2"] == r["after_disk"] and r["after_whole2"] != r["after_full"]
     stats = r["stats"]
     assert stats["weight_sync/bytes"] > 0 and 0 < stats["weight_sync/changed_fraction"] <= 1, stats

@@ -363,12 +363,37 @@ def delta(args: argparse.Namespace) -> None:
         if rank == 0:
             record["after_full"] = greedy_logprobs(rollout, prompts)
             record["server_after_full"] = rollout.http.send_sync(rollout.addresses[0], rpc)["results"][0]
+        whole_again(args, engine, rollout, controller, meta, (shard, prompts), record)
         dist.barrier()
     finally:
         controller.destroy()
         rollout.destroy()
     if rank == 0:
         torch.save(record, os.path.join(args.out, "delta.pt"))
+
+
+def whole_again(
+    args: argparse.Namespace,
+    engine: TrainEngine,
+    rollout: RemoteInferenceClient,
+    controller: RolloutController,
+    meta: WeightUpdateMeta,
+    data: tuple[dict[str, torch.Tensor], list[list[int]]],
+    record: dict[str, Any],
+) -> None:
+    """After a whole update: one step, a second whole update (into both sides' kept buffers), then the same
+    weights by disk; records rank 0's buffer addresses around the second update and what each serves."""
+    (shard, prompts), pusher, rank = data, controller._pusher, dist.get_rank()
+    ptrs = [b.data_ptr() for b in pusher._pack_buffers]
+    SFTActor(engine).train_lm(shard)
+    controller.push_weights(meta=dataclasses.replace(meta, delta="none"))
+    if rank == 0:
+        record["pack_buffers"] = (ptrs, [b.data_ptr() for b in pusher._pack_buffers])
+        record["after_whole2"] = greedy_logprobs(rollout, prompts)
+    disk = WeightUpdateMeta.from_disk(os.path.join(args.out, "sync"), "weight_sync", "disk")
+    controller.push_weights(meta=disk)
+    if rank == 0:
+        record["after_disk"] = greedy_logprobs(rollout, prompts)
 
 
 # ------------------------------------------------------------------------------ leave
