@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import re
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -29,6 +31,8 @@ from tandemrl.api.types import ParallelStrategy
 from tandemrl.inference.request_log import REQUEST_LOG_ENV, RequestLogMiddleware
 from tandemrl.inference.server_auth import TOKEN_ENV, TokenMiddleware
 from tandemrl.utils.lifeline import lifeline_command
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from tandemrl.api.backend import InferenceBackend
@@ -135,6 +139,38 @@ class ServerProcess:
                     f"(log {self.log_file}); log tail:\n{self.log_tail()}"
                 )
             time.sleep(poll_interval)
+
+    def warm_up(self, token: str | None = None, timeout: float = 300.0) -> threading.Thread:
+        """Send one two-token generate request (the run's kind: with the sampled tokens' logprobs) from a
+        started background thread, which is returned; a failure is logged, never raised.
+
+        A fresh vLLM server compiles its sampler's logprob gather (``torch.compile``) at the first request
+        that asks for logprobs: 1.5-2.5 s on a 2-core CPU, which a run's first step waited for. The local
+        launcher sends this while the trainer starts, so the two overlap.
+        """
+        from tandemrl.api.inference import ModelRequest
+
+        req = self.backend.build_generate(
+            ModelRequest(rid=f"tandemrl-warm-up-{self.port}", input_ids=[1, 2, 3]), [], 2, 0
+        )
+        headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {token}"} if token else {})
+        body = json.dumps(req.json).encode() if req.json is not None else None
+        request = urllib.request.Request(self.base_url + req.path, data=body, headers=headers, method=req.method)
+
+        def send() -> None:
+            start = time.monotonic()
+            try:
+                with urllib.request.urlopen(request, timeout=timeout) as r:
+                    r.read()
+                logger.info(
+                    "%s server %s warmed up in %.1fs", self.backend.name, self.address, time.monotonic() - start
+                )
+            except (urllib.error.URLError, OSError, ValueError) as e:
+                logger.warning("%s server %s: warm-up request failed: %s", self.backend.name, self.address, e)
+
+        thread = threading.Thread(target=send, name=f"tandemrl-warm-up-{self.port}", daemon=True)
+        thread.start()
+        return thread
 
     def is_answering(self, timeout: float = 5.0) -> bool:
         """Whether the health route answers 200 within ``timeout`` seconds now."""

@@ -68,6 +68,7 @@ class LaunchSpec:
     env_server: OpenEnvConfig | None = None  # the openenv section when it names a server app to start
     launcher: LauncherConfig = field(default_factory=LauncherConfig)  # the launchers' own section
     recover_mode: str = RecoverConfig.mode  # recover.mode: with "disabled" a finished run starts over
+    deterministic: bool = False  # the run's ``deterministic``: the servers' warm-up ends before the trainer starts
     length: dict[str, Any] = field(default_factory=dict)  # total_train_steps / _epochs (a finished run's are kept)
 
     @property
@@ -123,6 +124,7 @@ def read_launch_spec(config_path: str | None, overrides: list[str]) -> LaunchSpe
         env_server=_env_server(view.openenv),
         launcher=view.launcher,
         recover_mode=view.recover.mode,
+        deterministic=view.deterministic,
         length={"total_train_steps": view.total_train_steps, "total_train_epochs": view.total_train_epochs},
     )
 

@@ -94,6 +94,10 @@ def start_servers(
         children.aux += [(aux.name, s) for s in servers]
     for server in [*children.servers, *(s for _, s in children.aux)]:
         server.wait_healthy(timeout=spec.server_timeout)
+    warming = [server.warm_up(token) for server in children.servers]  # while the trainer starts
+    if spec.deterministic:  # no warm-up request may share an engine step with the run's first requests
+        for thread in warming:
+            thread.join()
     return list(spec.server_addrs) or [s.address for s in children.servers]
 
 

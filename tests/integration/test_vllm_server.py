@@ -405,6 +405,36 @@ def test_every_route_but_health_needs_the_run_token(vllm_server: VLLMTestServer)
 
 
 @pytest.mark.slow
+def test_warm_up_is_one_generate_request_and_never_raises(
+    vllm_server: VLLMTestServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The launcher's warm-up sends one generate request with the run token, which the server answers 200
+    (its request log); with a wrong token the thread still ends, and the refusal is a logged warning."""
+    import json
+
+    from tandemrl.inference.server_auth import TOKEN_ENV
+
+    assert vllm_server.request_log is not None
+    log, offset = vllm_server.request_log, vllm_server.request_log.stat().st_size
+
+    def logged() -> list[tuple[str, int]]:
+        lines = log.read_bytes()[offset:].decode().splitlines()
+        return [(r["path"], r["status"]) for r in map(json.loads, filter(None, lines))]
+
+    thread = vllm_server.proc.warm_up(os.environ[TOKEN_ENV])
+    thread.join(120)
+    deadline = time.monotonic() + 30  # the log line is written as the response finishes
+    while not logged() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not thread.is_alive() and logged() == [("/inference/v1/generate", 200)]
+    with caplog.at_level("WARNING", logger="tandemrl.inference.server"):
+        refused = vllm_server.proc.warm_up("wrong")
+        refused.join(120)
+    assert not refused.is_alive()
+    assert any("warm-up request failed" in r.getMessage() and "401" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.slow
 def test_vllm_port_taken_after_it_was_picked_is_one_line(tiny_model_dir: str, tmp_path: Path) -> None:
     """Another process binds the port between the pick and vLLM's bind: one line naming the port,
     well before the engine would have loaded (vLLM binds first)."""
