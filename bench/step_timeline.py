@@ -3,8 +3,8 @@
 Starts the tandemrl side of ``bench/vs_trl.py`` (the main job's config, the bench's workload, any
 placement through ``--overrides``), waits until ``--warmup`` steps are done, then samples every
 process of the run at once for ``--window`` seconds with py-spy (``record --native --threads``):
-the launcher's trainer rank, the vLLM API server and its EngineCore (which runs the model on a
-one-device CPU server). Each sample is sorted into a phase by the frames on its stack (``PHASES``),
+the launcher's trainer rank, the vLLM API server, its EngineCore (which runs the model on a
+one-device CPU server without a core list) and its Worker (which runs it otherwise, e.g. colocated). Each sample is sorted into a phase by the frames on its stack (``PHASES``),
 or is idle when the thread sits in a system call under a waiting Python function (``WAITS``). The
 report gives, per process, seconds per step in each phase over the steps that ended inside the
 window, and the trainer's own timers (``stats.jsonl``) for each of those steps. py-spy comes from
@@ -101,6 +101,8 @@ def role(cmdline: list[str], name: str) -> str | None:
         return None
     if "EngineCore" in name or "EngineCore" in text:
         return "server engine"
+    if "VLLM::Worker" in name or "VLLM::Worker" in text:  # vLLM's multiprocess executor (a core list is bound)
+        return "server worker"
     if "tandemrl.inference.server" in text or "vllm" in text and "serve" in text or "api_server" in text:
         return "server API"
     if "examples/" in text and "torchrun" not in text and "launchers" not in text:
