@@ -146,6 +146,7 @@ def sample(pyspy: Path, procs: dict[str, int], window: float, rate: int, workdir
 BLOCKING = ("nanosleep", "epoll_wait", "epoll_pwait", "futex", "sem_wait", "sem_timedwait", "sem_clockwait")
 BLOCKING += ("pthread_cond", "PyThread_acquire_lock", "time_sleep", "select_epoll", "select_poll", "sock_recv")
 BLOCKING += ("sock_accept", "os_waitpid", "zmq_poll", "uv__io_poll", "uv_run", "__poll", "recvmsg", "recvfrom")
+BLOCKING += ("os_read",)  # a pipe read (vLLM's DeathPipeMonitor)
 WAITS = {"wait", "select", "poll", "sleep", "get", "join", "_wait_for_tstate_lock", "acquire", "_worker", "accept"}
 WAITS |= {"recv", "recv_into", "read", "readline", "wait_for", "result", "recv_multipart", "_poll", "run_forever"}
 
