@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import hashlib
 import json
 import shlex
 import subprocess
@@ -75,17 +74,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def ensure_pyspy(venv: Path) -> Path:
-    """``venv`` with ``requirements-profile.txt`` installed; its py-spy."""
-    exe, stamp = venv / "bin" / "py-spy", venv / STAMP
-    want = hashlib.sha256(REQUIREMENTS.read_bytes()).hexdigest()
-    if exe.exists() and stamp.is_file() and stamp.read_text().strip() == want:
-        return exe
-    print(f"installing py-spy into {venv} (bench/requirements-profile.txt) ...", flush=True)
-    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "-r", str(REQUIREMENTS)]
-    subprocess.run(pip, check=True)
-    stamp.write_text(want)
-    return exe
+    """``venv`` with ``requirements-profile.txt`` installed (``vs_trl.ensure_bench_venv``); its py-spy."""
+    return vs_trl.ensure_bench_venv(venv, REQUIREMENTS, STAMP).parent / "py-spy"
 
 
 def stats_rows(fileroot: Path) -> list[dict[str, Any]]:

@@ -330,22 +330,24 @@ def fileroot(workdir: Path) -> str:
     return str(workdir / "tandemrl-runs")
 
 
-def ensure_bench_venv(venv: Path) -> Path:
-    """``venv`` (no system site-packages) with ``requirements-trl.txt`` installed; its python."""
+def ensure_bench_venv(venv: Path, requirements: Path = REQUIREMENTS, stamp_name: str = STAMP) -> Path:
+    """``venv`` (no system site-packages) with ``requirements`` installed; its python. A stamp of the file's
+    hash skips the install while it is unchanged; a failed step is one line naming it."""
     python = venv / "bin" / "python"
-    want = hashlib.sha256(REQUIREMENTS.read_bytes()).hexdigest()
-    stamp = venv / STAMP
+    want = hashlib.sha256(requirements.read_bytes()).hexdigest()
+    stamp = venv / stamp_name
     if python.exists() and stamp.is_file() and stamp.read_text().strip() == want:
         return python
-    print(f"installing TRL into {venv} (bench/requirements-trl.txt; a few minutes) ...", flush=True)
+    print(f"installing {requirements.relative_to(REPO)} into {venv} (a few minutes) ...", flush=True)
     base = getattr(sys, "_base_executable", sys.executable)
-    steps = [[base, "-m", "venv", str(venv)], [str(python), "-m", "pip", "install", "-q", "-r", str(REQUIREMENTS)]]
+    steps = [[base, "-m", "venv", str(venv)], [str(python), "-m", "pip", "install", "-q", "-r", str(requirements)]]
     for cmd in steps:
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
             raise SystemExit(
-                f"bench: cannot install TRL into {venv}: {' '.join(cmd[-3:])} exited {done.returncode}: {last}"
+                f"bench: cannot install {requirements.name} into {venv}: {' '.join(cmd[-3:])} exited "
+                f"{done.returncode}: {last}"
             )
     stamp.write_text(want + "\n")
     return python
